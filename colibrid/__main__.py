@@ -1,0 +1,5 @@
+import sys
+
+from colibrid.cli import main
+
+sys.exit(main())

@@ -1,0 +1,244 @@
+"""Python face of colibri's C kernels: numpy in, numpy out.
+
+Every public function validates its inputs here (dtype, contiguity, shapes against
+QuantWeight.shape, scale counts) and raises ValueError, so the C side never sees a bad
+pointer.  The C calls release the GIL (cffi API mode does so for every call).
+
+Families (see KernelFamily): F32 expands weights to f32 in registers; I8 quantises
+each activation row to int8 (absmax/127, round half to even) and uses exact integer
+dot products per scale group, bit-identical across ISAs.  For F32/BF16 weights the I8
+family has nothing to quantise against and runs the F32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from colibrid.backends import native_build
+from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
+
+ISA_NAMES = ("ref", "avx2", "avx512vnni", "neon")
+_FMT_CODE = {WeightFormat.F32: 0, WeightFormat.BF16: 1, WeightFormat.Q8: 2, WeightFormat.Q4: 3}
+_FAMILY_CODE = {KernelFamily.F32: 0, KernelFamily.I8: 1}
+_DATA_DTYPE = {
+    WeightFormat.F32: np.float32,
+    WeightFormat.BF16: np.uint16,
+    WeightFormat.Q8: np.int8,
+    WeightFormat.Q4: np.uint8,
+}
+# |sum q_w * q_x| <= 128 * 127 * I must fit in int32 for Q8 (8 * 127 * I for Q4).
+MAX_I_Q8 = (2**31 - 1) // (128 * 127)
+MAX_I_Q4 = (2**31 - 1) // (8 * 127)
+
+_mod = native_build.load()
+ffi, lib = _mod.ffi, _mod.lib
+
+
+def _init_from_env() -> None:
+    """Honour COLIBRI_ISA / COLIBRI_THREADS strictly: a typo must not pass silently."""
+    name = os.environ.get("COLIBRI_ISA")
+    if name:
+        set_isa(name)
+    n = os.environ.get("COLIBRI_THREADS")
+    if n:
+        set_threads(int(n))
+    else:
+        set_threads(os.cpu_count() or 1)
+
+
+def available_isas() -> list[str]:
+    """ISAs this CPU (and this build) can run, slowest first."""
+    return [n for i, n in enumerate(ISA_NAMES) if lib.colibri_isa_available(i)]
+
+
+def current_isa() -> str:
+    return ISA_NAMES[lib.colibri_get_isa()]
+
+
+def set_isa(name: str) -> None:
+    """Select the kernel set for every later call (process wide)."""
+    if name not in ISA_NAMES:
+        raise ValueError(f"unknown ISA {name!r}; known: {', '.join(ISA_NAMES)}")
+    if lib.colibri_set_isa(ISA_NAMES.index(name)) != 0:
+        raise ValueError(f"ISA {name!r} is not available here; available: {available_isas()}")
+
+
+@contextlib.contextmanager
+def use_isa(name: str) -> Iterator[None]:
+    """Temporarily switch ISA (tests, benchmarks)."""
+    old = current_isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(old)
+
+
+def set_threads(n: int) -> None:
+    if int(n) < 1:
+        raise ValueError(f"thread count must be >= 1, got {n}")
+    lib.colibri_set_threads(int(n))
+
+
+def threads() -> int:
+    return int(lib.colibri_get_threads())
+
+
+def membw_probe(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 3) -> float:
+    """Best GB/s reading a buffer of nbytes (allocated and pre-faulted once)."""
+    if nbytes < 4096:
+        raise ValueError("nbytes must be >= 4096")
+    gbs = lib.colibri_membw_probe(int(nbytes), int(threads or 0), int(repeats))
+    if gbs < 0:
+        raise MemoryError(f"cannot allocate {nbytes} bytes for the bandwidth probe")
+    return float(gbs)
+
+
+# ---- validation ------------------------------------------------------------------
+
+
+def _check_array(name: str, a: np.ndarray, dtype: type, shape: tuple[int, ...]) -> None:
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise ValueError(f"{name} must be {np.dtype(dtype)}, got {a.dtype}")
+    if a.shape != shape:
+        raise ValueError(f"{name} has shape {a.shape}, expected {shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+
+
+def _scale_shape(w: QuantWeight) -> tuple[int, ...] | None:
+    o, i = w.shape
+    if w.fmt in (WeightFormat.F32, WeightFormat.BF16):
+        return None
+    if w.fmt == WeightFormat.Q8 or w.group_size == 0:
+        return (o,)
+    return (o, -(-i // w.group_size))
+
+
+def _check_weight(w: QuantWeight, family: KernelFamily, name: str = "w") -> None:
+    if not isinstance(w, QuantWeight):
+        raise ValueError(f"{name} must be a QuantWeight")
+    if family not in _FAMILY_CODE:
+        raise ValueError(f"family must be a KernelFamily, got {family!r}")
+    o, i = w.shape
+    if o < 1 or i < 1:
+        raise ValueError(f"{name}: shape {w.shape} must be positive")
+    cols = -(-i // 2) if w.fmt == WeightFormat.Q4 else i
+    _check_array(f"{name}.data", w.data, _DATA_DTYPE[w.fmt], (o, cols))
+    if w.fmt == WeightFormat.Q4 and (w.group_size < 0 or w.group_size % 2):
+        raise ValueError(f"{name}: Q4 group_size must be 0 or an even number >= 2")
+    if w.fmt != WeightFormat.Q4 and w.group_size != 0:
+        raise ValueError(f"{name}: group_size is only meaningful for Q4")
+    sshape = _scale_shape(w)
+    if sshape is None:
+        if w.scales is not None:
+            raise ValueError(f"{name}: {w.fmt.value} weights take no scales")
+    else:
+        if w.scales is None:
+            raise ValueError(f"{name}: {w.fmt.value} weights need scales {sshape}")
+        if sshape == (o,) and w.scales.shape == (o, 1):
+            sshape = (o, 1)
+        _check_array(f"{name}.scales", w.scales, np.float32, sshape)
+    if family == KernelFamily.I8:
+        limit = MAX_I_Q8 if w.fmt == WeightFormat.Q8 else MAX_I_Q4
+        if i > limit:
+            raise ValueError(f"{name}: I={i} too large for exact int32 sums (max {limit})")
+
+
+def _weight_struct(w: QuantWeight) -> object:
+    cw = ffi.new("colibri_weight *")
+    cw.fmt = _FMT_CODE[w.fmt]
+    cw.O, cw.I = w.shape
+    cw.gs = w.group_size
+    cw.data = ffi.cast("const void *", w.data.ctypes.data)
+    cw.scales = ffi.NULL if w.scales is None else ffi.cast("const float *", w.scales.ctypes.data)
+    return cw
+
+
+def _rows(x: np.ndarray, width: int, name: str = "x") -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.ndim not in (1, 2):
+        raise ValueError(f"{name} must be a 1-D or 2-D numpy array")
+    x2 = x.reshape(1, -1) if x.ndim == 1 else x
+    _check_array(name, x2, np.float32, (x2.shape[0], width))
+    if x2.shape[0] < 1:
+        raise ValueError(f"{name} must have at least one row")
+    return x2
+
+
+def _out(out: np.ndarray | None, rows: int, width: int, one_d: bool) -> np.ndarray:
+    shape = (width,) if one_d else (rows, width)
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    _check_array("out", out, np.float32, shape)
+    return out
+
+
+def _raise_rc(rc: int) -> None:
+    if rc == -2:
+        raise MemoryError("native kernel could not allocate its work buffers")
+    if rc != 0:
+        raise ValueError(f"native kernel rejected its arguments (code {rc})")
+
+
+def _fptr(a: np.ndarray) -> object:
+    return ffi.cast("float *", a.ctypes.data)
+
+
+# ---- kernels ---------------------------------------------------------------------
+
+
+def matmul(
+    w: QuantWeight, x: np.ndarray, family: KernelFamily, out: np.ndarray | None = None
+) -> np.ndarray:
+    """x: float32 [S, I] C-contiguous (or 1-D [I] -> [O]); returns float32 [S, O] = x @ W^T."""
+    _check_weight(w, family)
+    o, i = w.shape
+    x2 = _rows(x, i)
+    y = _out(out, x2.shape[0], o, x.ndim == 1)
+    rc = lib.colibri_matmul(_weight_struct(w), _FAMILY_CODE[family], _fptr(x2), x2.shape[0], _fptr(y))
+    _raise_rc(rc)
+    return y
+
+
+def expert_swiglu(
+    gate: QuantWeight,
+    up: QuantWeight,
+    down: QuantWeight,
+    x: np.ndarray,
+    family: KernelFamily,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Fused expert FFN: y[S, D] = down(silu(gate x) * (up x)), silu(g) = g / (1 + exp(-g)).
+
+    gate/up: [F, D]; down: [D, F].  In the I8 family gate and up share one int8
+    quantisation of x, and h = silu(g) * u (f32) is quantised per row for down.
+    """
+    for name, wt in (("gate", gate), ("up", up), ("down", down)):
+        _check_weight(wt, family, name)
+    f, d = gate.shape
+    if up.shape != (f, d) or down.shape != (d, f):
+        raise ValueError(
+            f"expert shapes disagree: gate {gate.shape}, up {up.shape}, down {down.shape}"
+        )
+    x2 = _rows(x, d)
+    y = _out(out, x2.shape[0], d, x.ndim == 1)
+    rc = lib.colibri_expert_swiglu(
+        _weight_struct(gate),
+        _weight_struct(up),
+        _weight_struct(down),
+        _FAMILY_CODE[family],
+        _fptr(x2),
+        x2.shape[0],
+        _fptr(y),
+    )
+    _raise_rc(rc)
+    return y
+
+
+_init_from_env()

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its figure beside the limit measured in the same run."""

@@ -1,0 +1,202 @@
+"""`colibrid` command line: a table of subcommands, each a parser setup and a run function.
+
+Expected failures (`ColibriError`) print one line `colibrid: error: <message>` and exit 1;
+bad usage exits 2 (argparse); Ctrl-C exits 130 without a traceback. Heavy imports (the
+engine, numpy) happen inside the commands so `--help` stays instant.
+
+`generate` is the one-shot path: load the model, run one prompt, stream the text.
+Prompt modes: by default the text becomes one user message (plus `--system`) rendered
+with the checkpoint's chat template; `--raw` encodes the text as it is with the
+tokenizer's own special-token handling (`add_special_tokens=True`: whatever the
+tokenizer.json post-processor adds, e.g. a BOS; GLM's `[gMASK]<sop>` only if its
+post-processor says so); `--ids` sends token ids and needs no tokenizer with `--ids-out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from colibrid.errors import CheckpointError, ColibriError, RequestError
+
+if TYPE_CHECKING:
+    from colibrid.engine.sampling import SamplingParams
+    from colibrid.engine.tokenizer import TextCodec
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: `configure` adds its arguments, `run` does it and returns the exit code."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---- generate -----------------------------------------------------------------------------
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ids: {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"need one or more non-negative ids, got {text!r}")
+    return ids
+
+
+def _configure_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", metavar="TEXT", help="prompt text (default: read stdin)")
+    src.add_argument("--ids", type=_token_ids, metavar="1,2,3",
+                     help="prompt as token ids (implies --raw; no tokenizer needed with --ids-out)")
+    p.add_argument("--system", metavar="TEXT", help="system message for the chat template")
+    p.add_argument("--raw", action="store_true", help="send the text as-is, no chat template")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
+                   help="stop when this text appears (repeatable)")
+    p.add_argument("--ids-out", action="store_true",
+                   help="print the generated token ids (comma-separated) instead of text")
+    p.add_argument("--kernel-family", choices=("f32", "i8"), default="f32",
+                   help="kernel arithmetic (i8 is lossy, opt-in)")
+    p.add_argument("-v", "--verbose", action="store_true", help="more statistics on stderr")
+
+
+def _read_stdin() -> str:
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:
+        return sys.stdin.read()
+    try:
+        return stream.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise RequestError("stdin is not valid UTF-8") from None
+
+
+def _prompt_ids(args: argparse.Namespace, text: str | None,
+                codec: TextCodec | None) -> tuple[list[int], str]:
+    if args.ids is not None:
+        return args.ids, "ids"
+    assert codec is not None and text is not None
+    if args.raw:
+        return codec.encode(text, add_special_tokens=True), "raw"
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages.append({"role": "user", "content": text})
+    return codec.encode_chat(messages, add_generation_prompt=True), "chat"
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """Validate everything that needs no file before touching the model (exit 2)."""
+    from colibrid.engine.sampling import SamplingParams
+
+    if (args.raw or args.ids is not None) and args.system is not None:
+        args.parser.error("--system needs the chat template; it cannot go with --raw or --ids")
+    if args.prompt is None and args.ids is None and (sys.stdin is None or sys.stdin.isatty()):
+        args.parser.error("no prompt: give --prompt TEXT, --ids 1,2,3 or pipe text on stdin")
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              stop=tuple(args.stop))
+    except RequestError as exc:
+        args.parser.error(str(exc))
+
+
+def _text_side(args: argparse.Namespace, model: Path,
+               params: SamplingParams) -> tuple[TextCodec | None, frozenset[int]]:
+    """The tokenizer (None for --ids with --ids-out: it may not exist) and the stop ids."""
+    from colibrid.engine.tokenizer import TextCodec, load_stop_token_ids
+
+    tokenizer_free = args.ids is not None and args.ids_out
+    # Stop strings still use the tokenizer in that mode when there is one.
+    if tokenizer_free and not (params.stop and (model / "tokenizer.json").is_file()):
+        return None, load_stop_token_ids(model)
+    codec = TextCodec.load(model)
+    return codec, codec.stop_token_ids
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from colibrid.backends.base import KernelFamily
+    from colibrid.engine.generate import DoneEvent, generate
+    from colibrid.engine.tokenizer import StreamingDetokenizer
+
+    params = _sampling_params(args)
+    text = args.prompt
+    if text is None and args.ids is None:
+        text = _read_stdin()
+    model = Path(args.model)
+    if not model.is_dir():
+        raise CheckpointError(f"model dir {model} does not exist or is not a directory")
+    codec, stops = _text_side(args, model, params)
+    prompt, mode = _prompt_ids(args, text, codec)
+
+    from colibrid.engine.engine import Engine  # lazy: loads numpy, native kernels
+
+    engine = Engine.load(model, family=KernelFamily(args.kernel_family))
+    if args.verbose:
+        print(f"colibri: model {model}, family {args.kernel_family}, {mode} prompt of "
+              f"{len(prompt)} tokens, {len(stops)} stop ids, context {engine.max_context}",
+              file=sys.stderr)
+    detok = StreamingDetokenizer(codec) if codec else None
+    out_ids: list[int] = []
+    for event in generate(engine, prompt, params, stop_token_ids=stops, detokenizer=detok):
+        if isinstance(event, DoneEvent):
+            break
+        if args.ids_out:
+            out_ids.append(event.token_id)
+        elif event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    sys.stdout.write(",".join(map(str, out_ids)) + "\n" if args.ids_out else "\n")
+    sys.stdout.flush()
+    stats = event.stats.as_line(verbose=args.verbose)
+    print(f"colibri: {stats}, finish={event.finish_reason}", file=sys.stderr)
+    return 0
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("generate", "run one prompt and stream the answer", _configure_generate,
+            _run_generate),
+)
+
+
+# ---- entry point --------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="colibrid", description="colibri: Mixture-of-Experts inference, larger than RAM."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(sub)
+        sub.set_defaults(run=command.run, parser=sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ColibriError as exc:
+        sys.stdout.flush()
+        print(f"colibrid: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly; keep the exit flush silent.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+if __name__ == "__main__":
+    sys.exit(main())

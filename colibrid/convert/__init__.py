@@ -1,0 +1,1 @@
+"""Checkpoint conversion and the quantisation maths of DESIGN.md section 5."""

@@ -1,0 +1,1 @@
+"""The engine: prefill/decode loop, KV cache, sampling, text in and out."""

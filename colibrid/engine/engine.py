@@ -1,0 +1,133 @@
+"""The engine: loads a model directory and runs prefill/decode for sessions.
+
+Synchronous and confined to one thread (the daemon's engine host owns that thread); the
+heavy arithmetic runs in native kernels that release the GIL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibrid.backends.base import KernelFamily
+from colibrid.engine.kv import KVCache
+from colibrid.errors import RequestError
+from colibrid.models import family as model_family
+from colibrid.models.base import Step
+from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.experts import ExpertLayout, ResidentExpertStore
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    model_type: str
+    n_layers: int
+    load_s: float
+
+
+class Engine:
+    def __init__(self, checkpoint: Checkpoint, model: Any, args: Any, experts: Any,
+                 family: KernelFamily, max_context: int, info: LoadInfo) -> None:
+        self.checkpoint = checkpoint
+        self.model = model
+        self.args = args
+        self.experts = experts
+        self.family = family
+        self.max_context = max_context
+        self.info = info
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, family: KernelFamily = KernelFamily.F32,
+             max_context: int | None = None, ops: Any = None) -> Engine:
+        """Open a model directory; `ops` defaults to the CPU backend (native kernels)."""
+        if ops is None:
+            from colibrid.backends.cpu import CpuOps
+
+            ops = CpuOps()
+        started = time.perf_counter()
+        checkpoint = Checkpoint.open(model_dir)
+        config = checkpoint.config
+        model_type = config.get("model_type")
+        module = model_family(model_type)
+        args = module.ModelArgs.from_config(config)
+        experts = ResidentExpertStore(checkpoint, expert_layout(args, checkpoint))
+        model = module.build(args, checkpoint, experts, ops)
+        limit = args.trunk.max_position_embeddings
+        context = min(max_context or DEFAULT_MAX_CONTEXT, limit)
+        info = LoadInfo(str(model_type), args.trunk.num_hidden_layers,
+                        time.perf_counter() - started)
+        return cls(checkpoint, model, args, experts, family, context, info)
+
+    def new_session(self) -> Session:
+        return Session(self)
+
+    def close(self) -> None:
+        self.checkpoint.close()
+
+
+def expert_layout(args: Any, checkpoint: Checkpoint) -> ExpertLayout:
+    """The neutral description of the routed experts the store serves."""
+    trunk = args.trunk
+    layers = [layer for layer, is_moe in enumerate(args.is_moe) if is_moe]
+    mtp = trunk.num_hidden_layers
+    if trunk.num_mtp_layers and checkpoint.has(f"model.layers.{mtp}.eh_proj.weight"):
+        layers.append(mtp)
+    return ExpertLayout(moe_layers=tuple(layers), n_experts=args.moe.n_routed_experts,
+                        hidden=trunk.hidden_size, ffn=args.moe.moe_intermediate_size)
+
+
+class Session:
+    """One sequence: its KV cache and position. Not thread-safe; one engine thread uses it."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cache = KVCache(engine.model.cache_layouts(), engine.max_context)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
+        """Run the new tokens as one batch; logits of the last one [V] (or all: [S, V])."""
+        tokens = self._check(token_ids)
+        hidden = self._forward(tokens)
+        rows = hidden if all_logits else hidden[-1:]
+        logits = self.engine.model.logits(rows, self.engine.family)
+        return logits if all_logits else logits[0]
+
+    def decode(self, token_id: int) -> np.ndarray:
+        return self.prefill([token_id])
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+
+    def _forward(self, tokens: np.ndarray) -> np.ndarray:
+        step = Step(start=self.cache.length, family=self.engine.family)
+        hidden = self.engine.model.hidden_states(tokens, self.cache, step)
+        self.cache.advance(len(tokens))
+        return hidden
+
+    def _check(self, token_ids: Sequence[int]) -> np.ndarray:
+        tokens = np.asarray(list(token_ids), dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise RequestError("no tokens to run")
+        vocab = self.engine.vocab_size
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise RequestError(f"token id out of range [0, {vocab})")
+        if self.cache.length + tokens.size > self.engine.max_context:
+            raise RequestError(
+                f"{self.cache.length + tokens.size} tokens exceed the context limit of "
+                f"{self.engine.max_context}", code="CONTEXT_EXCEEDED")
+        return tokens
+

@@ -1,0 +1,346 @@
+"""Text in and out of token ids: the checkpoint's tokenizer, its chat template, stop ids.
+
+`TextCodec` wraps `tokenizer.json` (the `tokenizers` library, so the ids are exactly the
+ones Hugging Face produces) and renders the chat template the way transformers'
+`apply_chat_template` does, so a prompt built here is byte-identical to the reference.
+`StreamingDetokenizer` turns a stream of generated ids into text pieces that never split
+a UTF-8 character, which byte-level BPE tokens routinely do.
+
+Every problem a user can cause (a missing or corrupt file, a template that fails) is a
+one-line `CheckpointError` or `RequestError`, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from colibrid.errors import CheckpointError, RequestError
+
+# The special-token names transformers passes to every chat template (special_tokens_map).
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Names a message's reasoning may come under; templates read `reasoning_content`.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def read_json(path: Path) -> Any | None:
+    """Parse a JSON file of the checkpoint; None if absent, CheckpointError if unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {_one_line(exc)}") from None
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as written in tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _eos_ids(value: Any, source: Path) -> frozenset[int] | None:
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise CheckpointError(f"{source}: eos_token_id must be a token id or a list of them")
+    return frozenset(items)
+
+
+def load_stop_token_ids(
+    model_dir: str | Path, token_to_id: Callable[[str], int | None] | None = None
+) -> frozenset[int]:
+    """Token ids that end generation, in the order of precedence transformers uses.
+
+    `generation_config.json` `eos_token_id` (int or list), else `config.json`'s, else the
+    tokenizer's eos token (needs `token_to_id`). Usable without a tokenizer, so `--ids`
+    mode on a checkpoint without tokenizer files still stops at end-of-sequence.
+    """
+    root = Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        path = root / name
+        data = read_json(path)
+        if isinstance(data, Mapping):
+            ids = _eos_ids(data.get("eos_token_id"), path)
+            if ids is not None:
+                return ids
+    if token_to_id is not None:
+        config = read_json(root / "tokenizer_config.json")
+        if isinstance(config, Mapping):
+            eos = _token_content(config.get("eos_token"))
+            tid = token_to_id(eos) if eos is not None else None
+            if tid is not None:
+                return frozenset([tid])
+    return frozenset()
+
+
+def _pick_template(raw: Any, source: Path) -> str | dict[str, str] | None:
+    """tokenizer_config.json `chat_template`: a string or a list of {name, template}."""
+    if raw is None or isinstance(raw, str):
+        return raw
+    if isinstance(raw, list) and all(
+        isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(
+            t.get("template"), str) for t in raw
+    ):
+        return {t["name"]: t["template"] for t in raw}
+    raise CheckpointError(f"{source}: chat_template must be a string or a list of name/template")
+
+
+def _compile_template(source: str, origin: str) -> Any:
+    """Compile like transformers: immutable sandbox, trim/lstrip blocks, HF globals."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        # Jinja's own tojson escapes HTML characters; transformers' (and ours) does not.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise CheckpointError(
+            f"chat template of {origin} does not parse (line {exc.lineno}): {exc.message}"
+        ) from None
+
+
+def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Drop None-valued keys and alias reasoning fields, as transformers does."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise RequestError("a chat needs a non-empty list of messages")
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise RequestError(f"a chat message must be an object, got {type(message).__name__}")
+        msg = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(msg)
+    return out
+
+
+class TextCodec:
+    """A checkpoint's tokenizer, chat template and stop ids. Load with `TextCodec.load`."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: str | dict[str, str] | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        stop_token_ids: frozenset[int] = frozenset(),
+        origin: str = "<memory>",
+    ) -> None:
+        self._tok = tokenizer
+        self._templates = chat_template
+        self._compiled: dict[str, Any] = {}
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.origin = origin
+
+    @classmethod
+    def load(cls, model_dir: str | Path) -> TextCodec:
+        from tokenizers import Tokenizer
+
+        root = Path(model_dir)
+        if not root.is_dir():
+            raise CheckpointError(f"model dir {root} does not exist or is not a directory")
+        path = root / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(
+                f"model dir {root} has no tokenizer.json; use --ids with --ids-out"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise CheckpointError(f"{path} cannot be loaded: {_one_line(exc)}") from None
+
+        config = read_json(root / "tokenizer_config.json") or {}
+        legacy = read_json(root / "special_tokens_map.json") or {}
+        if not isinstance(config, Mapping) or not isinstance(legacy, Mapping):
+            raise CheckpointError(f"{root}: tokenizer_config.json must hold a JSON object")
+        special = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            value = _token_content(config.get(key, legacy.get(key)))
+            if value is not None:
+                special[key] = value
+
+        # transformers: chat_template.jinja wins over the field in tokenizer_config.json.
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():
+            try:
+                template: str | dict[str, str] | None = jinja_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{jinja_file} cannot be read: {_one_line(exc)}") from None
+        else:
+            template = _pick_template(config.get("chat_template"), root / "tokenizer_config.json")
+
+        stops = load_stop_token_ids(root, tokenizer.token_to_id)
+        return cls(tokenizer, chat_template=template, special_tokens=special,
+                   stop_token_ids=stops, origin=str(root))
+
+    # ---- ids <-> text -------------------------------------------------------------------
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` runs the tokenizer's post-processor."""
+        try:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # lone surrogates, e.g. from non-UTF-8 argv
+                raise RequestError(f"text is not valid Unicode: {exc.reason}") from None
+            raise
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; keeps special tokens by default, as transformers' `decode` does."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Size including added tokens (ids run 0..vocab_size-1)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    # ---- chat ---------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._templates)
+
+    def _template(self, tools: Any) -> Any:
+        templates = self._templates
+        if not templates:
+            raise RequestError(f"model dir {self.origin} has no chat template; use --raw")
+        if isinstance(templates, dict):
+            name = "tool_use" if tools is not None and "tool_use" in templates else "default"
+            if name not in templates:
+                raise CheckpointError(
+                    f"{self.origin}: several chat templates and none named 'default'"
+                )
+        else:
+            name = "default"
+        if name not in self._compiled:
+            source = templates[name] if isinstance(templates, dict) else templates
+            self._compiled[name] = _compile_template(source, self.origin)
+        return self._compiled[name]
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text the chat template makes of `messages` (transformers-compatible).
+
+        Extra keyword arguments (e.g. `enable_thinking=False`) reach the template as
+        variables and override the special tokens of the same name.
+        """
+        import jinja2
+
+        template = self._template(tools)
+        variables = {**self.special_tokens, **kwargs}
+        try:
+            return template.render(
+                messages=_normalize_messages(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError,
+                AttributeError, IndexError) as exc:
+            raise RequestError(f"chat template failed: {_one_line(exc)}") from None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        """Ids of the rendered chat. Like `apply_chat_template(tokenize=True)` the text is
+        encoded without the post-processor's specials: the template writes its own."""
+        return self.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+
+class StreamingDetokenizer:
+    """Incremental decoding: `push` ids one at a time, get text pieces that join up to
+    exactly `codec.decode(all ids)` and never end in half a UTF-8 character.
+
+    Byte-level BPE tokens can split a multi-byte character, and some decoders (Metaspace)
+    drop the leading space of a sequence, so a token cannot be decoded on its own.
+    Instead the text of `context + pending` is diffed against the text of `context`, where
+    `context` is the last chunk of ids whose text was released in full (a bounded window,
+    so each push costs O(1) in the length of the output). While the pending text ends
+    in U+FFFD (an incomplete character, as the lossy decoder renders it) the tail is held
+    back; the text before it is released as soon as it is known. A run of more than
+    `max_pending` ids that never completes (the model emitting invalid bytes) is released
+    as it is, keeping the cost bounded.
+    """
+
+    def __init__(self, codec: TextCodec, *, max_pending: int = 64) -> None:
+        self._codec = codec
+        self._max_pending = max_pending
+        self._context: list[int] = []
+        self._context_len = 0  # len(decode(context))
+        self._pending: list[int] = []
+        self._released = 0  # chars of the pending text already returned
+
+    def push(self, token_id: int) -> str:
+        self._pending.append(int(token_id))
+        text = self._codec.decode(self._context + self._pending)[self._context_len :]
+        if text.endswith("\ufffd") and len(self._pending) < self._max_pending:
+            safe = len(text.rstrip("\ufffd"))
+            piece = text[self._released : safe] if safe > self._released else ""
+            self._released += len(piece)
+            return piece
+        return self._commit(text)
+
+    def flush(self) -> str:
+        """Release whatever is held back (possibly ending in U+FFFD) and start afresh."""
+        if not self._pending:
+            return ""
+        text = self._codec.decode(self._context + self._pending)[self._context_len :]
+        piece = self._commit(text)
+        self._context, self._context_len = [], 0
+        return piece
+
+    def _commit(self, text: str) -> str:
+        piece = text[self._released :]
+        self._context = self._pending
+        self._context_len = len(self._codec.decode(self._context))
+        self._pending = []
+        self._released = 0
+        return piece

@@ -1,0 +1,50 @@
+"""One exception class per layer, each carrying a short code.
+
+Every error a user can provoke with bad input (a missing file, a lying safetensors
+header, a config with absurd sizes) is raised as one of these with a one-line message
+naming the problem; the command-line entry points print that line and exit non-zero
+instead of showing a traceback.
+"""
+
+from __future__ import annotations
+
+
+class ColibriError(Exception):
+    """Base of every expected, user-facing error."""
+
+    code = "ERROR"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class CheckpointError(ColibriError):
+    """A checkpoint or container file is missing, malformed or inconsistent."""
+
+    code = "BAD_CHECKPOINT"
+
+
+class ConfigError(ColibriError):
+    """config.json (or another configuration) is missing, malformed or out of range."""
+
+    code = "BAD_CONFIG"
+
+
+class ModelLoadError(ColibriError):
+    """The model cannot be built: unknown architecture, missing or mis-shaped tensors."""
+
+    code = "MODEL_LOAD"
+
+
+class NativeBuildError(ColibriError):
+    """The native kernels could not be compiled or loaded."""
+
+    code = "NATIVE_BUILD"
+
+
+class RequestError(ColibriError):
+    """A generation request is invalid (empty prompt, bad sampling parameters...)."""
+
+    code = "BAD_REQUEST"

@@ -1,0 +1,166 @@
+"""What every model family shares: validated config arguments, the weight source seam,
+linear layers and the per-forward step record.
+
+Models never import the store or a backend: they receive a `WeightSource` (the
+checkpoint), an `ExpertSource` (the expert store) and `Ops` (the backend's compute) from
+the engine, so the store and the backends can change without touching model code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from colibrid.backends.base import KernelFamily, QuantWeight
+from colibrid.errors import ConfigError
+
+# Hard bounds on config values: anything outside is refused before a byte is allocated,
+# because config.json comes from untrusted mirrors (an absurd size is an attack, not a model).
+MAX_DIM = 1 << 17  # hidden sizes, FFN widths, head dims, ranks
+MAX_LAYERS = 1024
+MAX_HEADS = 4096
+MAX_EXPERTS = 1 << 16
+MAX_VOCAB = 1 << 24
+MAX_POSITIONS = 1 << 24
+
+
+class WeightSource(Protocol):
+    """The dense-weight side of a checkpoint (implemented by store.checkpoint.Checkpoint)."""
+
+    def has(self, name: str) -> bool: ...
+
+    def weight(self, name: str, shape: tuple[int, int]) -> QuantWeight: ...
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray: ...
+
+    def dense_f32(self, name: str, shape: tuple[int, int]) -> np.ndarray: ...
+
+
+class ExpertSource(Protocol):
+    """Where routed experts come from (implemented by the store; placement is its business)."""
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> list[Any]: ...
+
+    def record(self, layer: int, experts: Sequence[int]) -> None: ...
+
+
+class Ops(Protocol):
+    """The compute a model may call; every quantised op takes the kernel family explicitly."""
+
+    def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray: ...
+
+    def expert_swiglu(
+        self, gate: QuantWeight, up: QuantWeight, down: QuantWeight, x: np.ndarray,
+        family: KernelFamily,
+    ) -> np.ndarray: ...
+
+    def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward pass: where the new rows start and which arithmetic to use."""
+
+    start: int  # absolute position of the first new token
+    family: KernelFamily
+
+
+class ConfigReader:
+    """Reads config.json values with types and bounds, failing with one line naming the key."""
+
+    def __init__(self, config: dict[str, Any], arch: str) -> None:
+        if not isinstance(config, dict):
+            raise ConfigError("config.json must be a JSON object")
+        self.config = config
+        self.arch = arch
+
+    def _fail(self, key: str, problem: str) -> ConfigError:
+        return ConfigError(f"config.json ({self.arch}): '{key}' {problem}")
+
+    def int(self, key: str, default: int | None = None, *, lo: int = 1, hi: int = MAX_DIM) -> int:
+        value = self.config.get(key, default)
+        if value is None:
+            raise self._fail(key, "is missing")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._fail(key, f"must be an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise self._fail(key, f"= {value} is outside [{lo}, {hi}]")
+        return value
+
+    def optional_int(self, key: str, *, lo: int = 1, hi: int = MAX_DIM) -> int | None:
+        if self.config.get(key) is None:
+            return None
+        return self.int(key, lo=lo, hi=hi)
+
+    def float(self, key: str, default: float | None = None, *, lo: float = 0.0,
+              hi: float = 1e12) -> float:
+        value = self.config.get(key, default)
+        if value is None:
+            raise self._fail(key, "is missing")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._fail(key, f"must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise self._fail(key, f"= {value} is outside [{lo}, {hi}]")
+        return value
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.config.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._fail(key, f"must be true or false, got {value!r}")
+        return value
+
+    def str_list(self, key: str, length: int, allowed: set[str]) -> list[str] | None:
+        value = self.config.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, list) or len(value) < length:
+            raise self._fail(key, f"must be a list of at least {length} entries")
+        for item in value[:length]:
+            if item not in allowed:
+                raise self._fail(key, f"has unknown entry {item!r} (allowed: {sorted(allowed)})")
+        return list(value[:length])
+
+    def rope(self) -> dict[str, Any]:
+        """RoPE parameters from `rope_parameters` (transformers >= 5) or the legacy keys."""
+        params = self.config.get("rope_parameters")
+        if params is None:
+            params = dict(self.config.get("rope_scaling") or {})
+        if not isinstance(params, dict):
+            raise self._fail("rope_parameters", "must be an object")
+        params = dict(params)
+        if "rope_theta" not in params and "rope_theta" in self.config:
+            params["rope_theta"] = self.config["rope_theta"]
+        if "partial_rotary_factor" not in params and "partial_rotary_factor" in self.config:
+            params["partial_rotary_factor"] = self.config["partial_rotary_factor"]
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params["type"]
+        return params
+
+
+class Linear:
+    """A resident weight [O, I] with an optional bias, computed by the backend's kernels."""
+
+    def __init__(self, weight: QuantWeight, bias: np.ndarray | None, ops: Ops) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.ops = ops
+
+    @classmethod
+    def load(cls, src: WeightSource, ops: Ops, prefix: str, out_features: int,
+             in_features: int, *, bias: bool = False) -> Linear:
+        weight = src.weight(f"{prefix}.weight", (out_features, in_features))
+        b = src.vector(f"{prefix}.bias", (out_features,)) if bias else None
+        return cls(weight, b, ops)
+
+    def __call__(self, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        y = self.ops.matmul(self.weight, x, family)  # [S, O]
+        if self.bias is not None:
+            y += self.bias
+        return y

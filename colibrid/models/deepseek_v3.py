@@ -1,0 +1,96 @@
+"""DeepSeek-V3: MLA (interleaved RoPE by default) with the latent KV cache, dense first
+layers, group-limited sigmoid routing (n_group 8 / topk_group 4 on the real model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from colibrid.models.base import MAX_HEADS, ConfigReader, ExpertSource, Ops, WeightSource
+from colibrid.models.common import TrunkArgs, moe_layers, read_moe, read_trunk
+from colibrid.models.layers.dsa import Indexer
+from colibrid.models.layers.mla import MLAAttention, MLAShape, softmax_scale
+from colibrid.models.layers.rope import Rotary
+from colibrid.models.mtp import MTPLayer
+from colibrid.models.transformer import (
+    MoEArgs,
+    Transformer,
+    load_decoder_layer,
+)
+
+ARCH = "deepseek_v3"
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    trunk: TrunkArgs
+    moe: MoEArgs
+    is_moe: tuple[bool, ...]
+    attention: MLAShape
+    rope: dict[str, Any]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        return cls(**read_mla_fields(ConfigReader(config, ARCH), default_dense=3,
+                                     interleave_default=True))
+
+    def attention_at(self, src: WeightSource, ops: Ops, layer: int) -> MLAAttention:
+        return MLAAttention(src, ops, f"model.layers.{layer}.self_attn", self.attention,
+                            softmax_scale(self.attention, self.rope),
+                            self.indexer_at(src, ops, layer))
+
+    def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
+        return None
+
+
+def read_mla_fields(r: ConfigReader, *, default_dense: int,
+                    interleave_default: bool) -> dict[str, Any]:
+    trunk = read_trunk(r)
+    q_lora = r.optional_int("q_lora_rank")
+    attention = MLAShape(
+        hidden=trunk.hidden_size,
+        heads=r.int("num_attention_heads", hi=MAX_HEADS),
+        q_lora_rank=q_lora,
+        kv_lora_rank=r.int("kv_lora_rank"),
+        nope=r.int("qk_nope_head_dim"),
+        rope=r.int("qk_rope_head_dim"),
+        v=r.int("v_head_dim"),
+        bias=r.bool("attention_bias", False),
+        interleave=r.bool("rope_interleave", interleave_default),
+    )
+    if attention.rope % 2:
+        raise r._fail("qk_rope_head_dim", "must be even")
+    return dict(trunk=trunk, moe=read_moe(r),
+                is_moe=tuple(moe_layers(r, trunk.num_hidden_layers, default_dense)),
+                attention=attention, rope=r.rope())
+
+
+def build(args: Any, src: WeightSource, experts: ExpertSource, ops: Ops) -> Transformer:
+    """Shared by deepseek_v3 and glm_moe_dsa (whose args add the DSA indexer)."""
+    t = args.trunk
+    layers = [
+        load_decoder_layer(src, ops, experts, layer, args.attention_at(src, ops, layer),
+                           hidden=t.hidden_size, eps=t.rms_norm_eps,
+                           moe=args.moe if args.is_moe[layer] else None,
+                           dense_width=t.intermediate_size)
+        for layer in range(t.num_hidden_layers)
+    ]
+    rotary = Rotary(args.attention.rope, args.rope, max_positions=t.max_position_embeddings)
+    model = Transformer(src, ops, vocab=t.vocab_size, hidden=t.hidden_size,
+                        eps=t.rms_norm_eps, layers=layers, rotary=rotary,
+                        tie_embeddings=t.tie_word_embeddings)
+    model.mtp = load_mtp(args, src, experts, ops)
+    return model
+
+
+def load_mtp(args: Any, src: WeightSource, experts: ExpertSource,
+             ops: Ops) -> MTPLayer | None:
+    """The MTP layer at index num_hidden_layers, when the config declares it and it is there."""
+    t = args.trunk
+    index = t.num_hidden_layers
+    if t.num_mtp_layers == 0 or not MTPLayer.present(src, index):
+        return None
+    decoder = load_decoder_layer(src, ops, experts, index, args.attention_at(src, ops, index),
+                                 hidden=t.hidden_size, eps=t.rms_norm_eps, moe=args.moe,
+                                 dense_width=t.intermediate_size)
+    return MTPLayer(src, ops, index, t.hidden_size, t.rms_norm_eps, decoder)

@@ -1,0 +1,79 @@
+"""The DSA lightning indexer (GLM-5.x): which cached keys each query may attend to.
+
+Per "full" layer: index queries from the q-LoRA residual (`wq_b`), one index key per token
+(`wk`, then LayerNorm), interleaved RoPE on the first R dims of both, and a score per key
+    score(t) = sum_h w_h * ReLU(q_h . k_t / sqrt(d_idx)),   w = weights_proj(x) / sqrt(H_idx)
+Each query keeps its `index_topk` best causal keys; below that many keys it keeps all of
+them, which is exactly dense attention. Ties go to the earlier position. "Shared" layers
+reuse the selection of the previous full layer.
+
+Shape legend: S new rows, T cached keys, Hi index heads, Di index head dim, R rope dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibrid.models.base import Linear, Ops, Step, WeightSource
+from colibrid.models.layers.norm import layer_norm
+from colibrid.models.layers.rope import apply_interleave
+
+INDEX_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class IndexerShape:
+    hidden: int
+    q_lora_rank: int
+    heads: int
+    head_dim: int
+    rope: int
+    topk: int
+
+
+class Indexer:
+    def __init__(self, src: WeightSource, ops: Ops, prefix: str, shape: IndexerShape) -> None:
+        s = shape
+        self.shape = s
+        self.wq_b = Linear.load(src, ops, f"{prefix}.wq_b", s.heads * s.head_dim, s.q_lora_rank)
+        self.wk = Linear.load(src, ops, f"{prefix}.wk", s.head_dim, s.hidden)
+        self.k_norm_w = src.vector(f"{prefix}.k_norm.weight", (s.head_dim,))
+        self.k_norm_b = src.vector(f"{prefix}.k_norm.bias", (s.head_dim,))
+        self.weights_proj = Linear.load(src, ops, f"{prefix}.weights_proj", s.heads, s.hidden)
+        self.softmax_scale = np.float32(s.head_dim ** -0.5)
+        self.head_scale = np.float32(s.heads ** -0.5)
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        return {"index_k": (self.shape.head_dim,)}
+
+    def __call__(self, x: np.ndarray, q_resid: np.ndarray, layer: int, cache, step: Step,
+                 rope: tuple[np.ndarray, np.ndarray], allowed: np.ndarray) -> np.ndarray:
+        """bool [S, T]: the keys each new row keeps (before the causal mask is applied)."""
+        s = self.shape
+        rows = x.shape[0]
+        cos, sin = rope
+        q = self.wq_b(q_resid, step.family).reshape(rows, s.heads, s.head_dim)
+        q = np.concatenate([apply_interleave(q[..., :s.rope], cos, sin), q[..., s.rope:]], -1)
+        k = layer_norm(self.wk(x, step.family), self.k_norm_w, self.k_norm_b, INDEX_NORM_EPS)
+        k = np.concatenate([apply_interleave(k[:, None, :s.rope], cos, sin)[:, 0],
+                            k[:, s.rope:]], axis=-1)
+        keys = cache.write(layer, "index_k", k)  # [T, Di]
+        scores = np.matmul(q, keys.T) * self.softmax_scale  # [S, Hi, T]
+        np.maximum(scores, 0, out=scores)
+        weights = self.weights_proj(x, step.family) * self.head_scale  # [S, Hi]
+        index_scores = np.matmul(weights[:, None, :], scores)[:, 0, :]  # [S, T]
+        return select_top_keys(index_scores, allowed, s.topk)
+
+
+def select_top_keys(index_scores: np.ndarray, allowed: np.ndarray, topk: int) -> np.ndarray:
+    """bool [S, T]: per row the `topk` best allowed keys (all of them when fewer)."""
+    keep = allowed.copy()
+    counts = allowed.sum(axis=1)
+    for row in np.nonzero(counts > topk)[0]:
+        candidates = np.nonzero(allowed[row])[0]
+        order = np.argsort(-index_scores[row, candidates], kind="stable")
+        keep[row] = False
+        keep[row, candidates[order[:topk]]] = True
+    return keep

@@ -1,0 +1,54 @@
+"""The MoE block: route, fetch each chosen expert once, apply it to every row that chose it.
+
+Shape legend: S rows, D hidden, K experts per token.
+
+The model never learns where an expert lives: it asks the expert source for the union of
+the experts the rows chose. Each expert's contribution lands in a per-(row, slot) buffer
+and the contributions are summed per row in ascending expert order, so the result does
+not depend on the order in which experts arrive (cache hits first, disk reads later) —
+placement never changes a token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibrid.backends.base import KernelFamily
+from colibrid.models.base import ExpertSource, Ops
+from colibrid.models.layers.mlp import MLP
+from colibrid.models.layers.router import Route, Router
+
+
+class MoE:
+    def __init__(self, layer: int, router: Router, experts: ExpertSource, ops: Ops,
+                 shared: MLP | None) -> None:
+        self.layer = layer
+        self.router = router
+        self.experts = experts
+        self.ops = ops
+        self.shared = shared
+
+    def __call__(self, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        route = self.router.route(x)
+        out = self.apply_experts(x, route, family)
+        if self.shared is not None:
+            out += self.shared(x, family)
+        return out
+
+    def apply_experts(self, x: np.ndarray, route: Route, family: KernelFamily) -> np.ndarray:
+        rows, top_k = route.experts.shape
+        union = np.unique(route.experts)  # ascending expert ids
+        self.experts.record(self.layer, union.tolist())
+        weights = self.experts.get_many(self.layer, union.tolist())
+        contributions = np.zeros((rows, top_k, x.shape[1]), dtype=np.float32)  # [S, K, D]
+        for expert, w in zip(union.tolist(), weights, strict=True):
+            row_idx, slot_idx = np.nonzero(route.experts == expert)
+            y = self.ops.expert_swiglu(w.gate, w.up, w.down, np.ascontiguousarray(x[row_idx]),
+                                       family)  # [n, D]
+            contributions[row_idx, slot_idx] = y * route.gates[row_idx, slot_idx][:, None]
+        order = np.argsort(route.experts, axis=1, kind="stable")  # ascending expert per row
+        ordered = np.take_along_axis(contributions, order[:, :, None], axis=1)
+        out = np.zeros((rows, x.shape[1]), dtype=np.float32)
+        for slot in range(top_k):
+            out += ordered[:, slot]
+        return out

@@ -1,0 +1,20 @@
+"""Normalisations, in float32 exactly as the reference computes them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis: weight * x / sqrt(mean(x^2) + eps), all in float32."""
+    variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    scale = (1.0 / np.sqrt(variance + np.float32(eps))).astype(np.float32)
+    return weight * (x * scale)
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm over the last axis (biased variance), float32."""
+    mean = np.mean(x, axis=-1, keepdims=True, dtype=np.float32)
+    centred = x - mean
+    variance = np.mean(np.square(centred), axis=-1, keepdims=True, dtype=np.float32)
+    return (centred / np.sqrt(variance + np.float32(eps))) * weight + bias

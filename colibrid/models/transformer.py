@@ -1,0 +1,123 @@
+"""The decoder stack every supported family shares: embed, N decoder layers (attention then
+dense MLP or MoE, each pre-normed with a residual), final norm, LM head.
+
+A family module only says how its config maps to shapes and which attention a layer uses.
+
+Shape legend: S rows, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from colibrid.backends.base import KernelFamily
+from colibrid.models.base import ExpertSource, Ops, Step, WeightSource
+from colibrid.models.layers.mlp import MLP
+from colibrid.models.layers.moe import MoE
+from colibrid.models.layers.norm import rms_norm
+from colibrid.models.layers.rope import Rotary
+from colibrid.models.layers.router import Router
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """The MoE half of a config (identical across GLM-4.x, GLM-5.x and DeepSeek-V3)."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+
+class DecoderLayer:
+    def __init__(self, attention: Any, mlp: MLP | MoE, input_norm: np.ndarray,
+                 post_norm: np.ndarray, eps: float) -> None:
+        self.attention = attention
+        self.mlp = mlp
+        self.input_norm = input_norm
+        self.post_norm = post_norm
+        self.eps = eps
+
+    def __call__(self, h: np.ndarray, layer: int, cache, step: Step,
+                 rope: tuple[np.ndarray, np.ndarray],
+                 selection: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        attn, selection = self.attention(rms_norm(h, self.input_norm, self.eps), layer, cache,
+                                         step, rope, selection)
+        h = h + attn
+        h = h + self.mlp(rms_norm(h, self.post_norm, self.eps), step.family)
+        return h, selection
+
+
+def load_decoder_layer(src: WeightSource, ops: Ops, experts: ExpertSource, layer: int,
+                       attention: Any, *, hidden: int, eps: float, moe: MoEArgs | None,
+                       dense_width: int) -> DecoderLayer:
+    """A decoder layer; `moe` None means a dense MLP of `dense_width`."""
+    prefix = f"model.layers.{layer}"
+    if moe is None:
+        mlp: MLP | MoE = MLP(src, ops, f"{prefix}.mlp", hidden, dense_width)
+    else:
+        mlp = load_moe(src, ops, experts, layer, hidden, moe)
+    return DecoderLayer(attention, mlp,
+                        src.vector(f"{prefix}.input_layernorm.weight", (hidden,)),
+                        src.vector(f"{prefix}.post_attention_layernorm.weight", (hidden,)),
+                        eps)
+
+
+def load_moe(src: WeightSource, ops: Ops, experts: ExpertSource, layer: int, hidden: int,
+             args: MoEArgs) -> MoE:
+    prefix = f"model.layers.{layer}.mlp"
+    n = args.n_routed_experts
+    bias_name = f"{prefix}.gate.e_score_correction_bias"
+    router = Router(
+        src.vector(f"{prefix}.gate.weight", (n, hidden)),
+        src.vector(bias_name, (n,)) if src.has(bias_name) else None,
+        top_k=args.num_experts_per_tok, n_group=args.n_group, topk_group=args.topk_group,
+        norm_topk_prob=args.norm_topk_prob, scaling=args.routed_scaling_factor,
+    )
+    shared = None
+    if args.n_shared_experts > 0:
+        shared = MLP(src, ops, f"{prefix}.shared_experts", hidden,
+                     args.moe_intermediate_size * args.n_shared_experts)
+    return MoE(layer, router, experts, ops, shared)
+
+
+class Transformer:
+    """Embedding, decoder layers, final norm and head; `forward` runs S new rows."""
+
+    def __init__(self, src: WeightSource, ops: Ops, *, vocab: int, hidden: int, eps: float,
+                 layers: list[DecoderLayer], rotary: Rotary, tie_embeddings: bool) -> None:
+        self.ops = ops
+        self.vocab = vocab
+        self.hidden = hidden
+        self.eps = eps
+        self.layers = layers
+        self.rotary = rotary
+        self.embed_tokens = src.weight("model.embed_tokens.weight", (vocab, hidden))
+        self.norm = src.vector("model.norm.weight", (hidden,))
+        if tie_embeddings and not src.has("lm_head.weight"):
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = src.weight("lm_head.weight", (vocab, hidden))
+
+    def cache_layouts(self) -> list[dict[str, tuple[int, ...]]]:
+        return [layer.attention.cache_layout() for layer in self.layers]
+
+    def hidden_states(self, tokens: np.ndarray, cache, step: Step) -> np.ndarray:
+        """Final-normed hidden states [S, D] for the new tokens; writes their KV."""
+        h = self.ops.embed(self.embed_tokens, tokens)  # [S, D]
+        positions = step.start + np.arange(len(tokens))
+        rope = self.rotary.tables(positions)
+        selection = None
+        for index, layer in enumerate(self.layers):
+            h, selection = layer(h, index, cache, step, rope, selection)
+        return rms_norm(h, self.norm, self.eps)
+
+    def logits(self, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:
+        return self.ops.matmul(self.lm_head, np.ascontiguousarray(hidden), family)  # [S, V]

@@ -1,0 +1,56 @@
+/* colibri native kernel catalogue.
+ *
+ * This header is also the cffi cdef: the Python builder strips the preprocessor
+ * lines (#...) and feeds the rest to cffi, so keep it to plain declarations.
+ *
+ * Weights are [O, I] row-major; activations x are float32 [S, I]; outputs y are
+ * float32 [S, O] = x @ W^T.  Formats and families follow colibrid/backends/base.py.
+ * Every function that runs a kernel returns 0 on success, a negative code on error
+ * (-1 bad argument, -2 out of memory).
+ */
+#ifndef COLIBRI_H
+#define COLIBRI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+enum colibri_fmt { COLIBRI_FMT_F32 = 0, COLIBRI_FMT_BF16 = 1, COLIBRI_FMT_Q8 = 2, COLIBRI_FMT_Q4 = 3 };
+enum colibri_family { COLIBRI_FAM_F32 = 0, COLIBRI_FAM_I8 = 1 };
+enum colibri_isa {
+    COLIBRI_ISA_REF = 0,
+    COLIBRI_ISA_AVX2 = 1,
+    COLIBRI_ISA_AVX512VNNI = 2,
+    COLIBRI_ISA_NEON = 3
+};
+
+/* A weight as the kernels see it.  gs: Q4 group size (0 = one scale per row). */
+typedef struct colibri_weight {
+    int fmt;
+    int O;
+    int I;
+    int gs;
+    const void *data;
+    const float *scales;
+} colibri_weight;
+
+/* ISA selection: available() says whether this CPU (and this build) can run it. */
+int colibri_isa_available(int isa);
+int colibri_get_isa(void);
+int colibri_set_isa(int isa);
+
+/* Thread pool size (calling thread included). */
+void colibri_set_threads(int n);
+int colibri_get_threads(void);
+
+/* y[S, O] = x[S, I] @ W^T in the given family. */
+int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y);
+
+/* y[S, D] = down(silu(gate x) * (up x)); gate/up [F, D], down [D, F]. */
+int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
+                          const colibri_weight *down, int family, const float *x, int S,
+                          float *y);
+
+/* Best read bandwidth in GB/s over `repeats` passes of a buffer of nbytes. */
+double colibri_membw_probe(size_t nbytes, int threads, int repeats);
+
+#endif

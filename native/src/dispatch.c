@@ -1,0 +1,242 @@
+/* ISA selection (CPU detection once, COLIBRI_ISA override, runtime setter), activation
+ * preparation, thread split and the public entry points of colibri.h. */
+#include "internal.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const isa_names[] = {"ref", "avx2", "avx512vnni", "neon"};
+
+static const isa_ops *isa_table(int isa) {
+    switch (isa) {
+    case COLIBRI_ISA_REF: return &colibri_ref_ops;
+#if defined(__x86_64__) || defined(_M_X64)
+    case COLIBRI_ISA_AVX2: return &colibri_avx2_ops;
+    case COLIBRI_ISA_AVX512VNNI: return &colibri_avx512_ops;
+#endif
+#if defined(__aarch64__)
+    case COLIBRI_ISA_NEON: return &colibri_neon_ops;
+#endif
+    default: return NULL;
+    }
+}
+
+int colibri_isa_available(int isa) {
+    if (isa_table(isa) == NULL) return 0;
+#if defined(__x86_64__) || defined(_M_X64)
+    __builtin_cpu_init();
+    if (isa == COLIBRI_ISA_AVX2)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == COLIBRI_ISA_AVX512VNNI)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("fma");
+#endif
+    return 1;
+}
+
+static _Atomic int g_isa = -1;
+static _Atomic int g_threads = 0;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static void init_once(void) {
+    int best = COLIBRI_ISA_REF;
+    for (int k = 1; k < 4; k++)
+        if (colibri_isa_available(k)) best = k;
+    const char *env = getenv("COLIBRI_ISA");
+    if (env != NULL)
+        for (int k = 0; k < 4; k++)
+            if (strcmp(env, isa_names[k]) == 0 && colibri_isa_available(k)) best = k;
+    atomic_store(&g_isa, best);
+    int nt = 1;
+    const char *tenv = getenv("COLIBRI_THREADS");
+    if (tenv != NULL && atoi(tenv) > 0) nt = atoi(tenv);
+    else nt = colibri_pool_threads();
+    atomic_store(&g_threads, nt);
+}
+
+int colibri_get_isa(void) {
+    pthread_once(&g_once, init_once);
+    return atomic_load(&g_isa);
+}
+
+int colibri_set_isa(int isa) {
+    pthread_once(&g_once, init_once);
+    if (isa < 0 || isa > 3 || !colibri_isa_available(isa)) return -1;
+    atomic_store(&g_isa, isa);
+    return 0;
+}
+
+void colibri_set_threads(int n) {
+    pthread_once(&g_once, init_once);
+    atomic_store(&g_threads, n < 1 ? 1 : (n > 256 ? 256 : n));
+}
+
+int colibri_get_threads(void) {
+    pthread_once(&g_once, init_once);
+    return atomic_load(&g_threads);
+}
+
+/* ---- per-calling-thread scratch (no allocation on the hot path once warm) ---- */
+
+enum { SLOT_QX, SLOT_QXP, SLOT_XS, SLOT_GSUM, SLOT_XP, SLOT_G, SLOT_U, SLOT_N };
+static _Thread_local struct { void *p; size_t n; } tl_slot[SLOT_N];
+
+static void *scratch(int k, size_t n) {
+    if (tl_slot[k].n < n) {
+        free(tl_slot[k].p);
+        size_t m = (n + 4095) & ~(size_t)4095;
+        tl_slot[k].p = aligned_alloc(64, m);
+        tl_slot[k].n = tl_slot[k].p ? m : 0;
+    }
+    return tl_slot[k].p;
+}
+
+/* ---- job preparation ---- */
+
+static int is_integer(const colibri_weight *w, int family) {
+    return family == COLIBRI_FAM_I8 && (w->fmt == COLIBRI_FMT_Q8 || w->fmt == COLIBRI_FMT_Q4);
+}
+
+static int check_weight(const colibri_weight *w) {
+    if (w == NULL || w->data == NULL || w->O < 1 || w->I < 1 || w->fmt < 0 || w->fmt > 3) return -1;
+    if ((w->fmt == COLIBRI_FMT_Q8 || w->fmt == COLIBRI_FMT_Q4) && w->scales == NULL) return -1;
+    if (w->fmt == COLIBRI_FMT_Q4 && (w->gs < 0 || (w->gs & 1))) return -1;
+    return 0;
+}
+
+static void describe(mm_job *j, const colibri_weight *w) {
+    static const size_t elem[4] = {4, 2, 1, 0};
+    memset(j, 0, sizeof *j);
+    j->w = w;
+    j->wrow = w->fmt == COLIBRI_FMT_Q4 ? (size_t)(w->I + 1) / 2 : elem[w->fmt] * (size_t)w->I;
+    j->gsz = (w->fmt == COLIBRI_FMT_Q4 && w->gs > 0 && w->gs < w->I) ? w->gs : w->I;
+    j->G = (w->I + j->gsz - 1) / j->gsz;
+    j->ldx = ((size_t)w->I + COLIBRI_XPAD - 1) / COLIBRI_XPAD * COLIBRI_XPAD;
+}
+
+/* Fill the activation side of a job: int8 rows, scales and group sums (I8), or the
+ * ISA's preferred copy of x (F32).  Shared by gate and up in expert_swiglu. */
+static int prepare(mm_job *j, const isa_ops *ops, int family, const float *x, int S) {
+    const colibri_weight *w = j->w;
+    const int I = w->I;
+    j->x = x;
+    j->S = S;
+    if (is_integer(w, family)) {
+        int8_t *qx = scratch(SLOT_QX, (size_t)S * j->ldx);
+        float *xs = scratch(SLOT_XS, (size_t)S * sizeof(float));
+        int32_t *gsum = scratch(SLOT_GSUM, (size_t)S * j->G * sizeof(int32_t));
+        if (!qx || !xs || !gsum) return -2;
+        for (int s = 0; s < S; s++) {
+            int8_t *q = qx + (size_t)s * j->ldx;
+            colibri_quant_row(x + (size_t)s * I, I, q, j->ldx, xs + s);
+            for (int g = 0; g < j->G; g++) {
+                int32_t t = 0;
+                const int i1 = (g + 1) * j->gsz < I ? (g + 1) * j->gsz : I;
+                for (int i = g * j->gsz; i < i1; i++) t += q[i];
+                gsum[(size_t)s * j->G + g] = t;
+            }
+        }
+        j->qx = qx;
+        j->xs = xs;
+        j->gsum = gsum;
+        if (ops->prep_i8) {
+            int8_t *qp = scratch(SLOT_QXP, (size_t)S * j->ldx);
+            if (!qp) return -2;
+            int used = 0;
+            for (int s = 0; s < S; s++)
+                used = ops->prep_i8(w, qx + (size_t)s * j->ldx, j->ldx, qp + (size_t)s * j->ldx);
+            j->qxp = used ? qp : NULL;
+        }
+    } else if (ops->prep_f32) {
+        float *xp = scratch(SLOT_XP, (size_t)S * j->ldx * sizeof(float));
+        if (!xp) return -2;
+        int used = 0;
+        for (int s = 0; s < S; s++)
+            used = ops->prep_f32(w, x + (size_t)s * I, I, j->ldx, xp + (size_t)s * j->ldx);
+        j->xp = used ? xp : NULL;
+    }
+    return 0;
+}
+
+/* ---- parallel run: each thread owns whole tiles of output rows ---- */
+
+typedef struct {
+    const mm_job *j;
+    rows_fn fn;
+    int tile;
+} run_ctx;
+
+static void run_worker(void *ctx, int tid, int nt) {
+    const run_ctx *c = ctx;
+    const int O = c->j->w->O;
+    const int ntiles = (O + c->tile - 1) / c->tile;
+    const int per = (ntiles + nt - 1) / nt;
+    const int o0 = tid * per * c->tile;
+    int o1 = (tid + 1) * per * c->tile;
+    if (o1 > O) o1 = O;
+    if (o0 < o1) c->fn(c->j, o0, o1);
+}
+
+static void run(const mm_job *j, const isa_ops *ops, int family) {
+    run_ctx c = {j, is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows, ops->tile};
+    const double work = (double)j->w->O * j->w->I * j->S;
+    int nt = colibri_get_threads();
+    const int ntiles = (j->w->O + c.tile - 1) / c.tile;
+    if (work < (double)(1 << 18)) nt = 1; /* not worth waking anyone */
+    if (nt > ntiles) nt = ntiles;
+    colibri_pool_run(nt, run_worker, &c);
+}
+
+int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y) {
+    if (check_weight(w) || x == NULL || y == NULL || S < 1) return -1;
+    const isa_ops *ops = isa_table(colibri_get_isa());
+    mm_job j;
+    describe(&j, w);
+    j.y = y;
+    int rc = prepare(&j, ops, family, x, S);
+    if (rc) return rc;
+    run(&j, ops, family);
+    return 0;
+}
+
+static int same_layout(const colibri_weight *a, const colibri_weight *b) {
+    return a->fmt == b->fmt && a->I == b->I && a->gs == b->gs;
+}
+
+int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
+                          const colibri_weight *down, int family, const float *x, int S,
+                          float *y) {
+    if (check_weight(gate) || check_weight(up) || check_weight(down) || !x || !y || S < 1)
+        return -1;
+    const int F = gate->O, D = gate->I;
+    if (up->O != F || up->I != D || down->O != D || down->I != F) return -1;
+    const isa_ops *ops = isa_table(colibri_get_isa());
+    float *g = scratch(SLOT_G, (size_t)S * F * sizeof(float));
+    float *u = scratch(SLOT_U, (size_t)S * F * sizeof(float));
+    if (!g || !u) return -2;
+    mm_job j;
+    describe(&j, gate);
+    j.y = g;
+    int rc = prepare(&j, ops, family, x, S);
+    if (rc) return rc;
+    run(&j, ops, family);
+    if (same_layout(gate, up)) { /* reuse the prepared (quantised) activation */
+        j.w = up;
+        j.y = u;
+    } else {
+        describe(&j, up);
+        j.y = u;
+        if ((rc = prepare(&j, ops, family, x, S))) return rc;
+    }
+    run(&j, ops, family);
+    for (size_t k = 0; k < (size_t)S * F; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    describe(&j, down);
+    j.y = y;
+    if ((rc = prepare(&j, ops, family, g, S))) return rc;
+    run(&j, ops, family);
+    return 0;
+}

@@ -1,0 +1,77 @@
+/* Internal contract between dispatch.c and the per-ISA kernel files.
+ *
+ * A matmul is described once (mm_job) with the activations already prepared: for the
+ * F32 family the plain x plus an optional ISA-specific permuted copy, for the I8
+ * family the int8 quantised rows, their scales and per-group sums.  Kernels compute
+ * output rows [o0, o1) for every activation row s; each output y[s, o] is produced
+ * by exactly one call with a fixed operation sequence, which is what makes results
+ * independent of batch size, thread split and (for I8) the ISA.
+ */
+#ifndef COLIBRI_INTERNAL_H
+#define COLIBRI_INTERNAL_H
+
+#include "colibri.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Activation copies are zero padded to a multiple of this many elements so SIMD
+ * kernels may read whole blocks of x; weights are never over-read. */
+#define COLIBRI_XPAD 128
+
+typedef struct mm_job {
+    const colibri_weight *w;
+    int G;           /* scale groups per row: 1 for per-row formats */
+    int gsz;         /* elements per group (I for per-row formats) */
+    size_t wrow;     /* bytes per weight row */
+    int S;
+    float *y;        /* [S, O] */
+    const float *x;  /* [S, I] plain */
+    const float *xp; /* [S, ldx] ISA-specific copy or NULL */
+    size_t ldx;
+    const int8_t *qx;  /* [S, ldx] plain int8 rows, zero padded */
+    const int8_t *qxp; /* [S, ldx] ISA-specific copy or NULL */
+    const float *xs;   /* [S] activation scales */
+    const int32_t *gsum; /* [S, G] sums of qx over each group */
+} mm_job;
+
+typedef void (*rows_fn)(const mm_job *j, int o0, int o1);
+/* Write an ISA-specific layout of one activation row into out[n] (n = ldx, zero
+ * padded past I); return 0 when this ISA wants the plain layout for that format. */
+typedef int (*prep_f32_fn)(const colibri_weight *w, const float *x, int I, size_t n, float *out);
+typedef int (*prep_i8_fn)(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *out);
+
+typedef struct isa_ops {
+    const char *name;
+    rows_fn f32_rows;
+    rows_fn i8_rows;
+    prep_f32_fn prep_f32;
+    prep_i8_fn prep_i8;
+    int tile; /* output rows per tile: thread chunks are aligned to it */
+} isa_ops;
+
+extern const isa_ops colibri_ref_ops;
+#if defined(__x86_64__) || defined(_M_X64)
+extern const isa_ops colibri_avx2_ops;
+extern const isa_ops colibri_avx512_ops;
+#endif
+#if defined(__aarch64__)
+extern const isa_ops colibri_neon_ops;
+#endif
+
+/* Reference single-output kernels: the bit-exact oracle for the integer paths and
+ * the fallback every ISA uses for formats or group sizes it does not specialise. */
+float colibri_ref_f32_one(const mm_job *j, int o, int s);
+float colibri_ref_i8_one(const mm_job *j, int o, int s);
+void colibri_ref_f32_rows(const mm_job *j, int o0, int o1);
+void colibri_ref_i8_rows(const mm_job *j, int o0, int o1);
+
+/* Activation quantisation shared by every ISA (identical by construction). */
+void colibri_quant_row(const float *x, int I, int8_t *q, size_t ldq, float *xs);
+
+/* Thread pool: run fn(ctx, tid, nt) on nt threads (the caller is tid 0). */
+typedef void (*pool_fn)(void *ctx, int tid, int nt);
+void colibri_pool_run(int nt, pool_fn fn, void *ctx);
+int colibri_pool_threads(void);
+
+#endif

@@ -1,0 +1,240 @@
+"""The oracle fixtures are sane: reloadable, reproducible, and exercise the hard paths."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+from safetensors import safe_open
+
+ALL = [(a, d) for a in tm.ARCHS for d in tm.DTYPES]
+
+
+def _tf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _greedy(model, prompt):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=tm.GEN_LEN, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _dtypes(folder):
+    return {name: dt for name, dt, _, _ in tm.tensor_table(folder)}
+
+
+@pytest.mark.parametrize("arch,dtype", ALL)
+def test_reload_reproduces_reference(oracle_checkpoint, arch, dtype):
+    ref = oracle_checkpoint(arch, dtype)
+    assert len(ref.prompt_ids) == tm.PROMPT_LEN
+    assert len(ref.greedy_ids) == tm.GEN_LEN
+    assert len(ref.tf_ids) == len(ref.tf_pred) == tm.TF_LEN
+    on_disk = json.loads((ref.out_dir / "oracle.json").read_text())
+    assert on_disk["greedy_ids"] == ref.greedy_ids and on_disk["tf_pred"] == ref.tf_pred
+    assert on_disk["transformers_version"] == "5.24.0"
+    model = tm.load_reference_model_any(ref.out_dir)
+    logits = _tf_logits(model, ref.tf_ids)
+    np.testing.assert_allclose(logits.numpy(), ref.tf_logits, atol=1e-4, rtol=0)
+    assert logits.argmax(-1).tolist() == ref.tf_pred
+    assert _greedy(model, ref.prompt_ids) == ref.greedy_ids
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_tokens_are_varied(oracle_checkpoint, arch):
+    ref = oracle_checkpoint(arch)
+    assert len(set(ref.greedy_ids)) >= 8, ref.greedy_ids
+    assert len(set(ref.tf_pred)) >= 12, ref.tf_pred
+
+
+@pytest.mark.parametrize("arch,dtype", ALL)
+def test_no_near_ties(oracle_checkpoint, arch, dtype):
+    """Argmax, expert and DSA selections are robust to float32 summation-order noise."""
+    ref = oracle_checkpoint(arch, dtype)
+    assert ref.tf_logits_top2_gap > 1e-4
+    assert ref.greedy_logits_top2_gap > 1e-4
+    d = ref.diagnostics
+    assert d["router_min_margin"] > 1e-6
+    if d["router_group_min_margin"] is not None:
+        assert d["router_group_min_margin"] > 1e-6
+    if arch == "glm_moe_dsa":
+        assert d["dsa_rows_selecting"] > 0
+        assert d["dsa_min_topk_gap"] > 1e-6
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_routing_is_nontrivial(oracle_checkpoint, arch):
+    ref = oracle_checkpoint(arch)
+    cfg = tm.tiny_config(arch)
+    d = ref.diagnostics
+    assert d["moe_layers"] == list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
+    for layer in d["moe_layers"]:
+        assert d["distinct_expert_sets_tf"][str(layer)] >= 10
+        assert d["experts_used_tf"][str(layer)] >= cfg.n_routed_experts // 2
+    if arch in ("glm_moe_dsa", "deepseek_v3"):
+        assert 1 < cfg.topk_group < cfg.n_group
+
+
+def test_group_limited_routing_matters(oracle_checkpoint):
+    """With n_group=1 the same weights route (and predict) differently."""
+    for arch in ("glm_moe_dsa", "deepseek_v3"):
+        ref = oracle_checkpoint(arch)
+        model = tm.load_reference_model(ref.out_dir)
+        base = _tf_logits(model, ref.tf_ids)
+        cfg = tm.tiny_config(arch, n_group=1, topk_group=1)
+        other = _tf_logits(tm.load_reference_model(ref.out_dir, config=cfg), ref.tf_ids)
+        assert (base - other).abs().max() > 1e-3, arch
+
+
+def test_dsa_indexer_drops_keys(oracle_checkpoint):
+    ref = oracle_checkpoint("glm_moe_dsa")
+    cfg = tm.tiny_config("glm_moe_dsa")
+    assert cfg.index_topk < tm.PROMPT_LEN < tm.TF_LEN
+    sparse = _tf_logits(tm.load_reference_model(ref.out_dir), ref.tf_ids)
+    dense_cfg = tm.tiny_config("glm_moe_dsa", index_topk=4096)
+    dense = _tf_logits(tm.load_reference_model(ref.out_dir, config=dense_cfg), ref.tf_ids)
+    k = cfg.index_topk
+    # positions 0..k-1 see at most k keys: the indexer keeps them all
+    torch.testing.assert_close(sparse[:k], dense[:k], atol=1e-5, rtol=0)
+    # later positions lose keys
+    assert (sparse[k:] - dense[k:]).abs().max() > 1e-2
+    assert sparse.argmax(-1).tolist() != dense.argmax(-1).tolist()
+
+
+def test_bf16_files_hold_bf16(oracle_checkpoint):
+    for arch in tm.ARCHS:
+        ref = oracle_checkpoint(arch, "bf16")
+        for name, dt in _dtypes(ref.out_dir).items():
+            want = "F32" if name.endswith("e_score_correction_bias") else "BF16"
+            assert dt == want, (arch, name, dt)
+
+
+def test_fp8_files_hold_fp8_blocks(oracle_checkpoint):
+    for arch in tm.ARCHS:
+        ref = oracle_checkpoint(arch, "fp8")
+        cfg = json.loads((ref.out_dir / "config.json").read_text())
+        assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+        table = {name: (dt, shape) for name, dt, shape, _ in tm.tensor_table(ref.out_dir)}
+        fp8 = [n for n, (dt, _) in table.items() if dt == "F8_E4M3"]
+        assert any(".mlp.experts.3.down_proj.weight" in n for n in fp8)
+        assert any(".mlp.shared_experts.gate_proj.weight" in n for n in fp8)
+        assert any(".self_attn.o_proj.weight" in n for n in fp8)
+        for n in fp8:
+            o, i = table[n][1]
+            s_dt, s_shape = table[n + "_scale_inv"]
+            assert s_dt == "F32" and s_shape == (-(-o // 128), -(-i // 128)), n
+        assert any(table[n + "_scale_inv"][1] != (1, 1) for n in fp8)  # multi-block weights
+        for n, (dt, _) in table.items():
+            if n.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight",
+                           "norm.weight", ".bias", "e_score_correction_bias")):
+                assert dt == "F32", (arch, n, dt)
+        # scales are small and non-trivial
+        with safe_open(str(ref.out_dir / tm.MAIN_SHARD), framework="pt") as fh:
+            s = fh.get_tensor(fp8[0] + "_scale_inv") if fp8[0] in fh.keys() else None
+        if s is not None:
+            assert 0 < float(s.min()) and float(s.max()) < 0.1
+
+
+def test_saved_layout_per_expert(oracle_checkpoint):
+    for arch in tm.ARCHS:
+        ref = oracle_checkpoint(arch)
+        cfg = tm.tiny_config(arch)
+        table = {name: shape for name, _, shape, _ in tm.tensor_table(ref.out_dir)}
+        assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in table)
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        for layer in range(1, cfg.num_hidden_layers + 1):  # incl. the MTP layer
+            for e in range(cfg.n_routed_experts):
+                p = f"model.layers.{layer}.mlp.experts.{e}."
+                assert table[p + "gate_proj.weight"] == (i, h)
+                assert table[p + "up_proj.weight"] == (i, h)
+                assert table[p + "down_proj.weight"] == (h, i)
+            assert table[f"model.layers.{layer}.mlp.gate.weight"] == (cfg.n_routed_experts, h)
+            assert table[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] == (
+                cfg.n_routed_experts,)
+        assert table["model.layers.0.mlp.gate_proj.weight"] == (cfg.intermediate_size, h)
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_mtp_shard(oracle_checkpoint, arch):
+    ref = oracle_checkpoint(arch)
+    n = ref.num_hidden_layers
+    index = json.loads((ref.out_dir / tm.INDEX_FILE).read_text())
+    table = tm.tensor_table(ref.out_dir)
+    assert {name: f for name, _, _, f in table} == index["weight_map"]
+    assert not (ref.out_dir / "model.safetensors").exists()
+    mtp = {name for name, _, _, f in table if f == tm.MTP_SHARD}
+    assert mtp == {k for k in index["weight_map"] if k.startswith(f"model.layers.{n}.")}
+    for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+              "shared_head.head.weight", "embed_tokens.weight", "input_layernorm.weight",
+              "post_attention_layernorm.weight", "mlp.gate.weight", "mlp.experts.0.up_proj.weight",
+              "mlp.shared_experts.down_proj.weight", "self_attn.o_proj.weight"):
+        assert f"model.layers.{n}.{k}" in mtp, k
+    if arch == "glm_moe_dsa":
+        assert f"model.layers.{n}.self_attn.indexer.wk.weight" in mtp
+    cfg = json.loads((ref.out_dir / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1
+    # transformers ignores the MTP layer: same logits as a checkpoint without it
+    plain = oracle_checkpoint(arch, with_mtp=False)
+    assert not (plain.out_dir / tm.INDEX_FILE).exists()
+    assert plain.greedy_ids == ref.greedy_ids and plain.tf_pred == ref.tf_pred
+    np.testing.assert_array_equal(plain.tf_logits, ref.tf_logits)
+    model = tm.load_reference_model(ref.out_dir)
+    np.testing.assert_array_equal(_tf_logits(model, ref.tf_ids).numpy(), ref.tf_logits)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_naming_loads_in_transformers_mtp_model(oracle_checkpoint, arch):
+    """transformers' own MtpModel loader accepts the shard (it raises on any missing key)."""
+    from transformers.modeling_layers import MtpModel
+
+    ref = oracle_checkpoint(arch)
+    n = ref.num_hidden_layers
+    model = tm.load_reference_model(ref.out_dir)
+    # the class-level pattern names the real layer index (61 / 46 / 92); point it at ours
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
+    mtp = MtpModel.from_pretrained(model)
+    with safe_open(str(ref.out_dir / tm.MTP_SHARD), framework="pt") as fh:
+        assert torch.equal(mtp.layers[0].eh_proj.weight,
+                           fh.get_tensor(f"model.layers.{n}.eh_proj.weight"))
+        assert torch.equal(mtp.layers[0].post_norm.weight,
+                           fh.get_tensor(f"model.layers.{n}.shared_head.norm.weight"))
+        assert torch.equal(mtp.layers[0].mtp_block.mlp.experts.down_proj[5],
+                           fh.get_tensor(f"model.layers.{n}.mlp.experts.5.down_proj.weight"))
+
+
+def test_expert_transform_and_container(oracle_checkpoint):
+    seen = []
+
+    def transform(name, w):
+        seen.append(name)
+        return np.round(w * 8.0) / 8.0
+
+    def container(name, w):
+        return {name: np.zeros(w.shape, dtype=np.uint8),
+                name + ".qs": np.ones(w.shape[0], np.float32)}
+
+    base = oracle_checkpoint("deepseek_v3")
+    ref = oracle_checkpoint("deepseek_v3", expert_transform=transform)
+    cfg = tm.tiny_config("deepseek_v3")
+    n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert len(seen) == 3 * cfg.n_routed_experts * n_moe
+    assert all(tm.is_routed_expert(n) and ".layers.3." not in n for n in seen)  # MTP untouched
+    # the transform reached the reference
+    assert np.abs(ref.tf_logits - base.tf_logits).max() > 1e-3
+    model = tm.load_reference_model(ref.out_dir)  # stored values are the transformed ones
+    np.testing.assert_allclose(_tf_logits(model, ref.tf_ids).numpy(), ref.tf_logits,
+                               atol=1e-4, rtol=0)
+    assert _greedy(model, ref.prompt_ids) == ref.greedy_ids
+
+    both = oracle_checkpoint("deepseek_v3", expert_transform=transform, expert_container=container)
+    assert both.greedy_ids == ref.greedy_ids and both.tf_pred == ref.tf_pred
+    table = {name: (dt, shape) for name, dt, shape, _ in tm.tensor_table(both.out_dir)}
+    name = "model.layers.1.mlp.experts.7.gate_proj.weight"
+    assert table[name] == ("U8", (cfg.moe_intermediate_size, cfg.hidden_size))
+    assert table[name + ".qs"] == ("F32", (cfg.moe_intermediate_size,))
+    assert table["model.layers.1.mlp.shared_experts.gate_proj.weight"][0] == "F32"
