@@ -48,3 +48,16 @@ class RequestError(ColibriError):
     """A generation request is invalid (empty prompt, bad sampling parameters...)."""
 
     code = "BAD_REQUEST"
+
+
+class Cancelled(ColibriError):
+    """A request was cancelled (by its client, a STOP, or a vanished connection)."""
+
+    code = "CANCELLED"
+
+
+class ConvertError(ColibriError):
+    """A conversion (or synthetic container build) cannot proceed: bad source, refused
+    parameters, a full disk. The destination is never left looking complete."""
+
+    code = "CONVERT"

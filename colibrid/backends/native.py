@@ -201,7 +201,9 @@ def matmul(
     o, i = w.shape
     x2 = _rows(x, i)
     y = _out(out, x2.shape[0], o, x.ndim == 1)
-    rc = lib.colibri_matmul(_weight_struct(w), _FAMILY_CODE[family], _fptr(x2), x2.shape[0], _fptr(y))
+    rc = lib.colibri_matmul(
+        _weight_struct(w), _FAMILY_CODE[family], _fptr(x2), x2.shape[0], _fptr(y)
+    )
     _raise_rc(rc)
     return y
 

@@ -152,7 +152,9 @@ def _compile(root: Path, out_dir: Path) -> None:
         ffi.compile(tmpdir=str(out_dir), verbose=False)
     except Exception as exc:  # distutils raises several unrelated types
         last = str(exc).strip().splitlines()[-1:] or ["unknown error"]
-        raise NativeBuildError(f"building native kernels failed: {last[0]} ({INSTALL_HINT})") from exc
+        raise NativeBuildError(
+            f"building native kernels failed: {last[0]} ({INSTALL_HINT})"
+        ) from exc
 
 
 def build(root: Path | None = None) -> Path:

@@ -6,6 +6,7 @@ heavy arithmetic runs in native kernels that release the GIL.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import numpy as np
 
 from colibrid.backends.base import KernelFamily
 from colibrid.engine.kv import KVCache
-from colibrid.errors import RequestError
+from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
 from colibrid.models.base import Step
 from colibrid.store.checkpoint import Checkpoint
@@ -93,29 +94,56 @@ class Session:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.cache = KVCache(engine.model.cache_layouts(), engine.max_context)
+        self.tokens: list[int] = []  # what the KV cache holds, for prefix reuse
 
     @property
     def length(self) -> int:
         return self.cache.length
 
-    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
-        """Run the new tokens as one batch; logits of the last one [V] (or all: [S, V])."""
+    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
+                cancel: threading.Event | None = None) -> np.ndarray:
+        """Run the new tokens as one batch; logits of the last one [V] (or all: [S, V]).
+
+        With `cancel`, a set event abandons the pass between layers with `Cancelled`; the
+        session then holds exactly the tokens it held before the call.
+        """
         tokens = self._check(token_ids)
-        hidden = self._forward(tokens)
+        hidden = self._forward(tokens, cancel)
         rows = hidden if all_logits else hidden[-1:]
         logits = self.engine.model.logits(rows, self.engine.family)
         return logits if all_logits else logits[0]
 
-    def decode(self, token_id: int) -> np.ndarray:
-        return self.prefill([token_id])
+    def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray:
+        return self.prefill([token_id], cancel=cancel)
 
     def truncate(self, length: int) -> None:
+        """Forget everything after the first `length` tokens (prefix reuse, cancelled turns)."""
         self.cache.truncate(length)
+        del self.tokens[length:]
 
-    def _forward(self, tokens: np.ndarray) -> np.ndarray:
-        step = Step(start=self.cache.length, family=self.engine.family)
-        hidden = self.engine.model.hidden_states(tokens, self.cache, step)
+    def common_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` the cache already holds."""
+        n = 0
+        for held, new in zip(self.tokens, token_ids, strict=False):
+            if held != new:
+                break
+            n += 1
+        return n
+
+    def _forward(self, tokens: np.ndarray, cancel: threading.Event | None) -> np.ndarray:
+        hook = None
+        if cancel is not None:
+            def hook() -> None:
+                if cancel.is_set():
+                    raise Cancelled("request cancelled")
+        step = Step(start=self.cache.length, family=self.engine.family, between_layers=hook)
+        try:
+            hidden = self.engine.model.hidden_states(tokens, self.cache, step)
+        except BaseException:
+            self.cache.truncate(self.cache.length)  # rows written past length are ignored
+            raise
         self.cache.advance(len(tokens))
+        self.tokens.extend(int(t) for t in tokens)
         return hidden
 
     def _check(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -22,12 +22,15 @@ import numpy as np
 
 from colibrid.engine.sampling import Sampler, SamplingParams
 from colibrid.engine.tokenizer import StreamingDetokenizer
-from colibrid.errors import RequestError
+from colibrid.errors import Cancelled, RequestError
 
 
 class SessionLike(Protocol):
-    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray: ...
-    def decode(self, token_id: int) -> np.ndarray: ...
+    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
+                cancel: threading.Event | None = None) -> np.ndarray: ...
+    def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray: ...
+    def common_prefix(self, token_ids: Sequence[int]) -> int: ...
+    def truncate(self, length: int) -> None: ...
 
 
 class EngineLike(Protocol):
@@ -152,8 +155,12 @@ def generate(
     stop_token_ids: frozenset[int] = frozenset(),
     detokenizer: StreamingDetokenizer | None = None,
     cancel: threading.Event | None = None,
+    session: SessionLike | None = None,
 ) -> Iterator[GenEvent]:
     """Yield a TokenEvent per generated token, then one DoneEvent.
+
+    With `session` (a conversation kept by the caller), the KV cache of the longest common
+    prefix of its tokens and the prompt is reused and only the rest is prefilled.
 
     A stop token ends generation; it gets a TokenEvent whose text is only what was still
     held back (never the stop token's own text). Text cut by a stop string stops at the
@@ -167,7 +174,8 @@ def generate(
     budget = min(params.max_tokens, engine.max_context - len(ids))
     sampler = Sampler(params)
     matcher = StopStringMatcher(params.stop)
-    return _run(engine, ids, budget, sampler, stop_token_ids, detokenizer, matcher, cancel)
+    return _run(engine, ids, budget, sampler, stop_token_ids, detokenizer, matcher, cancel,
+                session)
 
 
 def _run(
@@ -179,6 +187,7 @@ def _run(
     detok: StreamingDetokenizer | None,
     matcher: StopStringMatcher,
     cancel: threading.Event | None,
+    session: SessionLike | None,
 ) -> Iterator[GenEvent]:
     generated, prefill_s, decode_s = 0, 0.0, 0.0
 
@@ -188,9 +197,16 @@ def _run(
     if cancel is not None and cancel.is_set():
         yield done("cancelled")
         return
-    session = engine.new_session()
+    if session is None:
+        session = engine.new_session()
+    reuse = min(session.common_prefix(ids), len(ids) - 1)  # recompute >= 1 token for logits
+    session.truncate(reuse)
     t0 = time.perf_counter()
-    logits = session.prefill(ids)
+    try:
+        logits = session.prefill(ids[reuse:], cancel=cancel)
+    except Cancelled:
+        yield done("cancelled")
+        return
     prefill_s = time.perf_counter() - t0
     while True:
         token = sampler.sample(logits)
@@ -212,7 +228,11 @@ def _run(
             yield done("cancelled")
             return
         t0 = time.perf_counter()
-        logits = session.decode(token)
+        try:
+            logits = session.decode(token, cancel=cancel)
+        except Cancelled:
+            yield done("cancelled")
+            return
         decode_s += time.perf_counter() - t0
 
 

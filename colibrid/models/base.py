@@ -9,7 +9,7 @@ the engine, so the store and the backends can change without touching model code
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,10 +63,12 @@ class Ops(Protocol):
 
 @dataclass(frozen=True)
 class Step:
-    """One forward pass: where the new rows start and which arithmetic to use."""
+    """One forward pass: where the new rows start, which arithmetic to use, and a hook
+    called between layers (the engine uses it to abandon a cancelled prefill)."""
 
     start: int  # absolute position of the first new token
     family: KernelFamily
+    between_layers: Callable[[], None] | None = None
 
 
 class ConfigReader:

@@ -116,6 +116,8 @@ class Transformer:
         rope = self.rotary.tables(positions)
         selection = None
         for index, layer in enumerate(self.layers):
+            if step.between_layers is not None:
+                step.between_layers()
             h, selection = layer(h, index, cache, step, rope, selection)
         return rms_norm(h, self.norm, self.eps)
 

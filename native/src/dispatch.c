@@ -162,33 +162,35 @@ static int prepare(mm_job *j, const isa_ops *ops, int family, const float *x, in
     return 0;
 }
 
-/* ---- parallel run: each thread owns whole tiles of output rows ---- */
+/* ---- parallel run: chunks of whole tiles of output rows ---- */
 
 typedef struct {
     const mm_job *j;
     rows_fn fn;
-    int tile;
+    int rows_per_chunk;
 } run_ctx;
 
-static void run_worker(void *ctx, int tid, int nt) {
+static void run_chunk(void *ctx, int chunk) {
     const run_ctx *c = ctx;
     const int O = c->j->w->O;
-    const int ntiles = (O + c->tile - 1) / c->tile;
-    const int per = (ntiles + nt - 1) / nt;
-    const int o0 = tid * per * c->tile;
-    int o1 = (tid + 1) * per * c->tile;
-    if (o1 > O) o1 = O;
-    if (o0 < o1) c->fn(c->j, o0, o1);
+    const int o0 = chunk * c->rows_per_chunk;
+    const int o1 = o0 + c->rows_per_chunk < O ? o0 + c->rows_per_chunk : O;
+    c->fn(c->j, o0, o1);
 }
 
+/* Split output rows into tile-aligned chunks, ~8 per thread so a late or slow thread
+ * costs little; each output is still computed by exactly one call. */
 static void run(const mm_job *j, const isa_ops *ops, int family) {
-    run_ctx c = {j, is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows, ops->tile};
-    const double work = (double)j->w->O * j->w->I * j->S;
+    const int O = j->w->O;
+    const double work = (double)O * j->w->I * j->S;
     int nt = colibri_get_threads();
-    const int ntiles = (j->w->O + c.tile - 1) / c.tile;
     if (work < (double)(1 << 18)) nt = 1; /* not worth waking anyone */
-    if (nt > ntiles) nt = ntiles;
-    colibri_pool_run(nt, run_worker, &c);
+    const int ntiles = (O + ops->tile - 1) / ops->tile;
+    int tiles_per_chunk = nt > 1 ? ntiles / (nt * 8) : ntiles;
+    if (tiles_per_chunk < 1) tiles_per_chunk = 1;
+    run_ctx c = {j, is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows,
+                 tiles_per_chunk * ops->tile};
+    colibri_pool_for((O + c.rows_per_chunk - 1) / c.rows_per_chunk, nt, run_chunk, &c);
 }
 
 int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y) {

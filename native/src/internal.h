@@ -69,9 +69,10 @@ void colibri_ref_i8_rows(const mm_job *j, int o0, int o1);
 /* Activation quantisation shared by every ISA (identical by construction). */
 void colibri_quant_row(const float *x, int I, int8_t *q, size_t ldq, float *xs);
 
-/* Thread pool: run fn(ctx, tid, nt) on nt threads (the caller is tid 0). */
-typedef void (*pool_fn)(void *ctx, int tid, int nt);
-void colibri_pool_run(int nt, pool_fn fn, void *ctx);
+/* Thread pool: run fn(ctx, c) for every chunk c < nchunks on up to nt threads (the
+ * caller included); returns when all chunks are done.  Chunk order is unspecified. */
+typedef void (*chunk_fn)(void *ctx, int chunk);
+void colibri_pool_for(int nchunks, int nt, chunk_fn fn, void *ctx);
 int colibri_pool_threads(void);
 
 #endif

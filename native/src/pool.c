@@ -1,10 +1,16 @@
-/* Persistent worker pool.
+/* Persistent worker pool with dynamic chunk claiming.
  *
- * Workers are created lazily (up to the largest thread count ever asked for) and
- * live for the process.  After a job they spin briefly, because decode issues
- * kernels back to back, then sleep on a condition variable so an idle engine burns
- * no CPU.  One job runs at a time; a caller that finds the pool busy (another
- * Python thread) simply computes its job alone, which gives the same bits.
+ * Workers are created lazily (up to the largest thread count ever asked for) and live
+ * for the process.  After a job they spin briefly, because decode issues kernels back
+ * to back, then sleep on a condition variable so an idle engine burns no CPU.
+ *
+ * A job is split into chunks that threads claim from one atomic ticket holding
+ * (generation, next chunk, chunk count).  The caller claims chunks too and returns
+ * when every chunk is *finished*, so a worker the OS has not scheduled yet (a busy
+ * machine) never holds a call up: the caller simply does its share.  A late worker
+ * fails its claim (wrong generation or nothing left) and never touches a finished
+ * job's context.  One job runs at a time; a caller finding the pool busy (another
+ * Python thread) runs its job alone, which gives the same bits.
  */
 #include "internal.h"
 
@@ -15,19 +21,22 @@
 #include <unistd.h>
 
 #define POOL_MAX 256
-#define SPIN_ITERS 200000
+#define SPIN_ITERS 100000
 
 static pthread_mutex_t run_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t sleep_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
 
-static int n_workers; /* guarded by run_lock */
-static _Atomic unsigned job_gen;
-static _Atomic int job_pending;
-static pool_fn job_fn;
+static int n_workers;             /* guarded by run_lock */
+static _Atomic uint64_t ticket;   /* gen:24 | next:20 | count:20 */
+static _Atomic int chunks_done;
+static _Atomic int sleepers;
+static chunk_fn job_fn;
 static void *job_ctx;
-static int job_nt;
-static unsigned start_gen[POOL_MAX]; /* job_gen when each worker was created */
+
+#define T_GEN(t) ((uint32_t)((t) >> 40))
+#define T_NEXT(t) ((int)(((t) >> 20) & 0xfffff))
+#define T_COUNT(t) ((int)((t) & 0xfffff))
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -37,25 +46,37 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static unsigned wait_for_job(unsigned seen) {
-    unsigned g;
+/* Claim and run chunks of generation gen until none are left. */
+static void work(uint32_t gen) {
+    uint64_t t = atomic_load(&ticket);
+    for (;;) {
+        if (T_GEN(t) != gen || T_NEXT(t) >= T_COUNT(t)) return;
+        if (!atomic_compare_exchange_weak(&ticket, &t, t + ((uint64_t)1 << 20))) continue;
+        job_fn(job_ctx, T_NEXT(t));
+        atomic_fetch_add(&chunks_done, 1);
+        t = atomic_load(&ticket);
+    }
+}
+
+static uint32_t wait_for_job(uint32_t seen) {
+    uint32_t g;
     for (int i = 0; i < SPIN_ITERS; i++) {
-        if ((g = atomic_load(&job_gen)) != seen) return g;
+        if ((g = T_GEN(atomic_load(&ticket))) != seen) return g;
         cpu_relax();
     }
     pthread_mutex_lock(&sleep_mtx);
-    while ((g = atomic_load(&job_gen)) == seen) pthread_cond_wait(&sleep_cv, &sleep_mtx);
+    atomic_fetch_add(&sleepers, 1);
+    while ((g = T_GEN(atomic_load(&ticket))) == seen) pthread_cond_wait(&sleep_cv, &sleep_mtx);
+    atomic_fetch_sub(&sleepers, 1);
     pthread_mutex_unlock(&sleep_mtx);
     return g;
 }
 
 static void *worker_main(void *arg) {
-    const int id = (int)(intptr_t)arg;
-    unsigned seen = start_gen[id];
+    uint32_t seen = (uint32_t)(uintptr_t)arg;
     for (;;) {
         seen = wait_for_job(seen);
-        if (id < job_nt) job_fn(job_ctx, id, job_nt);
-        atomic_fetch_sub(&job_pending, 1);
+        work(seen);
     }
     return NULL;
 }
@@ -63,12 +84,12 @@ static void *worker_main(void *arg) {
 /* Grow the pool to nt-1 workers; returns how many exist. Caller holds run_lock. */
 static int grow(int nt) {
     while (n_workers < nt - 1 && n_workers < POOL_MAX - 1) {
-        pthread_t t;
-        start_gen[n_workers + 1] = atomic_load(&job_gen);
+        pthread_t th;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)(n_workers + 1));
+        const uintptr_t gen = T_GEN(atomic_load(&ticket));
+        const int rc = pthread_create(&th, &attr, worker_main, (void *)gen);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
         n_workers++;
@@ -81,23 +102,25 @@ int colibri_pool_threads(void) {
     return n < 1 ? 1 : (n > POOL_MAX ? POOL_MAX : (int)n);
 }
 
-void colibri_pool_run(int nt, pool_fn fn, void *ctx) {
-    if (nt <= 1 || pthread_mutex_trylock(&run_lock) != 0) {
-        fn(ctx, 0, 1);
+void colibri_pool_for(int nchunks, int nt, chunk_fn fn, void *ctx) {
+    if (nchunks <= 0) return;
+    if (nt <= 1 || nchunks == 1 || nchunks > 0xfffff || pthread_mutex_trylock(&run_lock) != 0) {
+        for (int c = 0; c < nchunks; c++) fn(ctx, c);
         return;
     }
-    const int nw = grow(nt);
-    if (nt > nw + 1) nt = nw + 1;
+    grow(nt);
     job_fn = fn;
     job_ctx = ctx;
-    job_nt = nt;
-    atomic_store(&job_pending, nw);
-    pthread_mutex_lock(&sleep_mtx);
-    atomic_fetch_add(&job_gen, 1);
-    pthread_cond_broadcast(&sleep_cv);
-    pthread_mutex_unlock(&sleep_mtx);
-    fn(ctx, 0, nt);
-    for (long i = 0; atomic_load(&job_pending) > 0; i++) {
+    atomic_store(&chunks_done, 0);
+    const uint32_t gen = (T_GEN(atomic_load(&ticket)) + 1) & 0xffffff;
+    atomic_store(&ticket, ((uint64_t)gen << 40) | (uint64_t)nchunks);
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&sleep_mtx);
+        pthread_cond_broadcast(&sleep_cv);
+        pthread_mutex_unlock(&sleep_mtx);
+    }
+    work(gen);
+    for (long i = 0; atomic_load(&chunks_done) < nchunks; i++) {
         if (i < SPIN_ITERS) cpu_relax();
         else sched_yield();
     }

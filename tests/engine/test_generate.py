@@ -33,7 +33,8 @@ class FakeSession:
     def _logits(self) -> np.ndarray:
         return self.engine.logits_for(self.ids)
 
-    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
+                cancel=None) -> np.ndarray:
         self.engine.prefills += 1
         rows = []
         for t in token_ids:
@@ -42,7 +43,7 @@ class FakeSession:
         assert self.length <= self.engine.max_context
         return np.stack(rows) if all_logits else rows[-1]
 
-    def decode(self, token_id: int) -> np.ndarray:
+    def decode(self, token_id: int, *, cancel=None) -> np.ndarray:
         self.engine.decodes += 1
         self.ids.append(token_id)
         assert self.length <= self.engine.max_context
@@ -51,6 +52,17 @@ class FakeSession:
     @property
     def length(self) -> int:
         return len(self.ids)
+
+    def common_prefix(self, token_ids: Sequence[int]) -> int:
+        n = 0
+        for a, b in zip(self.ids, token_ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def truncate(self, length: int) -> None:
+        del self.ids[length:]
 
 
 class FakeEngine:

@@ -146,6 +146,4 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "isa" in metafunc.fixturenames:
         metafunc.parametrize("isa", ALL_ISAS)
     if "fmt_gs" in metafunc.fixturenames:
-        metafunc.parametrize(
-            "fmt_gs", FORMATS, ids=[f"{f.value}-g{g}" for f, g in FORMATS]
-        )
+        metafunc.parametrize("fmt_gs", FORMATS, ids=[f"{f.value}-g{g}" for f, g in FORMATS])

@@ -17,8 +17,17 @@ INTEGER = [
     (WeightFormat.Q4, 256),
     (WeightFormat.Q4, 10),
 ]
-SHAPES = [(1, 1), (7, 63), (16, 64), (17, 100), (33, 129), (40, 192), (64, 257), (5, 1000),
-          (48, 2048)]
+SHAPES = [
+    (1, 1),
+    (7, 63),
+    (16, 64),
+    (17, 100),
+    (33, 129),
+    (40, 192),
+    (64, 257),
+    (5, 1000),
+    (48, 2048),
+]
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -71,3 +80,32 @@ def test_ref_matches_numpy_model_large(kit):
     with kit.native.use_isa("ref"):
         got = kit.native.matmul(w, x, KernelFamily.I8)
     assert _same_bits(got, kit.i8_model(w, x))
+
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@hypothesis.settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture],
+)
+@hypothesis.given(
+    o=st.integers(1, 40),
+    i=st.integers(1, 700),
+    s=st.integers(1, 5),
+    fmt_gs=st.sampled_from(INTEGER),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_bitexact_property(kit, o, i, s, fmt_gs, scale, seed):
+    """Random shapes, group sizes and activation ranges: every ISA equals ref."""
+    fmt, gs = fmt_gs
+    w = kit.make_weight(fmt, o, i, gs, seed=seed)
+    x = np.random.default_rng(seed).standard_normal((s, i), dtype=np.float32) * np.float32(scale)
+    with kit.native.use_isa("ref"):
+        ref = kit.native.matmul(w, x, KernelFamily.I8)
+    for isa in kit.native.available_isas():
+        with kit.native.use_isa(isa):
+            assert _same_bits(kit.native.matmul(w, x, KernelFamily.I8), ref), isa

@@ -90,9 +90,7 @@ def test_swiglu_matches_composition(kit, isa, family):
 
 
 def _q8(o: int, i: int) -> QuantWeight:
-    return QuantWeight(
-        WeightFormat.Q8, (o, i), np.zeros((o, i), np.int8), np.ones(o, np.float32)
-    )
+    return QuantWeight(WeightFormat.Q8, (o, i), np.zeros((o, i), np.int8), np.ones(o, np.float32))
 
 
 @pytest.mark.parametrize(
@@ -216,3 +214,18 @@ def test_gil_released(kit):
     longest_gap = float(np.max(np.diff(stamps))) if len(stamps) > 1 else call
     assert call > 0.02, "workload too small to tell"
     assert longest_gap < 0.5 * call
+
+
+def test_concurrent_builds_share_one_result(tmp_path):
+    """Two processes building into an empty cache serialise on the lock: one build."""
+    env = dict(os.environ, COLIBRI_NATIVE_DIR=str(tmp_path))
+    code = "from colibrid.backends import native_build; print(native_build.build())"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    paths = {p.communicate(timeout=300)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1
+    built = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(built) == 1 and not any(".tmp" in d.name for d in tmp_path.iterdir())

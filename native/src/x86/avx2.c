@@ -4,7 +4,8 @@
  * permuted copy of the int8 activations through vpmaddubsw (pairs stay far below the
  * int16 limit: 2*15*127), Q8 uses the sign trick maddubs(|w|, sign(x, w))
  * (2*128*127 < 32767).  Group sums are exact int32; the float step per group is the
- * reference's, so results are bit-identical to ref.c.
+ * reference's, so results are bit-identical to ref.c.  Fast group sizes: per row,
+ * multiples of 64, and 32 (each 128-bit half of a block is one group).
  * F32 family: bytes widened to 8 x i32, converted and FMA'd against x.
  */
 #pragma GCC target("avx2,fma,bmi,bmi2")
@@ -60,7 +61,7 @@ static float i8_q4_one(const mm_job *j, const uint8_t *row, int o, int s) {
     const float xs = j->xs[s];
     const size_t nbytes = j->wrow;
     const int nblk = (int)((nbytes + 31) / 32);
-    const int cpg = j->G == 1 ? INT_MAX : j->gsz / 64;
+    const int cpg = j->G == 1 || j->gsz < 64 ? INT_MAX : j->gsz / 64;
     const __m256i m0f = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     __m256i gacc = _mm256_setzero_si256();
     float acc = 0.0f;
@@ -71,7 +72,18 @@ static float i8_q4_one(const mm_job *j, const uint8_t *row, int o, int s) {
         const __m256i xe = _mm256_loadu_si256((const __m256i *)(x + 64 * (size_t)b));
         const __m256i xo = _mm256_loadu_si256((const __m256i *)(x + 64 * (size_t)b + 32));
         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));
-        gacc = _mm256_add_epi32(gacc, _mm256_madd_epi16(p, ones));
+        const __m256i d = _mm256_madd_epi16(p, ones);
+        if (j->gsz == 32 && j->G > 1) { /* two groups per block: one per 128-bit half */
+            const __m128i h[2] = {_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1)};
+            for (int k = 0; k < 2 && g < j->G; k++, g++) {
+                __m128i t = _mm_add_epi32(h[k], _mm_shuffle_epi32(h[k], _MM_SHUFFLE(1, 0, 3, 2)));
+                t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1)));
+                const int32_t isum = _mm_cvtsi128_si32(t) - 8 * gsum[g];
+                acc = acc + (float)isum * (sc[g] * xs);
+            }
+            continue;
+        }
+        gacc = _mm256_add_epi32(gacc, d);
         if (++cnt == cpg || b == nblk - 1) {
             const int32_t isum = hsum8_epi32(gacc) - 8 * gsum[g];
             acc = acc + (float)isum * (sc[g] * xs);
@@ -104,7 +116,7 @@ static float i8_q8_one(const mm_job *j, const uint8_t *row, int o, int s) {
 static void i8_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
     const int q4 = w->fmt == COLIBRI_FMT_Q4;
-    if (!(w->fmt == COLIBRI_FMT_Q8 || (q4 && (j->G == 1 || j->gsz % 64 == 0)))) {
+    if (!(w->fmt == COLIBRI_FMT_Q8 || (q4 && (j->G == 1 || j->gsz % 64 == 0 || j->gsz == 32)))) {
         colibri_ref_i8_rows(j, o0, o1);
         return;
     }
@@ -164,7 +176,9 @@ static float f32_q4_one(const mm_job *j, const uint8_t *row, const float *sc, co
         a0 = _mm256_fmadd_ps(LOADW(i, (size_t)(I - i < 8 ? I - i : 8)), _mm256_loadu_ps(x + i), a0); \
     return hsum_ps(_mm256_add_ps(a0, a1))
 
-#define LD_Q8(k, n) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load16(row + (k), (n))))
+#define LD_Q8(k, n)                                                                  \
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32((n) == 8 ? _mm_loadl_epi64((const __m128i *)(row + (k))) \
+                                                     : load16(row + (k), (n))))
 #define LD_BF16(k, n) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(row + (k), 2 * (n))), 16))
 #define LD_F32(k, n) _mm256_castsi256_ps(_mm256_setr_m128i(load16(row + (k), 4 * ((n) < 4 ? (n) : 4)), \

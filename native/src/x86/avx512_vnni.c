@@ -1,17 +1,19 @@
 /* AVX-512 (F/BW/VL) + VNNI kernels.
  *
- * I8 family: 16 output rows per tile, one 64-byte weight block per row at a time.
- * Weights stay unsigned for vpdpbusd: Q4 nibbles are q+8 already, Q8 bytes are
- * flipped to q+128; the offset is removed exactly per group with the precomputed
- * activation group sums (isum = dot(q+k, x) - k * sum(x)).  The 16 per-row int32
- * vectors are transpose-reduced so each 128-bit chunk (32 Q4 / 16 Q8 elements) yields
- * one vector holding that chunk's sum for the 16 rows; chunks are added into group
- * sums and every group ends with the reference float step, lane = output row:
- *     acc = acc + (float)isum * (wscale * xs)
- * which is bit-identical to ref.c.  Other group sizes fall back to the reference.
+ * I8 family.  Weights stay unsigned for vpdpbusd: Q4 nibbles are q+8 already, Q8
+ * bytes are flipped to q+128; the offset is removed exactly per group with the
+ * precomputed activation group sums (isum = dot(q+k, x) - k * sum(x), exact int32).
+ * Each weight row is streamed on its own (sequential reads are what the hardware
+ * prefetchers follow best); for grouped Q4, 8 consecutive 64-byte blocks of the row
+ * are transpose-reduced at once into per-chunk sums and then group sums.  A tile of
+ * 16 output rows then runs the reference float step with lane = output row:
+ *     acc = acc + (float)isum * (wscale * xs)     for each group in order
+ * which is bit-identical to ref.c.  Q4 group sizes that are not multiples of 32 fall
+ * back to the reference.
  *
- * F32 family: nibbles/bytes are widened to 32-bit lanes and turned into f32 through a
- * 16-entry table (vpermps) scaled per group, then FMA against a permuted copy of x.
+ * F32 family.  Nibbles/bytes are widened to 32-bit lanes and turned into f32 through a
+ * 16-entry table (vpermps) scaled per group, then FMA'd against a permuted copy of x;
+ * up to 4 activation rows share one pass over a weight row.
  */
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,fma,avx2,bmi,bmi2")
 
@@ -50,7 +52,6 @@ static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, fl
 
 /* ------------------------------------------------------------- I8 family ---- */
 
-
 static inline __m512i dot_q4(const uint8_t *p, __mmask64 m, __m512i xe, __m512i xo) {
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     const __m512i w = _mm512_maskz_loadu_epi8(m, p);
@@ -64,69 +65,82 @@ static inline __m512i dot_q8(const uint8_t *p, __mmask64 m, __m512i x) {
     return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
 }
 
-/* v[r]: 16 int32 partial sums of row r.  out[c] lane r = sum of 128-bit chunk c of v[r]. */
-static inline void reduce16(const __m512i v[16], __m512i out[4]) {
-    __m512i a[8], b[4];
-    for (int k = 0; k < 8; k++)
-        a[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
-                                _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        b[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]),
-                                _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
-    const __m512i t0 = _mm512_shuffle_i32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i t1 = _mm512_shuffle_i32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512i t2 = _mm512_shuffle_i32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512i t3 = _mm512_shuffle_i32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1));
-    out[0] = _mm512_shuffle_i32x4(t0, t2, _MM_SHUFFLE(2, 0, 2, 0));
-    out[1] = _mm512_shuffle_i32x4(t1, t3, _MM_SHUFFLE(2, 0, 2, 0));
-    out[2] = _mm512_shuffle_i32x4(t0, t2, _MM_SHUFFLE(3, 1, 3, 1));
-    out[3] = _mm512_shuffle_i32x4(t1, t3, _MM_SHUFFLE(3, 1, 3, 1));
-}
-
 /* Largest group count handled on the fast path (stack buffers); more falls back. */
-#define MAX_GROUPS 4096
+#define MAX_GROUPS 1024
 
 static inline __mmask64 tail_mask64(size_t rem) {
     return rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
 }
 
+/* v[k]: 16 int32 partial sums of block k (k < 8).  out[h] 128-bit lane c, element i:
+ * the sum of chunk c (32 elements) of block 4h + i. */
+static inline void reduce8(const __m512i v[8], __m512i out[2]) {
+    __m512i a[4];
+    for (int k = 0; k < 4; k++)
+        a[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                                _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int h = 0; h < 2; h++)
+        out[h] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * h], a[2 * h + 1]),
+                                  _mm512_unpackhi_epi64(a[2 * h], a[2 * h + 1]));
+}
+
+/* Add/store the group sums of 8 blocks (b0..b0+n-1) from their chunk sums. */
+static inline void store_groups8(const mm_job *j, int b0, int n, const __m512i c[2], int32_t *isum) {
+    if (j->gsz == 64) { /* block m: groups 2m (chunks 0+1) and 2m+1 (chunks 2+3) */
+        const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27);
+        const __m512i t0 = _mm512_add_epi32(c[0], _mm512_shuffle_i32x4(c[0], c[0], _MM_SHUFFLE(2, 3, 0, 1)));
+        const __m512i t1 = _mm512_add_epi32(c[1], _mm512_shuffle_i32x4(c[1], c[1], _MM_SHUFFLE(2, 3, 0, 1)));
+        _mm512_storeu_si512(isum + 2 * b0, _mm512_permutex2var_epi32(t0, idx, t1));
+        return;
+    }
+    if (j->gsz == 32) { /* every chunk is a group: 4x4 transpose of each half */
+        const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_storeu_si512(isum + 4 * b0, _mm512_permutexvar_epi32(idx, c[0]));
+        _mm512_storeu_si512(isum + 4 * b0 + 16, _mm512_permutexvar_epi32(idx, c[1]));
+        return;
+    }
+    int32_t cs[2][16];
+    _mm512_storeu_si512(cs[0], c[0]);
+    _mm512_storeu_si512(cs[1], c[1]);
+    for (int k = 0; k < n; k++)
+        for (int q = 0; q < 4; q++) {
+            const int e = ((b0 + k) * 4 + q) * 32; /* first element of the chunk */
+            if (e < j->w->I) isum[e / j->gsz] += cs[k >> 2][q * 4 + (k & 3)];
+        }
+}
+
 /* Unsigned group sums dot(q+8, x) of one Q4 row: isum[g] for g < G (isum has room for
- * G + 32 entries).  16 blocks are reduced at once; gs 64 interleaves the two groups
- * of each block in vector registers, other multiples of 32 go through chunk sums. */
+ * G + 32 entries).  8 blocks of 64 bytes are transpose-reduced at once (full octets
+ * with a constant trip count so everything stays in registers; the last, partial
+ * octet with masks), then chunk sums become group sums: in registers for gs 32 and
+ * 64, by a scalar loop for other multiples of 32. */
 static void q4_group_sums(const mm_job *j, const uint8_t *row, const int8_t *x, int32_t *isum) {
     const size_t nbytes = j->wrow;
     const int nblocks = (int)((nbytes + 63) / 64);
-    const int I = j->w->I, gsz = j->gsz;
-    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    if (gsz != 64) memset(isum, 0, (size_t)j->G * sizeof(int32_t));
-    for (int b0 = 0; b0 < nblocks; b0 += 16) {
-        const int n = nblocks - b0 < 16 ? nblocks - b0 : 16;
-        __m512i v[16], c4[4];
-        for (int k = 0; k < 16; k++) {
-            if (k >= n) {
-                v[k] = _mm512_setzero_si512();
-                continue;
-            }
+    if (j->gsz != 64 && j->gsz != 32) memset(isum, 0, (size_t)j->G * sizeof(int32_t));
+    int b0 = 0;
+    __m512i v[8], c[2];
+    for (; (size_t)(b0 + 8) * 64 <= nbytes; b0 += 8) {
+        const uint8_t *p = row + (size_t)b0 * 64;
+        const int8_t *xb = x + (size_t)b0 * 128;
+        for (int k = 0; k < 8; k++) {
+            _mm_prefetch((const char *)p + 64 * k + 1024, _MM_HINT_T0);
+            v[k] = dot_q4(p + 64 * k, ~(__mmask64)0, _mm512_loadu_si512(xb + 128 * k),
+                          _mm512_loadu_si512(xb + 128 * k + 64));
+        }
+        reduce8(v, c);
+        store_groups8(j, b0, 8, c, isum);
+    }
+    if (b0 < nblocks) {
+        const int n = nblocks - b0;
+        for (int k = 0; k < 8; k++) {
             const size_t off = (size_t)(b0 + k) * 64;
-            _mm_prefetch((const char *)row + off + 1024, _MM_HINT_T0);
-            v[k] = dot_q4(row + off, tail_mask64(nbytes - off), _mm512_loadu_si512(x + 2 * off),
-                          _mm512_loadu_si512(x + 2 * off + 64));
+            v[k] = k < n ? dot_q4(row + off, tail_mask64(nbytes - off), _mm512_loadu_si512(x + 2 * off),
+                                  _mm512_loadu_si512(x + 2 * off + 64))
+                         : _mm512_setzero_si512();
         }
-        reduce16(v, c4); /* c4[c] lane k: chunk c (32 elements) of block b0 + k */
-        if (gsz == 64) {
-            const __m512i ga = _mm512_add_epi32(c4[0], c4[1]), gb = _mm512_add_epi32(c4[2], c4[3]);
-            _mm512_storeu_si512(isum + 2 * b0, _mm512_permutex2var_epi32(ga, lo_idx, gb));
-            _mm512_storeu_si512(isum + 2 * b0 + 16, _mm512_permutex2var_epi32(ga, hi_idx, gb));
-        } else {
-            int32_t cs[4][16];
-            for (int c = 0; c < 4; c++) _mm512_storeu_si512(cs[c], c4[c]);
-            for (int k = 0; k < n; k++)
-                for (int c = 0; c < 4; c++) {
-                    const int e = ((b0 + k) * 4 + c) * 32; /* first element of the chunk */
-                    if (e < I) isum[e / gsz] += cs[c][k];
-                }
-        }
+        reduce8(v, c);
+        store_groups8(j, b0, n, c, isum);
     }
 }
 
@@ -145,25 +159,59 @@ static int32_t row_sum(const mm_job *j, const uint8_t *row, const int8_t *x, int
     return _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
 }
 
-/* The reference float step over all groups of one output, in group order:
- * p[g] = (float)(isum[g] - corr * gsum[g]) * (ws[g] * xs) vectorised (lane-wise the
- * same operations), then acc = acc + p[g] sequentially from 0.0f. */
-static float group_step(const int32_t *isum, const int32_t *gsum, const float *ws, int G, int corr,
-                        float xs_s) {
-    float p[MAX_GROUPS + 16];
-    const __m512 xs = _mm512_set1_ps(xs_s);
-    const __m512i k = _mm512_set1_epi32(corr);
-    for (int g = 0; g < G; g += 16) {
-        const __mmask16 m = (__mmask16)(G - g >= 16 ? 0xffff : (1u << (G - g)) - 1);
-        const __m512i iv = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, isum + g),
-                                            _mm512_mullo_epi32(k, _mm512_maskz_loadu_epi32(m, gsum + g)));
-        const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ws + g), xs);
-        _mm512_storeu_ps(p + g, _mm512_mul_ps(_mm512_cvtepi32_ps(iv), t));
+/* In-register 16x16 transpose: out[k] lane r = in[r] lane k. */
+static inline void transpose16(const __m512 in[16], __m512 out[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
     }
-    float acc = 0.0f;
-    for (int g = 0; g < G; g++) acc = acc + p[g];
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; c++) { /* u[4i + c] lane l: rows 4i..4i+3 of column 4l + c */
+        const __m512 v = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+        const __m512 w = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512 w2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+        out[c] = _mm512_shuffle_f32x4(v, v2, 0x88);
+        out[8 + c] = _mm512_shuffle_f32x4(v, v2, 0xdd);
+        out[4 + c] = _mm512_shuffle_f32x4(w, w2, 0x88);
+        out[12 + c] = _mm512_shuffle_f32x4(w, w2, 0xdd);
+    }
+}
+
+/* The reference float step for a tile of 16 outputs (lane = output row):
+ *   p[r][g] = (float)(isum[r][g] - corr * gsum[g]) * (ws[r][g] * xs)
+ * computed per row 16 groups at a time, transposed so lane r holds row r, then
+ *   acc = acc + p[.][g]   for g = 0, 1, ... from acc = 0.0f,
+ * i.e. exactly the reference sequence of each output, 16 outputs per instruction. */
+static __m512 group_step16(const int32_t *isum, size_t ld, const int32_t *gsum, const float *const ws[16],
+                           int G, int shift, float xs_s) {
+    const __m512 xs = _mm512_set1_ps(xs_s);
+    __m512 acc = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < G; g0 += 16) {
+        const int n = G - g0 < 16 ? G - g0 : 16;
+        const __mmask16 m = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+        const __m512i gv = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m, gsum + g0), shift);
+        __m512 p[16], col[16];
+        for (int r = 0; r < 16; r++) {
+            const __m512i iv = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, isum + r * ld + g0), gv);
+            const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ws[r] + g0), xs);
+            p[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), t);
+        }
+        transpose16(p, col);
+        for (int k = 0; k < n; k++) acc = _mm512_add_ps(acc, col[k]);
+    }
     return acc;
 }
+
+#define ISUM_LD (MAX_GROUPS + 32)
 
 static void i8_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
@@ -172,17 +220,22 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
         colibri_ref_i8_rows(j, o0, o1);
         return;
     }
-    int32_t isum[MAX_GROUPS + 32];
-    const int corr = q4 ? 8 : 128;
-    for (int o = o0; o < o1; o++) {
-        const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
-        const float *ws = w->scales + (size_t)o * j->G;
+    int32_t isum[16 * ISUM_LD]; /* 16 rows of group sums (stack: ~66 KB) */
+    const int shift = q4 ? 3 : 7; /* the unsigned offset: 8 or 128 */
+    for (int o = o0; o < o1; o += 16) {
+        const int n = o1 - o < 16 ? o1 - o : 16;
+        const float *ws[16];
+        for (int r = 0; r < 16; r++) ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
         for (int s = 0; s < j->S; s++) {
             const int8_t *x = (q4 ? j->qxp : j->qx) + (size_t)s * j->ldx;
-            const int32_t *gsum = j->gsum + (size_t)s * j->G;
-            if (j->G == 1) isum[0] = row_sum(j, row, x, q4);
-            else q4_group_sums(j, row, x, isum);
-            j->y[(size_t)s * w->O + o] = group_step(isum, gsum, ws, j->G, corr, j->xs[s]);
+            for (int r = 0; r < n; r++) { /* one whole row at a time: sequential streams */
+                const uint8_t *row = (const uint8_t *)w->data + (size_t)(o + r) * j->wrow;
+                if (j->G == 1) isum[r * ISUM_LD] = row_sum(j, row, x, q4);
+                else q4_group_sums(j, row, x, isum + r * ISUM_LD);
+            }
+            for (int r = n; r < 16; r++) memset(isum + r * ISUM_LD, 0, (size_t)j->G * sizeof(int32_t));
+            const __m512 acc = group_step16(isum, ISUM_LD, j->gsum + (size_t)s * j->G, ws, j->G, shift, j->xs[s]);
+            _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, (__mmask16)((1u << n) - 1), acc);
         }
     }
 }
@@ -197,25 +250,42 @@ static inline __mmask16 mask16(size_t n) {
     return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
 }
 
-static float dot_q4_f32(const mm_job *j, const uint8_t *row, const float *sc, const float *x) {
+/* F32 family.  Each weight row is widened once and applied to up to NS activation
+ * rows (prefill reuse); every activation row keeps its own accumulators and sees
+ * exactly the operations of a single-row call, so batching never changes a bit. */
+#define NS 4
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE void fma_rows(__m512 w, const float *const *x, size_t e, int N, __m512 a[NS][4], int k) {
+    for (int n = 0; n < N; n++) a[n][k] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x[n] + e), a[n][k]);
+}
+
+ALWAYS_INLINE void finish(__m512 a[NS][4], int N, float scale, float *r) {
+    for (int n = 0; n < N; n++) r[n] = scale * hsum4(a[n][0], a[n][1], a[n][2], a[n][3]);
+}
+
+/* Q4 through a 16-entry table scaled per group: vpermps turns each nibble (low 4 bits
+ * of a widened byte) into its dequantised f32 weight in one instruction. */
+ALWAYS_INLINE void dot_q4_n(const mm_job *j, const uint8_t *row, const float *sc, const float *const *x,
+                            int N, float *r) {
     const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m512 a[NS][4];
+    for (int n = 0; n < NS; n++)
+        for (int k = 0; k < 4; k++) a[n][k] = _mm512_setzero_ps();
     const size_t nbytes = j->wrow;
     int g = 0;
     if (j->gsz == 64) { /* the main case: one 32-byte step per group, no inner loop */
         for (; (size_t)(g + 1) * 32 <= nbytes; g++) {
             const __m512 ts = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g]));
             const uint8_t *p = row + (size_t)g * 32;
-            const float *xg = x + (size_t)g * 64;
-            _mm_prefetch((const char *)p + 512, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + 1536, _MM_HINT_T0);
             const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
             const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
-            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, ts), _mm512_loadu_ps(xg), a0);
-            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts),
-                                 _mm512_loadu_ps(xg + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(u, ts), _mm512_loadu_ps(xg + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), ts),
-                                 _mm512_loadu_ps(xg + 48), a3);
+            const size_t e = (size_t)g * 64;
+            fma_rows(_mm512_permutexvar_ps(v, ts), x, e, N, a, 0);
+            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts), x, e + 16, N, a, 1);
+            fma_rows(_mm512_permutexvar_ps(u, ts), x, e + 32, N, a, 2);
+            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), ts), x, e + 48, N, a, 3);
         }
     }
     for (; g < j->G; g++) {
@@ -224,56 +294,78 @@ static float dot_q4_f32(const mm_job *j, const uint8_t *row, const float *sc, co
         const size_t b1 = g + 1 == j->G ? nbytes : (size_t)(g + 1) * j->gsz / 2;
         size_t b = b0;
         for (; b + 32 <= b1; b += 32) { /* full 32-byte steps: unmasked loads */
-            _mm_prefetch((const char *)row + b + 512, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + b + 1536, _MM_HINT_T0);
             const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b)));
             const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b + 16)));
-            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, ts), _mm512_loadu_ps(x + 2 * b), a0);
-            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts),
-                                 _mm512_loadu_ps(x + 2 * b + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(u, ts), _mm512_loadu_ps(x + 2 * b + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), ts),
-                                 _mm512_loadu_ps(x + 2 * b + 48), a3);
+            fma_rows(_mm512_permutexvar_ps(v, ts), x, 2 * b, N, a, 0);
+            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts), x, 2 * b + 16, N, a, 1);
+            fma_rows(_mm512_permutexvar_ps(u, ts), x, 2 * b + 32, N, a, 2);
+            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), ts), x, 2 * b + 48, N, a, 3);
         }
         for (; b < b1; b += 16) { /* tail of the group/row: masked 16-byte steps */
             const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(b1 - b), row + b));
-            a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, ts), _mm512_loadu_ps(x + 2 * b), a0);
-            a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts),
-                                 _mm512_loadu_ps(x + 2 * b + 16), a1);
+            fma_rows(_mm512_permutexvar_ps(v, ts), x, 2 * b, N, a, 0);
+            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts), x, 2 * b + 16, N, a, 1);
         }
     }
-    return hsum4(a0, a1, a2, a3);
+    finish(a, N, 1.0f, r);
 }
 
-/* Four independent FMA chains (64 elements per step) hide the FMA latency; only the
- * tail uses masked loads (full steps keep the load folded into the widening op). */
-#define DOT4(LOADW)                                                                     \
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                         \
-    int i = 0;                                                                          \
-    for (; i + 64 <= I; i += 64) {                                                      \
-        _mm_prefetch((const char *)(row + i) + 1024, _MM_HINT_T0);                      \
-        a0 = _mm512_fmadd_ps(LOADW##_FULL(i), _mm512_loadu_ps(x + i), a0);              \
-        a1 = _mm512_fmadd_ps(LOADW##_FULL(i + 16), _mm512_loadu_ps(x + i + 16), a1);    \
-        a2 = _mm512_fmadd_ps(LOADW##_FULL(i + 32), _mm512_loadu_ps(x + i + 32), a2);    \
-        a3 = _mm512_fmadd_ps(LOADW##_FULL(i + 48), _mm512_loadu_ps(x + i + 48), a3);    \
-    }                                                                                   \
-    for (; i < I; i += 16)                                                              \
-        a0 = _mm512_fmadd_ps(LOADW(i, mask16((size_t)(I - i))), _mm512_loadu_ps(x + i), a0); \
-    return hsum4(a0, a1, a2, a3)
+/* 16 weights of an F32/BF16/Q8 row at element i as f32 (masked: zero past the row). */
+ALWAYS_INLINE __m512 load_w(int fmt, const uint8_t *row, int i, __mmask16 m, int full) {
+    if (fmt == COLIBRI_FMT_F32) {
+        const float *r = (const float *)row + i;
+        return full ? _mm512_loadu_ps(r) : _mm512_maskz_loadu_ps(m, r);
+    }
+    if (fmt == COLIBRI_FMT_BF16) {
+        const uint16_t *r = (const uint16_t *)row + i;
+        const __m256i h = full ? _mm256_loadu_si256((const __m256i *)r) : _mm256_maskz_loadu_epi16(m, r);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const int8_t *r = (const int8_t *)row + i;
+    const __m128i q = full ? _mm_loadu_si128((const __m128i *)r) : _mm_maskz_loadu_epi8(m, r);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
 
-#define LOAD_Q8(k, m) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8((m), row + (k))))
-#define LOAD_Q8_FULL(k) \
-    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + (k)))))
-#define LOAD_BF16(k, m) \
-    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16((m), row + (k))), 16))
-#define LOAD_BF16_FULL(k)                                                                  \
-    _mm512_castsi512_ps(_mm512_slli_epi32(                                                 \
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + (k)))), 16))
-#define LOAD_F32(k, m) _mm512_maskz_loadu_ps((m), row + (k))
-#define LOAD_F32_FULL(k) _mm512_loadu_ps(row + (k))
+/* Four independent FMA chains per activation row (64 elements per step) hide the FMA
+ * latency; only the tail uses masked loads. Q8 applies its row scale at the end. */
+ALWAYS_INLINE void dot_plain_n(int fmt, const uint8_t *row, int I, float scale, const float *const *x,
+                               int N, float *r) {
+    const int esize = fmt == COLIBRI_FMT_F32 ? 4 : fmt == COLIBRI_FMT_BF16 ? 2 : 1;
+    __m512 a[NS][4];
+    for (int n = 0; n < NS; n++)
+        for (int k = 0; k < 4; k++) a[n][k] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 64 <= I; i += 64) {
+        _mm_prefetch((const char *)row + (size_t)i * esize + 1024, _MM_HINT_T0);
+        for (int k = 0; k < 4; k++)
+            fma_rows(load_w(fmt, row, i + 16 * k, 0xffff, 1), x, (size_t)i + 16 * k, N, a, k);
+    }
+    for (; i < I; i += 16) fma_rows(load_w(fmt, row, i, mask16((size_t)(I - i)), 0), x, (size_t)i, N, a, 0);
+    finish(a, N, scale, r);
+}
 
-static float dot_q8_f32(const int8_t *row, int I, const float *x) { DOT4(LOAD_Q8); }
-static float dot_bf16_f32(const uint16_t *row, int I, const float *x) { DOT4(LOAD_BF16); }
-static float dot_f32_f32(const float *row, int I, const float *x) { DOT4(LOAD_F32); }
+static void dot_rows_1(const mm_job *j, int o, const float *const *x, float *r) {
+    const colibri_weight *w = j->w;
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
+    switch (w->fmt) {
+    case COLIBRI_FMT_F32: dot_plain_n(COLIBRI_FMT_F32, row, w->I, 1.0f, x, 1, r); break;
+    case COLIBRI_FMT_BF16: dot_plain_n(COLIBRI_FMT_BF16, row, w->I, 1.0f, x, 1, r); break;
+    case COLIBRI_FMT_Q8: dot_plain_n(COLIBRI_FMT_Q8, row, w->I, w->scales[o], x, 1, r); break;
+    default: dot_q4_n(j, row, w->scales + (size_t)o * j->G, x, 1, r); break;
+    }
+}
+
+static void dot_rows_4(const mm_job *j, int o, const float *const *x, float *r) {
+    const colibri_weight *w = j->w;
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
+    switch (w->fmt) {
+    case COLIBRI_FMT_F32: dot_plain_n(COLIBRI_FMT_F32, row, w->I, 1.0f, x, NS, r); break;
+    case COLIBRI_FMT_BF16: dot_plain_n(COLIBRI_FMT_BF16, row, w->I, 1.0f, x, NS, r); break;
+    case COLIBRI_FMT_Q8: dot_plain_n(COLIBRI_FMT_Q8, row, w->I, w->scales[o], x, NS, r); break;
+    default: dot_q4_n(j, row, w->scales + (size_t)o * j->G, x, NS, r); break;
+    }
+}
 
 static void f32_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
@@ -282,17 +374,16 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
         return;
     }
     for (int o = o0; o < o1; o++) {
-        const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
-        for (int s = 0; s < j->S; s++) {
-            const float *x = j->xp + (size_t)s * j->ldx;
-            float r;
-            switch (w->fmt) {
-            case COLIBRI_FMT_F32: r = dot_f32_f32((const float *)row, w->I, x); break;
-            case COLIBRI_FMT_BF16: r = dot_bf16_f32((const uint16_t *)row, w->I, x); break;
-            case COLIBRI_FMT_Q8: r = w->scales[o] * dot_q8_f32((const int8_t *)row, w->I, x); break;
-            default: r = dot_q4_f32(j, row, w->scales + (size_t)o * j->G, x); break;
-            }
-            j->y[(size_t)s * w->O + o] = r;
+        int s = 0;
+        for (; s < j->S; s += NS) {
+            const float *x[NS];
+            float r[NS];
+            const int n = j->S - s < NS ? j->S - s : NS;
+            for (int k = 0; k < n; k++) x[k] = j->xp + (size_t)(s + k) * j->ldx;
+            if (n == NS) dot_rows_4(j, o, x, r);
+            else
+                for (int k = 0; k < n; k++) dot_rows_1(j, o, x + k, r + k);
+            for (int k = 0; k < n; k++) j->y[(size_t)(s + k) * w->O + o] = r[k];
         }
     }
 }
