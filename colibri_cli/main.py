@@ -42,8 +42,31 @@ def _run_bench(argv: Sequence[str]) -> int:
         return 1
 
 
+def _colibrid_command(module: str, name: str) -> Callable[[Sequence[str]], int]:
+    """A subcommand implemented by ``module.main(argv)`` in colibrid, imported lazily."""
+
+    def run(argv: Sequence[str]) -> int:
+        import importlib
+
+        from colibrid.errors import ColibriError
+
+        try:
+            return int(importlib.import_module(module).main(list(argv)) or 0)
+        except ColibriError as exc:
+            print(f"colibri {name}: error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "bench": (_run_bench, "measure kernels (and later streaming, policies) against the machine"),
+    "convert": (_colibrid_command("colibrid.convert.convert", "convert"),
+                "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container"),
+    "inspect": (_colibrid_command("colibrid.convert.inspect", "inspect"),
+                "describe a container: architecture, formats, expert size, totals"),
+    "synth": (_colibrid_command("colibrid.convert.synth", "synth"),
+              "write a synthetic container with real per-layer shapes for benchmarks"),
 }
 
 

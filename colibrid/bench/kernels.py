@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
         help="threads (default: COLIBRI_THREADS or the CPU count)",
     )
     p.add_argument(
-        "--seconds", type=float, default=0.5, help="seconds per case (best full pass is reported)"
+        "--seconds", type=float, default=1.0, help="seconds per case (best full pass is reported)"
     )
     p.add_argument(
         "--working-set",

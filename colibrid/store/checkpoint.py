@@ -41,6 +41,7 @@ from colibrid.store.safetensors_file import (
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
+CONVERT_PROGRESS_NAME = ".colibri-convert.json"
 MAX_JSON_FILE_BYTES = 64 * 1024 * 1024
 MAX_STAMPS = 4096
 """Upstream caps the container-wide ``colibri.fmt`` stamp map at 4096 entries."""
@@ -266,6 +267,7 @@ class Checkpoint:
             raise CheckpointError(f"{root}: model directory not found")
         if not root.is_dir():
             raise CheckpointError(f"{root}: not a directory")
+        _refuse_incomplete_conversion(root)
         config = load_json_object(
             read_small_file(root / CONFIG_NAME, CONFIG_NAME, ConfigError),
             str(root / CONFIG_NAME),
@@ -479,6 +481,17 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.dir)!r}, {len(self.files)} files, {len(self._where)} tensors)"
+
+
+def _refuse_incomplete_conversion(root: Path) -> None:
+    """`colibri convert` marks DST incomplete until its last file is written."""
+    progress = root / CONVERT_PROGRESS_NAME
+    if not progress.exists():
+        return
+    raw = read_small_file(progress, "conversion progress file", CheckpointError)
+    if load_json_object(raw, str(progress)).get("complete") is not True:
+        raise CheckpointError(
+            f"{root}: incomplete conversion (re-run the same `colibri convert` to finish it)")
 
 
 def _matrix_shape(name: str, shape: object) -> tuple[int, int]:

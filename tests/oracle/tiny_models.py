@@ -337,7 +337,9 @@ def _encode(
             effective[name] = torch.from_numpy(w_eff.copy())
             if expert_container is not None:
                 for k, v in expert_container(name, w.copy()).items():
-                    stored[k] = torch.from_numpy(np.ascontiguousarray(v))
+                    # a torch tensor is stored as-is (bf16 / fp8 encodings numpy lacks)
+                    stored[k] = v.contiguous() if isinstance(v, torch.Tensor) else \
+                        torch.from_numpy(np.ascontiguousarray(v))
             else:
                 stored[name] = effective[name].clone()
             continue

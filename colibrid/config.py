@@ -1,0 +1,85 @@
+"""Daemon settings: one table of names, defaults and descriptions, read once from
+``$COLIBRI_HOME/config.toml`` (then command-line overrides) and passed down.
+
+Unknown keys are an error naming the key, so a typo never silently does nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from colibrid.errors import ConfigError
+from colibrid.paths import Paths
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+
+@dataclass(frozen=True)
+class Settings:
+    default_model: str | None = None  # model NAME (under models/) or a directory
+    ram_gb: float | None = None  # memory budget for experts (the tiered store reads it)
+    socket: str | None = None  # socket path; default $COLIBRI_HOME/run/colibrid.sock
+    max_queue: int = 16  # requests waiting beyond the active ones; more answers BUSY
+    max_active: int = 4  # requests decoding at once (interleaved token by token)
+    max_conversations: int = 8  # conversations whose KV cache is kept for the next turn
+    max_context: int | None = None  # context length (default: the engine's)
+    shutdown_grace_s: float = 10.0  # how long `stop` lets running requests finish
+    profile: str = "default"  # active usage profile at start
+    pin_fraction: float = 0.25  # share of all experts pinned from the active profile
+    profile_save_s: float = 60.0  # how often usage profiles are saved while serving
+    debug_layer_delay_s: float = 0.0  # tests only: slow every layer to make races visible
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def load_settings(paths: Paths, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {}
+    if paths.config.is_file():
+        try:
+            values = tomllib.loads(paths.config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{paths.config}: {exc}") from None
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"{paths.config}: unknown setting(s) {', '.join(unknown)} "
+                          f"(known: {', '.join(FIELDS)})")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        settings = Settings(**values)
+    except TypeError as exc:
+        raise ConfigError(f"{paths.config}: {exc}") from None
+    for name, value in values.items():
+        want = FIELDS[name].type
+        if value is not None and not _type_ok(value, str(want)):
+            raise ConfigError(f"{paths.config}: {name} has the wrong type ({value!r})")
+    return settings
+
+
+def _type_ok(value: Any, annotation: str) -> bool:
+    if "float" in annotation:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if "int" in annotation:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def resolve_model(paths: Paths, name: str | None) -> Path:
+    """A model NAME under models/ or a directory; a clear error when none is configured."""
+    if not name:
+        raise ConfigError(
+            "no model given and no default configured: pass --model NAME|DIR or add "
+            f'`default_model = "NAME"` to {paths.config} (models live in {paths.models}/)')
+    candidate = Path(name).expanduser()
+    if candidate.is_dir():
+        return candidate.resolve()
+    named = paths.models / name
+    if named.is_dir():
+        return named.resolve()
+    raise ConfigError(f"model {name!r} is neither a directory nor a model in {paths.models}/")

@@ -1,0 +1,127 @@
+"""``colibri inspect DIR``: what a container (or any supported checkpoint) holds.
+
+Why: before streaming a 400 GB model, a user wants to know what it will cost: how big
+one expert read is, how many bytes a cold token pulls from disk, how much stays resident,
+and which format each tensor class is in. Everything is computed from headers and
+config.json after :func:`colibrid.convert.validate.validate` has checked them; no weight
+byte is read. Works on upstream containers unchanged (format inferred from sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colibrid.convert.plan import classify, expert_of
+from colibrid.convert.validate import stored_bytes, validate
+from colibrid.errors import ColibriError
+from colibrid.store.checkpoint import Checkpoint
+
+
+@dataclass
+class Report:
+    path: Path
+    model_type: str
+    n_layers: int
+    dense_layers: int
+    moe_layers: int
+    mtp_layers: int
+    hidden: int
+    vocab: int
+    n_experts: int
+    top_k: int
+    shared: int
+    expert_ffn: int
+    formats: dict[str, Counter] = field(default_factory=dict)
+    expert_bytes: int = 0
+    expert_contiguous: bool = False
+    resident_bytes: int = 0
+    routed_bytes: int = 0
+    total_bytes: int = 0
+    files: int = 0
+
+    @property
+    def expert_bytes_per_token(self) -> int:
+        return self.top_k * self.expert_bytes * self.moe_layers
+
+    def lines(self) -> list[str]:
+        gb = 1e9
+        out = [
+            f"container      {self.path}",
+            f"architecture   {self.model_type}: {self.n_layers} layers ({self.dense_layers} dense"
+            f" + {self.moe_layers} MoE) + {self.mtp_layers} MTP, hidden {self.hidden}, "
+            f"vocab {self.vocab}",
+            f"experts        {self.n_experts} routed per layer, top-{self.top_k}, "
+            f"{self.shared} shared, FFN {self.expert_ffn}",
+            "formats",
+        ]
+        for cls in ("expert", "shared", "attn", "dense", "io", "mtp", "f32"):
+            if cls in self.formats:
+                fmts = ", ".join(f"{f} x{n}" for f, n in sorted(self.formats[cls].items()))
+                out.append(f"  {cls:<12} {fmts}")
+        out += [
+            f"expert size    {self.expert_bytes / 1e6:.2f} MB (gate+up+down with scales), "
+            f"matrices {'adjacent' if self.expert_contiguous else 'NOT adjacent'}",
+            f"resident       {self.resident_bytes / gb:.3f} GB (all but routed experts)",
+            f"routed         {self.routed_bytes / gb:.3f} GB on disk",
+            f"per token      {self.expert_bytes_per_token / gb:.3f} GB of experts when cold "
+            f"({self.top_k} x {self.moe_layers} layers)",
+            f"total          {self.total_bytes / gb:.3f} GB in {self.files} files",
+        ]
+        return out
+
+
+def _adjacent(ckpt: Checkpoint, names: Sequence[str]) -> bool:
+    if len({ckpt.file_of(n) for n in names}) != 1:
+        return False
+    spans = sorted((ckpt.info(n).file_begin, ckpt.info(n).file_end) for n in names)
+    return all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def inspect(path: str | Path) -> Report:
+    with Checkpoint.open(path) as ckpt:
+        args, expected, formats = validate(ckpt)
+        t, moe = args.trunk, args.moe
+        n_moe = sum(args.is_moe)
+        mtp = sum(1 for n in expected if n.endswith("eh_proj.weight"))
+        r = Report(Path(path), str(ckpt.config.get("model_type")), t.num_hidden_layers,
+                   t.num_hidden_layers - n_moe, n_moe, mtp, t.hidden_size, t.vocab_size,
+                   moe.n_routed_experts, moe.num_experts_per_tok, moe.n_shared_experts,
+                   moe.moe_intermediate_size)
+        first_expert: list[str] = []
+        for name, exp in expected.items():
+            cls = classify(name, exp.shape, t.num_hidden_layers)
+            r.formats.setdefault(cls, Counter())[formats[name]] += 1
+            size = stored_bytes(ckpt, name)
+            ex = expert_of(name)
+            if ex is not None and ex[0] < t.num_hidden_layers:
+                r.routed_bytes += size
+                if not first_expert or (ex[0], ex[1]) == first_expert[0]:
+                    first_expert = first_expert or [(ex[0], ex[1])]  # type: ignore[list-item]
+                    first_expert.append(name)
+            else:
+                r.resident_bytes += size
+        names = [n for n in first_expert[1:]]
+        r.expert_bytes = sum(stored_bytes(ckpt, n) for n in names)
+        r.expert_contiguous = bool(names) and _adjacent(ckpt, names)
+        r.total_bytes = sum(f.size for f in ckpt.files)
+        r.files = len(ckpt.files)
+    return r
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="colibri inspect",
+                                description="Describe a colibri container or checkpoint.")
+    p.add_argument("dir", metavar="DIR")
+    a = p.parse_args(list(argv))
+    try:
+        report = inspect(a.dir)
+    except ColibriError as exc:
+        print(f"colibri inspect: error: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(report.lines()))
+    return 0

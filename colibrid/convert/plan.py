@@ -1,0 +1,316 @@
+"""What a container holds: tensor classes, their output formats, and the shard layout.
+
+Why a plan separate from the work: a conversion must be resumable and byte-identical
+whether or not it was interrupted, so the whole layout (which tensor goes in which
+shard, in which order, at which size) is a pure function of the source's tensor list
+and the parameters, computed before a byte is written. The same plan drives the
+converter (which quantises source weights) and ``colibri synth`` (which invents them).
+
+Tensor classes (each with its own bit width, DESIGN §5 / upstream §1.3):
+
+=========  ==========================================================  =============
+class      tensors                                                     default
+=========  ==========================================================  =============
+expert     routed experts ``mlp.experts.E.{gate,up,down}_proj``         int4-g64
+shared     shared experts ``mlp.shared_experts.*``                     int4-g64
+attn       attention incl. the DSA indexer's wq_b / wk                 int4-g64
+dense      dense MLPs of the first layers                              int4-g64
+io         ``embed_tokens`` and ``lm_head``                            int8
+mtp        every matrix of the MTP layer(s)                            int8
+f32        norms, router, correction bias, indexer weights_proj, 1-D   f32
+=========  ==========================================================  =============
+
+A bit width of 32 keeps a class in f32 (useful for exact round-trip tests).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from colibrid.convert import quant
+from colibrid.convert.writer import Entry, shard_size
+from colibrid.errors import ConvertError
+from colibrid.store.checkpoint import (
+    GROUP_SIZE_KEY,
+    INT4_GROUPED,
+    INT4_ROW,
+    INT8_ROW,
+    STAMP_KEY,
+    container_candidates,
+)
+
+CONVERTER_VERSION = "colibri-convert 1"
+CLASSES = ("expert", "shared", "attn", "dense", "io", "mtp", "f32")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+MTP_INT4_WARNING = (
+    "refusing an int4 MTP layer: per-row/grouped int4 rounds the embedding half of eh_proj "
+    "to ~zero (its column scales differ 20-30x), and draft acceptance collapses from ~60-80% "
+    "to 0-4% (upstream #8); keep --mtp-bits 8, or pass --force if you really mean it"
+)
+
+
+@dataclass(frozen=True)
+class ConvertParams:
+    """Everything that changes a container's bytes; recorded and compared on resume."""
+
+    expert_bits: int = 4
+    group_size: int = 64
+    io_bits: int = 8
+    attn_bits: int = 4
+    dense_bits: int = 4
+    shared_bits: int = 4
+    mtp_bits: int = 8
+    shard_bytes: int = 4 * 10**9
+    order: str | None = None  # sha256 of the usage profile, None = numeric order
+
+    def check(self, *, force: bool = False) -> None:
+        for name in ("expert_bits", "io_bits", "attn_bits", "dense_bits", "shared_bits",
+                     "mtp_bits"):
+            bits = getattr(self, name)
+            allowed = (4, 8) if name == "expert_bits" else (4, 8, 32)
+            if bits not in allowed:
+                raise ConvertError(f"--{name.replace('_', '-')} {bits}: choose from {allowed}")
+        if self.group_size != 0 and self.group_size not in tuple(1 << k for k in range(4, 13)):
+            raise ConvertError(f"--group-size {self.group_size}: use 0 (per row) or a power "
+                               "of two 16..4096 (64 is the upstream default)")
+        if self.shard_bytes < 1 << 16:
+            raise ConvertError("--shard-gb must allow at least 64 KiB per shard")
+        if self.mtp_bits == 4 and not force:
+            raise ConvertError(MTP_INT4_WARNING)
+
+    def bits(self, cls: str) -> int:
+        return 32 if cls == "f32" else int(getattr(self, f"{cls}_bits"))
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+# ---- classification ----------------------------------------------------------------
+
+
+def layer_of(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def expert_of(name: str) -> tuple[int, int, str] | None:
+    """(layer, expert, proj) for a routed expert matrix name."""
+    m = _EXPERT.match(name)
+    return (int(m.group(1)), int(m.group(2)), m.group(3) + "_proj") if m else None
+
+
+def classify(name: str, shape: Sequence[int], n_layers: int) -> str:
+    """The tensor class of ``name`` (see the module table)."""
+    if len(shape) != 2:
+        return "f32"
+    if name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")) or "norm" in name:
+        return "f32"
+    layer = layer_of(name)
+    if layer is not None and layer >= n_layers:
+        return "mtp"
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return "io"
+    if expert_of(name) is not None:
+        return "expert"
+    if ".mlp.shared_experts." in name:
+        return "shared"
+    if ".self_attn." in name:
+        return "attn"
+    if ".mlp." in name:
+        return "dense"
+    return "f32"
+
+
+# ---- output formats ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OutFormat:
+    """How one logical tensor is stored: f32, int8 per row, or int4 (gs 0 = per row)."""
+
+    bits: int
+    group_size: int = 0
+
+    @property
+    def stamp(self) -> str:
+        if self.bits == 8:
+            return INT8_ROW
+        if self.bits == 4:
+            return INT4_GROUPED if self.group_size else INT4_ROW
+        return "f32"
+
+    def data_entry(self, name: str, shape: tuple[int, ...]) -> Entry:
+        if self.bits == 32:
+            n = 1
+            for d in shape:
+                n *= d
+            return Entry(name, "F32", tuple(shape), 4 * n)
+        out_f, in_f = shape
+        cols = in_f if self.bits == 8 else quant.q4_row_bytes(in_f)
+        return Entry(name, "U8", (out_f, cols), out_f * cols)
+
+    def scale_entry(self, name: str, shape: tuple[int, ...]) -> Entry | None:
+        if self.bits == 32:
+            return None
+        out_f, in_f = shape
+        groups = quant.n_groups(in_f, self.group_size if self.bits == 4 else 0)
+        scale_shape = (out_f,) if groups == 1 and self.group_size == 0 else (out_f, groups)
+        return Entry(name + ".qs", "F32", scale_shape, 4 * out_f * groups)
+
+
+def out_format(cls: str, shape: Sequence[int], params: ConvertParams) -> OutFormat:
+    bits = params.bits(cls)
+    if len(shape) != 2:
+        bits = 32
+    return OutFormat(bits, params.group_size if bits == 4 else 0)
+
+
+# ---- groups and shards -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Item:
+    """One logical tensor to write: source name == output name, its class and format."""
+
+    name: str
+    shape: tuple[int, ...]
+    cls: str
+    fmt: OutFormat
+
+
+@dataclass
+class Group:
+    """Tensors written back to back: one tensor (data then scales) or one routed expert
+    (down, gate, up data, then their scales) — the unit a shard never splits."""
+
+    items: list[Item]
+    mtp: bool = False
+    entries: list[Entry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        data = [it.fmt.data_entry(it.name, it.shape) for it in self.items]
+        scales = [it.fmt.scale_entry(it.name, it.shape) for it in self.items]
+        self.entries = data + [s for s in scales if s is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+@dataclass
+class Shard:
+    name: str
+    groups: list[Group]
+    metadata: dict[str, str]
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [e for g in self.groups for e in g.entries]
+
+    @property
+    def nbytes(self) -> int:
+        return shard_size(self.entries, self.metadata)
+
+
+ExpertOrder = Callable[[int, list[int]], list[int]]
+
+
+def _numeric(layer: int, experts: list[int]) -> list[int]:
+    return sorted(experts)
+
+
+def build_groups(tensors: Sequence[tuple[str, tuple[int, ...]]], n_layers: int,
+                 params: ConvertParams, order: ExpertOrder | None = None) -> list[Group]:
+    """Group and order the logical tensors: globals, then per layer its non-expert
+    tensors by name and its experts in numeric (or profile) order; MTP layers flagged."""
+    order = order or _numeric
+    singles: dict[int, list[Item]] = {}
+    experts: dict[int, dict[int, dict[str, Item]]] = {}
+    for name, shape in tensors:
+        cls = classify(name, shape, n_layers)
+        item = Item(name, tuple(shape), cls, out_format(cls, shape, params))
+        ex = expert_of(name)
+        if ex is not None:
+            experts.setdefault(ex[0], {}).setdefault(ex[1], {})[ex[2]] = item
+        else:
+            layer = layer_of(name)
+            singles.setdefault(-1 if layer is None else layer, []).append(item)
+    groups: list[Group] = []
+    for layer in sorted(set(singles) | set(experts)):
+        mtp = layer >= n_layers
+        for item in sorted(singles.get(layer, []), key=lambda it: it.name):
+            groups.append(Group([item], mtp))
+        by_expert = experts.get(layer, {})
+        chosen = order(layer, sorted(by_expert))
+        if sorted(chosen) != sorted(by_expert):
+            raise ConvertError(f"expert order for layer {layer} is not a permutation")
+        for e in chosen:
+            projs = by_expert[e]
+            if set(projs) != {"down_proj", "gate_proj", "up_proj"}:
+                raise ConvertError(f"layer {layer} expert {e}: needs gate/up/down_proj, has "
+                                   f"{sorted(projs)}")
+            groups.append(Group([projs[p] for p in ("down_proj", "gate_proj", "up_proj")], mtp))
+    return groups
+
+
+def shard_metadata(groups: Sequence[Group], params: ConvertParams) -> dict[str, str]:
+    """``colibri.group_size`` plus ``colibri.fmt`` stamps for the tensors whose byte sizes
+    alone would be read as another format (keeps the map far below upstream's 4096 cap)."""
+    stamps: dict[str, str] = {}
+    hint = params.group_size or None
+    for g in groups:
+        for it in g.items:
+            if it.fmt.bits == 32:
+                continue
+            data = it.fmt.data_entry(it.name, it.shape)
+            scales = it.fmt.scale_entry(it.name, it.shape)
+            assert scales is not None
+            found = container_candidates(it.shape, data.nbytes, scales.nbytes // 4, "F32", hint)
+            if len(found) != 1 or found[0].name != it.fmt.stamp:
+                if not (it.fmt.stamp == INT4_GROUPED and found and found[0].name == INT4_ROW
+                        and len(found) == 1):
+                    stamps[it.name] = it.fmt.stamp
+    meta = {"format": "pt", "colibri.converter": CONVERTER_VERSION}
+    if params.group_size:
+        meta[GROUP_SIZE_KEY] = str(params.group_size)
+    if stamps:
+        import json
+
+        meta[STAMP_KEY] = json.dumps(stamps, sort_keys=True, separators=(",", ":"))
+    return meta
+
+
+def pack_shards(groups: Sequence[Group], params: ConvertParams) -> list[Shard]:
+    """Greedy packing in plan order; a shard holds at least one group, never splits one.
+    Main layers go to ``out-NNNNN``, MTP layers to ``out-mtp-NNNNN`` (upstream names)."""
+    shards: list[Shard] = []
+    for mtp, prefix in ((False, "out"), (True, "out-mtp")):
+        current: list[Group] = []
+        size = 0
+        count = 0
+
+        def flush() -> None:
+            nonlocal current, size, count
+            if current:
+                name = f"{prefix}-{count:05d}.safetensors"
+                shards.append(Shard(name, current, shard_metadata(current, params)))
+                count += 1
+            current, size = [], 0
+
+        for g in (g for g in groups if g.mtp == mtp):
+            if current and size + g.nbytes > params.shard_bytes:
+                flush()
+            current.append(g)
+            size += g.nbytes
+        flush()
+    return shards
+
+
+def iter_items(shards: Sequence[Shard]) -> Iterator[Item]:
+    for s in shards:
+        for g in s.groups:
+            yield from g.items

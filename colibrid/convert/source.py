@@ -1,0 +1,179 @@
+"""The source checkpoint of a conversion, read row block by row block as float32.
+
+Why row blocks: a conversion must run in bounded memory on checkpoints far larger than
+RAM, and the largest single tensors (embeddings, lm_head: 154,880 x 6144) are several GB
+in f32. Every supported encoding is decoded here one block of rows at a time; the
+quantiser works per row (or per group inside a row), so block-wise conversion is
+bit-identical to whole-tensor conversion.
+
+Encodings: F32, BF16, F16, FP8 e4m3 with a ``<name>_scale_inv`` grid of 128x128 block
+scales (HF / DeepSeek), NVFP4 (modelopt, see :mod:`colibrid.convert.nvfp4`). The
+auxiliary scale tensors are consumed with their weight and not listed. Anything else is
+refused by name before any output is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from colibrid.convert import nvfp4, quant
+from colibrid.errors import ColibriError, ConvertError
+from colibrid.store.checkpoint import CONFIG_NAME, Checkpoint
+
+ROW_BLOCK_ELEMENTS = 1 << 22
+KNOWN = ("F32", "BF16", "F16", "F8_E4M3")
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    shape: tuple[int, ...]  # logical shape (NVFP4: unpacked)
+    kind: str  # f32, bf16, f16, fp8, nvfp4
+
+
+class Source:
+    """An opened source folder; ``tensors`` lists the logical tensors to convert."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self.dir = ckpt.dir
+        self.config = ckpt.config
+        self.tensors = self._classify()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Source:
+        root = Path(path)
+        if not root.is_dir():
+            raise ConvertError(f"{root}: source checkpoint folder not found")
+        if not (root / CONFIG_NAME).is_file():
+            raise ConvertError(f"{root}: no config.json (a source needs config.json, "
+                               "safetensors shards and tokenizer files)")
+        try:
+            return cls(Checkpoint.open(root))
+        except ConvertError:
+            raise
+        except ColibriError as exc:
+            raise ConvertError(str(exc)) from None
+
+    def fingerprint(self) -> list[list[object]]:
+        """Name and size of every source file: a resumed run must read the same source."""
+        return [[f.path.name, f.size] for f in self.ckpt.files]
+
+    def _classify(self) -> list[SourceTensor]:
+        ck = self.ckpt
+        names = ck.names()
+        aux: set[str] = set()
+        found: list[SourceTensor] = []
+        for name in names:
+            info = ck.info(name)
+            if info.dtype == "F8_E4M3" and ck.has(name + "_scale_inv"):
+                aux.add(name + "_scale_inv")
+            if info.dtype == "U8" and ck.has(name + nvfp4.SCALE_SUFFIX):
+                aux.update({name + nvfp4.SCALE_SUFFIX, name + nvfp4.GLOBAL_SUFFIX})
+                prefix = name.rsplit(".", 1)[0]
+                aux.add(f"{prefix}.{nvfp4.INPUT_SUFFIX}")
+        for name in names:
+            if name in aux:
+                continue
+            info = ck.info(name)
+            if info.dtype == "U8" and ck.has(name + nvfp4.SCALE_SUFFIX):
+                found.append(self._nvfp4_tensor(name))
+            elif info.dtype == "U8" and ck.has(name + ".qs"):
+                raise ConvertError(f"tensor {name!r}: source is already a colibri container "
+                                   "(U8 + .qs); convert from the original checkpoint")
+            elif info.dtype == "F8_E4M3":
+                if len(info.shape) != 2 or not ck.has(name + "_scale_inv"):
+                    raise ConvertError(f"tensor {name!r}: FP8 weight without a 2-D "
+                                       f"{name}_scale_inv block-scale grid")
+                grid = tuple(-(-d // quant.FP8_BLOCK) for d in info.shape)
+                sinfo = ck.info(name + "_scale_inv")
+                if sinfo.shape != grid or sinfo.dtype not in ("F32", "BF16"):
+                    raise ConvertError(f"tensor {name!r}_scale_inv: {sinfo.dtype} "
+                                       f"{list(sinfo.shape)}, expected F32 {list(grid)}")
+                found.append(SourceTensor(name, info.shape, "fp8"))
+            elif info.dtype in KNOWN:
+                found.append(SourceTensor(name, info.shape, info.dtype.lower()))
+            else:
+                raise ConvertError(
+                    f"tensor {name!r}: dtype {info.dtype} is not one the converter knows "
+                    "(F32, BF16, F16, F8_E4M3 + weight_scale_inv, NVFP4)")
+        return found
+
+    def _nvfp4_tensor(self, name: str) -> SourceTensor:
+        ck = self.ckpt
+        info, sinfo = ck.info(name), ck.info(name + nvfp4.SCALE_SUFFIX)
+        if len(info.shape) != 2:
+            raise ConvertError(f"tensor {name!r}: NVFP4 weight must be 2-D, got {list(info.shape)}")
+        out_f, half = info.shape
+        cols = 2 * half
+        want = (out_f, -(-cols // nvfp4.BLOCK))
+        if sinfo.dtype != "F8_E4M3" or sinfo.shape != want:
+            raise ConvertError(f"tensor {name + nvfp4.SCALE_SUFFIX!r}: {sinfo.dtype} "
+                               f"{list(sinfo.shape)}, expected F8_E4M3 {list(want)}")
+        gname = name + nvfp4.GLOBAL_SUFFIX
+        if not ck.has(gname) or ck.info(gname).dtype != "F32" or ck.info(gname).numel != 1:
+            raise ConvertError(f"tensor {name!r}: NVFP4 weight without an F32 scalar {gname!r}")
+        nvfp4.check_global(gname, float(ck.array(gname).reshape(-1)[0]))
+        return SourceTensor(name, (out_f, cols), "nvfp4")
+
+    # ---- reading ------------------------------------------------------------------
+
+    def row_step(self, t: SourceTensor) -> int:
+        cols = t.shape[-1] if t.shape else 1
+        step = max(1, ROW_BLOCK_ELEMENTS // max(1, cols))
+        if t.kind == "fp8":
+            step = max(quant.FP8_BLOCK, step // quant.FP8_BLOCK * quant.FP8_BLOCK)
+        return step
+
+    def rows(self, t: SourceTensor) -> Iterator[np.ndarray]:
+        """The tensor as float32 row blocks (a 1-D/0-D tensor comes as one block)."""
+        ck = self.ckpt
+        name = t.name
+        try:
+            if len(t.shape) != 2:
+                yield self._finite(name, _to_f32(ck.array(name), t.kind))
+                return
+            step = self.row_step(t)
+            raw = ck.array(name)
+            if t.kind == "fp8":
+                scale = ck.array(name + "_scale_inv")
+                if ck.info(name + "_scale_inv").dtype == "BF16":
+                    scale = quant.bf16_to_f32(scale)
+            elif t.kind == "nvfp4":
+                scale = ck.array(name + nvfp4.SCALE_SUFFIX)
+                glob = nvfp4.check_global(name, float(ck.array(name + nvfp4.GLOBAL_SUFFIX)
+                                                      .reshape(-1)[0]))
+            for r0 in range(0, t.shape[0], step):
+                r1 = r0 + step
+                if t.kind == "fp8":
+                    block = quant.dequantize_fp8_blocks(raw[r0:r1],
+                                                        scale[r0 // quant.FP8_BLOCK:])
+                elif t.kind == "nvfp4":
+                    block = nvfp4.decode_rows(raw[r0:r1], scale[r0:r1], glob)
+                else:
+                    block = _to_f32(raw[r0:r1], t.kind)
+                yield self._finite(name, block)
+        except ConvertError:
+            raise
+        except ColibriError as exc:
+            raise ConvertError(str(exc)) from None
+
+    @staticmethod
+    def _finite(name: str, block: np.ndarray) -> np.ndarray:
+        if not np.isfinite(block).all():
+            raise ConvertError(f"tensor {name!r}: non-finite values in the source")
+        return block
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+def _to_f32(raw: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "bf16":
+        return quant.bf16_to_f32(raw)
+    return np.asarray(raw, dtype=np.float32)

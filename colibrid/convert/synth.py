@@ -1,0 +1,212 @@
+"""``colibri synth``: a synthetic container with real per-layer shapes, for benchmarks.
+
+Why: real GLM-5 weights (~400 GB as int4) do not fit a development machine, but the
+streaming engine's behaviour depends only on the I/O regime: ~21 MB int4-g64 experts,
+8 of them per MoE layer per token, read from a file far larger than the page cache.
+A container with GLM-5's exact per-layer shapes (hidden 6144, MLA dims, expert FFN
+2048, top-8, one shared expert) but fewer layers and experts reproduces that regime.
+
+The weights are invented directly in container form, group by group (random nibbles /
+int8 codes with plausible scales, std ~ 1/sqrt(fan-in)), never as f32 matrices, and go
+through the same plan and shard writer as ``colibri convert`` (so the file layout,
+expert adjacency, atomic shards and resumability are the converter's). Every tensor is
+seeded from ``--seed`` and its name: the same arguments give the same bytes.
+
+Sizing (``--shape glm5 --layers 4 --experts 32``): 1 dense + 3 MoE layers (the real
+model's first layers are dense); 3 x 32 experts x 21.23 MB = 2.04 GB of experts, plus
+~0.6 GB of attention, dense MLP, shared experts and an 8192-token int8 embedding and
+head (the real 154,880-token vocabulary would add 1.9 GB that no benchmark streams),
+~2.7 GB in all. The tokenizer is a byte-level BPE (256 byte tokens + GLM-style special
+tokens, no merges); config.vocab_size is larger, as in real checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibrid.convert.convert import SIDE_FILES, finish, prepare_dst, run_shards
+from colibrid.convert.plan import ConvertParams, Group, Shard, build_groups, pack_shards
+from colibrid.convert.validate import expected_from_config
+from colibrid.convert.writer import write_atomic
+from colibrid.errors import ColibriError, ConvertError
+
+SPECIAL_TOKENS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
+                  "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+ROWS_PER_BLOCK_BYTES = 8 << 20
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "glm5": dict(
+        model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"],
+        hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, index_topk=2048, index_head_dim=128, index_n_heads=32,
+        rms_norm_eps=1e-5, max_position_embeddings=16384, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        attention_bias=False, vocab_size=8192),
+    "glm4-air": dict(
+        model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"],
+        hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=128, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+        norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=16384,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "partial_rotary_factor": 0.5},
+        attention_bias=True, use_qk_norm=False, vocab_size=8192),
+    "tiny": dict(  # GLM-5's structure at toy sizes: for tests
+        model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"],
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, index_topk=8, index_head_dim=16, index_n_heads=2,
+        rms_norm_eps=1e-5, max_position_embeddings=1024, rope_interleave=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False, vocab_size=320),
+}
+
+
+def synth_config(shape: str, layers: int, experts: int) -> dict[str, Any]:
+    if shape not in SHAPES:
+        raise ConvertError(f"--shape {shape!r}: choose from {', '.join(SHAPES)}")
+    if layers < 1 or experts < 1:
+        raise ConvertError("--layers and --experts must be >= 1")
+    cfg = dict(SHAPES[shape])
+    cfg.update(num_hidden_layers=layers, n_routed_experts=experts,
+               first_k_dense_replace=min(1, layers - 1), num_nextn_predict_layers=0,
+               num_experts_per_tok=min(cfg["num_experts_per_tok"], experts),
+               tie_word_embeddings=False, bos_token_id=None, pad_token_id=None,
+               eos_token_id=256, torch_dtype="bfloat16")
+    return cfg
+
+
+def tokenizer_json() -> str:
+    """A byte-level BPE with no merges: 256 byte tokens then the special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok.to_str()
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+    """The bytes of one group in file order: data of each item, then their scales."""
+    scales: list[tuple[str, np.ndarray]] = []
+    for item in group.items:
+        rng = _rng(seed, item.name)
+        bits = item.fmt.bits
+        if bits == 32:
+            yield item.name, _float_tensor(item.name, item.shape, rng)
+            continue
+        out_f, in_f = item.shape
+        data = item.fmt.data_entry(item.name, item.shape)
+        row = data.nbytes // out_f
+        step = max(1, ROWS_PER_BLOCK_BYTES // max(1, row))
+        for r0 in range(0, out_f, step):
+            n = min(step, out_f - r0) * row
+            yield item.name, np.frombuffer(rng.bytes(n), dtype=np.uint8)
+        entry = item.fmt.scale_entry(item.name, item.shape)
+        assert entry is not None
+        # uniform codes have std ~4.6 (int4) / ~74 (int8); aim at std 1/sqrt(fan-in),
+        # embeddings at std ~1
+        code_std = 4.6 if bits == 4 else 74.0
+        target = 1.0 if item.name.endswith("embed_tokens.weight") else in_f ** -0.5
+        base = np.float32(target / code_std)
+        jitter = rng.uniform(0.8, 1.2, size=entry.shape).astype(np.float32)
+        scales.append((entry.name, (jitter * base).astype(np.float32)))
+    yield from scales
+
+
+def _float_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if "norm" in name:
+        return np.ones(shape, dtype=np.float32)
+    if name.endswith(".bias"):
+        return np.zeros(shape, dtype=np.float32)
+    fan_in = shape[-1] if shape else 1
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(fan_in ** -0.5))
+
+
+def synth(dst: str | Path, shape: str = "glm5", layers: int = 4, experts: int = 32, *,
+          seed: int = 0, params: ConvertParams | None = None, quiet: bool = True) -> Path:
+    params = params or ConvertParams()
+    params.check()
+    cfg = synth_config(shape, layers, experts)
+    try:
+        args, expected = expected_from_config(cfg, lambda name: True)
+    except ColibriError as exc:
+        raise ConvertError(f"synth config: {exc}") from None
+    tensors = [(e.name, e.shape) for e in expected.values()]
+    groups = build_groups(tensors, args.trunk.num_hidden_layers, params)
+    shards = pack_shards(groups, params)
+    identity = [["synth", shape, layers, experts, seed]]
+    dst = Path(dst)
+    state = prepare_dst(dst, params, identity)
+    if state.get("complete"):
+        return dst
+
+    def chunks_of(shard: Shard) -> Iterator[tuple[str, np.ndarray]]:
+        for g in shard.groups:
+            yield from invent(g, seed)
+
+    run_shards(dst, shards, state, chunks_of, quiet=quiet)
+    write_atomic(dst / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
+    write_atomic(dst / "tokenizer.json", tokenizer_json().encode())
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+               "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
+               "model_max_length": cfg["max_position_embeddings"]}
+    write_atomic(dst / "tokenizer_config.json", (json.dumps(tok_cfg, indent=2) + "\n").encode())
+    gen = {"eos_token_id": cfg["eos_token_id"], "do_sample": False}
+    write_atomic(dst / "generation_config.json", (json.dumps(gen, indent=2) + "\n").encode())
+    assert "tokenizer.json" in SIDE_FILES
+    finish(dst, shards, state, {"synthetic": {"shape": shape, "layers": layers,
+                                              "experts": experts, "seed": seed}})
+    return dst
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="colibri synth",
+        description="Write a synthetic container with real per-layer shapes (random "
+                    "weights, same arguments -> same bytes).")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--shape", default="glm5", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="routed experts")
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--shard-gb", type=float, default=4.0)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(list(argv))
+    params = ConvertParams(expert_bits=a.bits, group_size=a.group_size,
+                           shard_bytes=int(a.shard_gb * 1e9))
+    started = time.perf_counter()
+    try:
+        out = synth(a.dst, a.shape, a.layers, a.experts, seed=a.seed, params=params,
+                    quiet=a.quiet)
+    except ColibriError as exc:
+        print(f"colibri synth: error: {exc}", file=sys.stderr)
+        return 1
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"{out}: {size / 1e9:.3f} GB in {time.perf_counter() - started:.1f} s")
+    return 0

@@ -1,0 +1,145 @@
+"""Check a container against its config before any weight byte is mapped or read.
+
+Why: a container comes from an untrusted mirror or an interrupted job. The safetensors
+reader already proves every file is self-consistent (offsets inside the file, no
+overlaps); this module proves the files are the model config.json describes: every
+tensor the model will load exists with the shape the config implies, in a format whose
+byte sizes match, with its ``.qs`` scales present. The first problem ends the check with
+one line naming the tensor.
+
+The expected tensors come from the model code itself, not a second copy of the config
+rules: the family's ``build`` runs against a recording weight source that answers with
+zero-cost broadcast placeholders and notes every (name, shape, kind) it is asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from colibrid.backends.base import QuantWeight, WeightFormat
+from colibrid.errors import CheckpointError, ColibriError
+from colibrid.store.checkpoint import Checkpoint, resolve_container_format
+from colibrid.store.safetensors_file import describe
+
+
+@dataclass(frozen=True)
+class Expected:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "matrix" (any weight format) or "vector" (float only)
+
+
+class _Recorder:
+    """A WeightSource that records requests and returns free placeholders."""
+
+    def __init__(self, has: Callable[[str], bool]) -> None:
+        self.has = has
+        self.seen: dict[str, Expected] = {}
+
+    def _note(self, name: str, shape: tuple[int, ...], kind: str) -> None:
+        self.seen.setdefault(name, Expected(name, tuple(shape), kind))
+
+    def weight(self, name: str, shape: tuple[int, int]) -> QuantWeight:
+        self._note(name, shape, "matrix")
+        return QuantWeight(WeightFormat.F32, tuple(shape), np.broadcast_to(np.float32(0), shape))
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        self._note(name, shape, "vector")
+        return np.broadcast_to(np.float32(0), shape)
+
+    def dense_f32(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        self._note(name, shape, "matrix")
+        return np.zeros(shape, dtype=np.float32)
+
+
+class _NoExperts:
+    def get_many(self, layer: int, experts: Any) -> list[Any]:
+        return []
+
+    def record(self, layer: int, experts: Any) -> None:
+        return None
+
+
+def expected_from_config(config: dict[str, Any],
+                         has: Callable[[str], bool]) -> tuple[Any, dict[str, Expected]]:
+    """(ModelArgs, every tensor the model and its expert store will load); ``has``
+    answers the model's questions about optional tensors (biases, MTP, tied head)."""
+    from colibrid.engine.engine import expert_layout
+    from colibrid.models import family
+    from colibrid.store.experts import PROJECTIONS
+
+    module = family(config.get("model_type"))
+    args = module.ModelArgs.from_config(config)
+    rec = _Recorder(has)
+    module.build(args, rec, _NoExperts(), None)
+    layout = expert_layout(args, rec)
+    for layer in layout.moe_layers:
+        for e in range(layout.n_experts):
+            for proj in PROJECTIONS:
+                rec._note(layout.tensor_name(layer, e, proj), layout.shape(proj), "matrix")
+    return args, rec.seen
+
+
+def expected_tensors(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected]]:
+    return expected_from_config(ckpt.config, ckpt.has)
+
+
+def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
+    """The stored format of ``name`` (f32/bf16/f16/fp8/int8-row/int4-row/int4-grouped),
+    from header sizes only; raises CheckpointError naming the tensor on a mismatch."""
+    info = ckpt.info(name)
+    where = f"{ckpt.file_of(name).name}: tensor {describe(name)}"
+    if info.dtype == "U8":
+        if len(shape) != 2:
+            raise CheckpointError(f"{where}: U8 data for a {len(shape)}-D tensor")
+        if not ckpt.has(name + ".qs"):
+            raise CheckpointError(f"{where}: U8 matrix without its .qs scales")
+        qs = ckpt.info(name + ".qs")
+        fmt = resolve_container_format(name, (shape[0], shape[1]), info.nbytes, qs.numel,
+                                       qs.dtype, stamp=ckpt._stamps.get(name),
+                                       hint=ckpt._group_size_hint(name))
+        if fmt.name == "int4-grouped":
+            return f"int4-g{fmt.group_size}"
+        hint = ckpt._group_size_hint(name)
+        if fmt.name == "int4-row" and hint and -(-shape[1] // hint) == 1:
+            return f"int4-g{hint}"  # one group spans the row: same bytes as per-row
+        return fmt.name
+    if info.dtype == "F8_E4M3":
+        if not ckpt.has(name + "_scale_inv"):
+            raise CheckpointError(f"{where}: FP8 weight without {name}_scale_inv")
+    elif info.dtype not in ("F32", "BF16", "F16"):
+        raise CheckpointError(f"{where}: dtype {info.dtype} is not a weight format")
+    if info.shape != tuple(shape):
+        raise CheckpointError(f"{where}: shape {list(info.shape)} but the config implies "
+                              f"{list(shape)}")
+    return {"F8_E4M3": "fp8"}.get(info.dtype, info.dtype.lower())
+
+
+def stored_bytes(ckpt: Checkpoint, name: str) -> int:
+    n = ckpt.info(name).nbytes
+    for extra in (".qs", "_scale_inv"):
+        if ckpt.has(name + extra):
+            n += ckpt.info(name + extra).nbytes
+    return n
+
+
+def validate(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected], dict[str, str]]:
+    """Validate every expected tensor; returns (args, expected, name -> format)."""
+    try:
+        args, expected = expected_tensors(ckpt)
+    except ColibriError:
+        raise
+    formats: dict[str, str] = {}
+    for exp in expected.values():
+        if not ckpt.has(exp.name):
+            raise CheckpointError(f"{ckpt.dir}: tensor {describe(exp.name)} is missing")
+        fmt = tensor_format(ckpt, exp.name, exp.shape)
+        if exp.kind == "vector" and fmt not in ("f32", "bf16", "f16"):
+            raise CheckpointError(f"{ckpt.file_of(exp.name).name}: tensor "
+                                  f"{describe(exp.name)}: {fmt} where a float tensor is needed")
+        formats[exp.name] = fmt
+    return args, expected, formats

@@ -1,0 +1,257 @@
+"""EngineHost: the trio side of the one engine thread.
+
+The engine is synchronous and thread-confined, so one long-lived thread owns it (and every
+KV session). The trio side hands it jobs and commands through a thread-safe inbox; the
+thread advances every active request by one step in turn (the prefill is one step, then
+one token each), so several requests stream interleaved and a cancelled one releases the
+engine within one token (within one layer during a prefill: the cancel flag is checked
+between layers). Events go back with `trio.from_thread.run_sync` onto each job's channel;
+a closed channel (the client left) cancels that job.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from colibrid.engine.generate import DoneEvent, generate
+from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
+from colibrid.errors import ColibriError, RequestError
+from colibrid.serve.events import Accepted, Done, Event, Failed, Token
+from colibrid.serve.requests import GenerateRequest
+
+log = logging.getLogger("colibrid.host")
+
+
+class SlowEvent(threading.Event):
+    """A cancel flag whose every check sleeps (tests: makes prefill and decode slow enough
+    to cancel them mid-flight on a tiny model)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self._delay_s = delay_s
+
+    def is_set(self) -> bool:
+        time.sleep(self._delay_s)
+        return super().is_set()
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the host; `cancel`/`stop` are set from the trio side."""
+
+    request: GenerateRequest
+    send: trio.MemorySendChannel[Event]
+    cancel: threading.Event
+    stop: threading.Event = field(default_factory=threading.Event)
+    on_finish: Callable[[], None] = lambda: None
+    gen: Iterator[Any] | None = None
+    conv_key: tuple[int, str] | None = None
+    cached: int = 0
+
+
+@dataclass(frozen=True)
+class HostStatistics:
+    active: int
+    conversations: int
+    requests_done: int
+    last_tok_s: float
+
+
+class UsageSink:
+    """Where per-request expert selections are counted (the profile book); a no-op here."""
+
+    def add(self, profile: str | None, delta: np.ndarray) -> None:  # pragma: no cover
+        pass
+
+
+class EngineHost:
+    def __init__(self, engine: Any, codec: TextCodec | None, *, max_conversations: int = 8,
+                 layer_delay_s: float = 0.0, usage: UsageSink | None = None) -> None:
+        self.engine = engine
+        self.codec = codec
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._active: list[Job] = []
+        self._sessions: OrderedDict[tuple[int, str], Any] = OrderedDict()
+        self._busy_convs: set[tuple[int, str]] = set()
+        self._max_conversations = max_conversations
+        self._layer_delay_s = layer_delay_s
+        self._usage = usage or UsageSink()
+        self._done = 0
+        self._last_tok_s = 0.0
+
+    # ---- trio side ----------------------------------------------------------------------
+    async def serve(self, *, task_status: trio.TaskStatus[EngineHost] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Runs the engine thread until `close`; returns when it has exited."""
+        task_status.started(self)
+        await trio.to_thread.run_sync(self._thread_main)
+
+    def new_cancel_flag(self) -> threading.Event:
+        return SlowEvent(self._layer_delay_s) if self._layer_delay_s > 0 else threading.Event()
+
+    def start(self, job: Job) -> None:
+        self._inbox.put(job)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run `fn` in the engine thread between two steps (e.g. re-pinning experts)."""
+        self._inbox.put(fn)
+
+    def forget_client(self, client: int) -> None:
+        """Drop the KV of a closed connection's conversations."""
+        self._inbox.put(("forget", client))
+
+    def close(self) -> None:
+        """Cancel whatever still runs and end the thread."""
+        self._inbox.put(None)
+
+    def statistics(self) -> HostStatistics:
+        return HostStatistics(len(self._active), len(self._sessions), self._done,
+                              self._last_tok_s)
+
+    # ---- engine thread ------------------------------------------------------------------
+    def _thread_main(self) -> None:
+        closing = False
+        while not (closing and not self._active):
+            try:
+                item = self._inbox.get(block=not self._active and not closing, timeout=None)
+            except queue.Empty:
+                item = ...
+            while item is not ...:
+                if item is None:
+                    closing = True
+                    for job in self._active:
+                        job.cancel.set()
+                else:
+                    self._handle(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = ...
+            for job in list(self._active):
+                self._step(job)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, Job):
+            self._begin(item)
+        elif isinstance(item, tuple) and item[0] == "forget":
+            for key in [k for k in self._sessions if k[0] == item[1]]:
+                if key not in self._busy_convs:
+                    del self._sessions[key]
+        else:
+            try:
+                item()
+            except Exception:
+                log.exception("engine-thread command failed")
+
+    def _emit(self, job: Job, event: Event) -> bool:
+        try:
+            trio.from_thread.run_sync(job.send.send_nowait, event)
+            return True
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            job.cancel.set()  # nobody listens any more
+            return False
+        except trio.RunFinishedError:
+            job.cancel.set()
+            return False
+
+    def _finish(self, job: Job, event: Event) -> None:
+        self._emit(job, event)
+        if job in self._active:
+            self._active.remove(job)
+        if job.conv_key is not None:
+            self._busy_convs.discard(job.conv_key)
+        self._done += 1
+        try:
+            trio.from_thread.run_sync(job.on_finish)
+        except trio.RunFinishedError:
+            pass
+
+    def _begin(self, job: Job) -> None:
+        try:
+            ids = self._tokenize(job.request)
+            session = self._session_for(job)
+            if not ids:
+                raise RequestError("the prompt renders to no tokens", code="EMPTY_PROMPT")
+            if len(ids) >= self.engine.max_context:
+                raise RequestError(f"{len(ids)} {self.engine.max_context}: the prompt leaves no "
+                                   "room for a generated token", code="CONTEXT_EXCEEDED")
+            job.cached = min(session.common_prefix(ids), len(ids) - 1)
+            detok = StreamingDetokenizer(self.codec) if self.codec else None
+            stops = self.codec.stop_token_ids if self.codec else frozenset()
+            job.gen = generate(self.engine, ids, job.request.params, stop_token_ids=stops,
+                               detokenizer=detok, cancel=job.cancel, session=session)
+        except ColibriError as exc:
+            self._finish(job, Failed(exc.code, str(exc)))
+            return
+        except Exception as exc:  # a bug costs this request only
+            log.exception("request %s failed to start", job.request.id)
+            self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
+            return
+        self._active.append(job)
+        self._emit(job, Accepted(len(ids), job.cached))
+
+    def _tokenize(self, req: GenerateRequest) -> list[int]:
+        if self.codec is None:
+            raise RequestError("this model has no tokenizer.json; it cannot take text prompts")
+        if req.messages is not None:
+            return self.codec.encode_chat(list(req.messages), add_generation_prompt=True)
+        return self.codec.encode(req.prompt or "", add_special_tokens=True)
+
+    def _session_for(self, job: Job) -> Any:
+        conv = job.request.conv
+        if conv is None:
+            return self.engine.new_session()
+        key = (job.request.client, conv)
+        if key in self._busy_convs:
+            raise RequestError(f"conversation {conv!r} has a request running", code="CONV_BUSY")
+        session = self._sessions.pop(key, None) or self.engine.new_session()
+        self._sessions[key] = session  # most recently used last
+        while len(self._sessions) > self._max_conversations:
+            oldest = next((k for k in self._sessions if k not in self._busy_convs), None)
+            if oldest is None or oldest == key:
+                break
+            del self._sessions[oldest]
+        self._busy_convs.add(key)
+        job.conv_key = key
+        return session
+
+    def _step(self, job: Job) -> None:
+        counts = getattr(self.engine.experts, "counts", None)
+        before = counts.copy() if counts is not None else None
+        try:
+            assert job.gen is not None
+            event = next(job.gen)
+        except ColibriError as exc:
+            self._finish(job, Failed(exc.code, str(exc)))
+            return
+        except Exception as exc:
+            log.exception("request %s failed", job.request.id)
+            self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
+            return
+        finally:
+            if before is not None:
+                self._usage.add(job.request.profile, counts - before)
+        if not isinstance(event, DoneEvent):
+            if event.text:
+                self._emit(job, Token(event.text))
+            return
+        stats = event.stats
+        self._last_tok_s = stats.decode_tok_s
+        if event.finish_reason == "cancelled" and not job.stop.is_set():
+            self._finish(job, Failed("CANCELLED", f"cancelled after {stats.generated_tokens} "
+                                     f"generated tokens"))
+            return
+        finish = "stopped" if event.finish_reason == "cancelled" else event.finish_reason
+        self._finish(job, Done(finish, stats.prompt_tokens, stats.generated_tokens, job.cached,
+                               stats.prefill_s, stats.decode_s, stats.prefill_tok_s,
+                               stats.decode_tok_s))

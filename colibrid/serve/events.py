@@ -1,0 +1,47 @@
+"""What a running request reports, in order: `Accepted`, any number of `Token`, then one
+`Done` or `Failed`. Plain frozen records shared by every front end (SERVE, later HTTP)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Validated and tokenised; sent before the prefill (the client may commit late)."""
+
+    prompt_tokens: int
+    cached_tokens: int  # prefix reused from the conversation's KV cache
+
+
+@dataclass(frozen=True)
+class Token:
+    """The text one generated token releases (never empty: held-back pieces are skipped)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """finish: "stop" (stop token/string), "length", or "stopped" (a STOP request)."""
+
+    finish: str
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+    prefill_s: float
+    decode_s: float
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ends without an answer; `code` is a SERVE error code."""
+
+    code: str
+    message: str
+
+
+Event = Accepted | Token | Done | Failed
+TERMINAL = (Done, Failed)

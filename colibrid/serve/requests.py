@@ -1,0 +1,32 @@
+"""`GenerateRequest`: a request validated once, at the edge, from its protocol form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from colibri_protocol.messages import Submit
+
+from colibrid.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """`client` identifies the connection (fair queueing, conversation ownership)."""
+
+    id: str
+    client: int
+    params: SamplingParams
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    conv: str | None = None
+    profile: str | None = None
+
+    @classmethod
+    def from_submit(cls, submit: Submit, client: int) -> GenerateRequest:
+        """Raises RequestError (BAD_REQUEST) with the reason for invalid sampling values."""
+        params = SamplingParams(max_tokens=submit.max_tokens, temperature=submit.temperature,
+                                top_p=submit.top_p, top_k=submit.top_k, seed=submit.seed,
+                                stop=submit.stop)
+        return cls(id=submit.id, client=client, params=params, prompt=submit.prompt,
+                   messages=submit.messages, conv=submit.conv, profile=submit.profile)

@@ -1,0 +1,159 @@
+"""Admission and fairness in front of the engine host.
+
+Requests wait in one bounded queue per client and are admitted round-robin across
+clients, so one chatty client cannot starve the others; at most `max_active` run at
+once (the host interleaves them token by token). A full queue fails fast with BUSY.
+`submit` is an async context manager yielding the request's event channel; leaving it
+early cancels the request (queued: removed; running: its cancel flag is set).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+
+from colibrid.engine.host import EngineHost, Job
+from colibrid.errors import ColibriError
+from colibrid.serve.events import Event, Failed
+from colibrid.serve.requests import GenerateRequest
+
+
+class ServeError(ColibriError):
+    """A request refused before it runs (BUSY, SHUTTING_DOWN)."""
+
+
+@dataclass(frozen=True)
+class SchedulerStatistics:
+    queued: int
+    running: int
+    max_queue: int
+    max_active: int
+
+
+class Handle:
+    """What a front end holds for one submitted request."""
+
+    def __init__(self, scheduler: Scheduler, job: Job,
+                 events: trio.MemoryReceiveChannel[Event]) -> None:
+        self._scheduler = scheduler
+        self.job = job
+        self.events = events
+
+    def cancel(self) -> None:
+        self._scheduler._cancel(self.job)
+
+    def stop(self) -> None:
+        """Graceful end: the answer so far is kept and DONE follows."""
+        self.job.stop.set()
+        self.cancel()
+
+
+class Scheduler:
+    def __init__(self, host: EngineHost, *, max_queue: int = 16, max_active: int = 4) -> None:
+        self.host = host
+        self.max_queue = max_queue
+        self.max_active = max_active
+        self._pending: OrderedDict[int, deque[Job]] = OrderedDict()
+        self._queued = 0
+        self._running: set[Job] = set()
+        self._open = 0
+        self._changed = trio.Event()  # wakes the dispatcher
+        self._settled = trio.Event()  # wakes wait_idle
+        self._slots = trio.Semaphore(max_active)
+        self.closing = False
+
+    async def serve(self, *, task_status: trio.TaskStatus[Scheduler] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Dispatch queued jobs to the host as slots free up (never returns)."""
+        task_status.started(self)
+        while True:
+            await self._slots.acquire()
+            while not self._queued:
+                await self._changed.wait()
+                self._changed = trio.Event()
+            job = self._pop_fair()
+            self._running.add(job)
+            job.on_finish = lambda job=job: self._finished(job)
+            self.host.start(job)
+
+    @asynccontextmanager
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[Handle]:
+        if self.closing:
+            raise ServeError("the daemon is stopping", code="SHUTTING_DOWN")
+        if self._queued >= self.max_queue:
+            raise ServeError(f"the queue is full ({self._queued} requests waiting); try again "
+                             "later", code="BUSY")
+        send, receive = trio.open_memory_channel[Event](math.inf)
+        job = Job(request, send, self.host.new_cancel_flag())
+        self._pending.setdefault(request.client, deque()).append(job)
+        self._queued += 1
+        self._open += 1
+        self._wake()
+        try:
+            async with receive:
+                yield Handle(self, job, receive)
+        finally:
+            self._cancel(job, notify=False)
+            self._open -= 1
+            self._wake()
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(self._queued, len(self._running), self.max_queue,
+                                   self.max_active)
+
+    def close_nowait(self) -> None:
+        """Refuse new requests and fail the queued ones (running ones go on)."""
+        self.closing = True
+        for jobs in list(self._pending.values()):
+            for job in list(jobs):
+                self._cancel(job, message="the daemon is stopping")
+
+    def cancel_running(self) -> None:
+        for job in list(self._running):
+            job.cancel.set()
+
+    async def wait_idle(self) -> None:
+        """Until every submitted request has been answered and its context left."""
+        while self._open:
+            await self._settled.wait()
+            self._settled = trio.Event()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _wake(self) -> None:
+        self._changed.set()
+        self._settled.set()
+
+    def _pop_fair(self) -> Job:
+        client, jobs = next(iter(self._pending.items()))
+        job = jobs.popleft()
+        self._queued -= 1
+        del self._pending[client]
+        if jobs:
+            self._pending[client] = jobs  # to the back of the round
+        return job
+
+    def _cancel(self, job: Job, *, notify: bool = True, message: str = "cancelled") -> None:
+        queue = self._pending.get(job.request.client)
+        if queue is not None and job in queue:
+            queue.remove(job)
+            self._queued -= 1
+            if not queue:
+                del self._pending[job.request.client]
+            if notify:
+                code = "CANCELLED"
+                try:
+                    job.send.send_nowait(Failed(code, f"{message} while queued"))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            return
+        job.cancel.set()
+
+    def _finished(self, job: Job) -> None:
+        self._running.discard(job)
+        self._slots.release()
+        self._wake()

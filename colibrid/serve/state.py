@@ -1,0 +1,130 @@
+"""The daemon's answers to queries (STATUS, MODEL, TELEMETRY, PROFILE): every stateful
+part's `statistics()` rendered as plain JSON-able dicts, which `colibri ps` prints.
+
+Tier figures come from the expert store's own `statistics()` when it has one (the tiered
+store); the fully resident store is reported as everything in RAM, hit rate 100%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from colibrid import __version__
+from colibrid.engine.host import EngineHost
+from colibrid.serve.profiles import ProfileBook, ProfileError
+from colibrid.serve.scheduler import Scheduler
+
+GB = 1024**3
+
+
+@dataclass
+class DaemonState:
+    model_name: str
+    model_dir: Path
+    engine: Any
+    host: EngineHost
+    scheduler: Scheduler
+    profiles: ProfileBook
+    started: float = dataclasses.field(default_factory=time.time)
+
+    def hello(self) -> list[str]:
+        return ["1", f"colibrid/{__version__}", f"model={self.model_name}"]
+
+    def expert_bytes(self) -> int:
+        layout = self.engine.experts.layout
+        return 3 * layout.hidden * layout.ffn * 4  # f32 resident experts
+
+    def tiers(self) -> dict[str, Any]:
+        store = self.engine.experts
+        stats = getattr(store, "statistics", None)
+        if callable(stats):
+            return dataclasses.asdict(stats()) if dataclasses.is_dataclass(stats()) else stats()
+        layout = store.layout
+        total = len(store.layers) * layout.n_experts
+        size = self.expert_bytes()
+        pinned = len(self.pinned())
+        return {
+            "vram": {"experts": 0, "gb": 0.0},
+            "ram": {"experts": total, "gb": total * size / GB, "pinned": pinned,
+                    "pinned_gb": pinned * size / GB},
+            "disk": {"experts": 0, "gb": 0.0},
+            "hit_rate": 1.0,
+        }
+
+    def pinned(self) -> frozenset[tuple[int, int]]:
+        return frozenset(getattr(self.profiles.pins, "pinned", frozenset()))
+
+    def status(self) -> dict[str, Any]:
+        host, sched = self.host.statistics(), self.scheduler.statistics()
+        tiers = self.tiers()
+        return {
+            "pid": os.getpid(), "version": __version__, "model": self.model_name,
+            "model_dir": str(self.model_dir), "uptime_s": round(time.time() - self.started, 1),
+            "profile": self.profiles.active, "queued": sched.queued, "running": sched.running,
+            "max_queue": sched.max_queue, "last_tok_s": round(host.last_tok_s, 2),
+            "requests_done": host.requests_done, "conversations": host.conversations,
+            "rss_gb": round(rss_gb(), 3), "tiers": tiers, "hit_rate": tiers.get("hit_rate"),
+            "pinned": sorted(self.pinned()), "stopping": sched.max_queue and self.scheduler.closing,
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        engine, layout = self.engine, self.engine.experts.layout
+        return {"name": self.model_name, "dir": str(self.model_dir),
+                "model_type": engine.info.model_type, "layers": engine.info.n_layers,
+                "moe_layers": list(layout.moe_layers), "experts": layout.n_experts,
+                "hidden": layout.hidden, "expert_ffn": layout.ffn,
+                "max_context": engine.max_context, "vocab_size": engine.vocab_size,
+                "load_s": round(engine.info.load_s, 3)}
+
+    def telemetry(self) -> dict[str, Any]:
+        tiers = self.tiers()
+        return {"tiers": tiers, "hit_rate": tiers.get("hit_rate"), "rss_gb": round(rss_gb(), 3),
+                "pinned": len(self.pinned())}
+
+    async def profile(self, action: str, name: str | None) -> tuple[str, Any]:
+        """Returns (reply kind, body): PROFILES json, PROFILE json, or OK words."""
+        book = self.profiles
+        if action == "LIST":
+            return "PROFILES", {"model": self.model_name, "active": book.active,
+                                "profiles": book.listing()}
+        if action == "SHOW":
+            assert name is not None
+            if name not in book.names():
+                raise ProfileError(f"no profile {name!r} for {self.model_name}")
+            counts = book.counts(name)
+            layers = list(self.engine.experts.layers)
+            return "PROFILE", {"name": name, "model": self.model_name, "layers": layers,
+                               "counts": [counts[layer].tolist() for layer in layers]}
+        if action == "USE":
+            assert name is not None
+            book.active = name
+            self.repin_soon()
+            return "OK", ["PROFILE", "USE", name]
+        path = await trio.to_thread.run_sync(lambda: book.save(name, source=book.active))
+        return "OK", ["PROFILE", "SAVE", name or book.active, str(path)]
+
+    def repin_soon(self) -> None:
+        """Choose the pins from the active profile and hand them to the store between two
+        engine steps: serving continues, no token changes."""
+        book = self.profiles
+
+        def repin() -> None:
+            book.pins.set_pinned(book.pin_set())
+
+        self.host.call_soon(repin)
+
+
+def rss_gb() -> float:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GB
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2

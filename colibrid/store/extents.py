@@ -1,0 +1,184 @@
+"""Byte ranges of each routed expert, coalesced into as few aligned reads as possible.
+
+Why: streaming an expert must cost one (or a few) large reads, not six small ones, and
+O_DIRECT needs offset, length and buffer aligned to the device block. This module turns
+an expert's tensors (three matrices, plus a ``.qs`` scales tensor each for colibri
+containers) into a short list of aligned reads and a recipe for numpy views into the
+slab those reads fill — computed once at start-up from safetensors headers only, never
+by reading expert data (a GLM-5 container has 19,200 experts).
+
+Checkpoints written by transformers are not expert-contiguous in general (alphabetical
+order puts ``experts.10`` between ``experts.1`` and ``experts.2``; safetensors groups
+tensors by dtype so U8 data and F32 scales land apart), so an expert may need several
+reads; each read covers the aligned superset of a run of adjacent tensors.
+
+Formats whose bytes are not the in-memory weight (FP8, F16: dequantised on load) cannot
+be streamed raw; :func:`plan_layer` reports them as :class:`NotStreamable` and the engine
+keeps such checkpoints resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from colibrid.backends.base import QuantWeight, WeightFormat
+from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.experts import PROJECTIONS, ExpertLayout, ExpertWeights
+
+ALIGN = 4096
+"""O_DIRECT alignment used for offsets, lengths and buffers (covers 512 B and 4 KiB
+sectors; macOS F_NOCACHE and buffered reads are happy with it too)."""
+
+
+class NotStreamable(Exception):
+    """An expert tensor whose file bytes are not its in-memory form (FP8, F16, ...)."""
+
+
+def align_down(x: int, a: int = ALIGN) -> int:
+    return x - x % a
+
+
+def align_up(x: int, a: int = ALIGN) -> int:
+    return -(-x // a) * a
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """How one matrix looks in memory: enough to rebuild its QuantWeight from raw bytes."""
+
+    fmt: WeightFormat
+    shape: tuple[int, int]
+    dtype: np.dtype
+    data_shape: tuple[int, ...]
+    scales_shape: tuple[int, ...] | None
+    group_size: int
+
+
+@dataclass(frozen=True)
+class Read:
+    """One aligned read: ``length`` bytes at ``offset`` of file ``file`` into the slab at
+    ``slab_offset`` (all multiples of ALIGN)."""
+
+    file: int
+    offset: int
+    length: int
+    slab_offset: int
+
+
+@dataclass(frozen=True)
+class ExpertExtents:
+    """Reads that fetch one expert and where each tensor then sits in its slab."""
+
+    reads: tuple[Read, ...]
+    specs: tuple[ViewSpec, ViewSpec, ViewSpec]
+    data_at: tuple[int, int, int]  # slab offsets of gate/up/down data
+    scales_at: tuple[int | None, int | None, int | None]
+    slab_bytes: int  # aligned bytes the reads fill
+    payload_bytes: int  # exact tensor bytes (what the model needs)
+
+    def views(self, slab: np.ndarray) -> ExpertWeights:
+        """Zero-copy QuantWeights over a filled slab (uint8, at least slab_bytes long)."""
+        mats = []
+        for spec, at, s_at in zip(self.specs, self.data_at, self.scales_at, strict=True):
+            n = int(np.prod(spec.data_shape)) * spec.dtype.itemsize
+            data = slab[at:at + n].view(spec.dtype).reshape(spec.data_shape)
+            scales = None
+            if spec.scales_shape is not None and s_at is not None:
+                m = int(np.prod(spec.scales_shape)) * 4
+                scales = slab[s_at:s_at + m].view(np.float32).reshape(spec.scales_shape)
+            mats.append(QuantWeight(spec.fmt, spec.shape, data, scales, spec.group_size))
+        return ExpertWeights(*mats)
+
+
+def _spec_of(w: QuantWeight) -> ViewSpec:
+    scales = None if w.scales is None else tuple(w.scales.shape)
+    return ViewSpec(w.fmt, w.shape, w.data.dtype, tuple(w.data.shape), scales, w.group_size)
+
+
+class ExtentPlanner:
+    """Plans every expert of a checkpoint; view recipes are shared by size signature so
+    only one expert per distinct signature is ever opened as a weight."""
+
+    def __init__(self, checkpoint: Checkpoint, layout: ExpertLayout) -> None:
+        self.checkpoint = checkpoint
+        self.layout = layout
+        self.files: list[Path] = []
+        self._file_index: dict[Path, int] = {}
+        self._specs: dict[tuple, ViewSpec] = {}
+
+    def _file(self, name: str) -> int:
+        path = self.checkpoint.file_of(name)
+        if path not in self._file_index:
+            self._file_index[path] = len(self.files)
+            self.files.append(path)
+        return self._file_index[path]
+
+    def _spec(self, name: str, shape: tuple[int, int]) -> ViewSpec:
+        ckpt = self.checkpoint
+        info = ckpt.info(name)
+        qs = ckpt.info(name + ".qs") if info.dtype == "U8" and ckpt.has(name + ".qs") else None
+        key = (info.dtype, info.nbytes, info.shape, shape,
+               None if qs is None else (qs.dtype, qs.nbytes, qs.shape))
+        spec = self._specs.get(key)
+        if spec is None:
+            w = ckpt.weight(name, shape)  # validates, once per signature
+            raw_ok = info.dtype in ("F32", "BF16", "U8") and w.data.nbytes == info.nbytes
+            if qs is not None:
+                raw_ok = raw_ok and qs.dtype == "F32" and w.scales is not None \
+                    and w.scales.nbytes == qs.nbytes
+            if not raw_ok:
+                raise NotStreamable(f"{name}: {info.dtype} experts are converted on load")
+            spec = self._specs[key] = _spec_of(w)
+        return spec
+
+    def plan(self, layer: int, expert: int, template: str | None = None) -> ExpertExtents:
+        ckpt = self.checkpoint
+        specs: list[ViewSpec] = []
+        ranges: list[tuple[int, int, int, tuple[int, str]]] = []  # file, begin, end, tag
+        for i, proj in enumerate(PROJECTIONS):
+            name = self.layout.tensor_name(layer, expert, proj, template)
+            spec = self._spec(name, self.layout.shape(proj))
+            specs.append(spec)
+            info = ckpt.info(name)
+            ranges.append((self._file(name), info.file_begin, info.file_end, (i, "data")))
+            if spec.scales_shape is not None:
+                qs = ckpt.info(name + ".qs")
+                ranges.append((self._file(name + ".qs"), qs.file_begin, qs.file_end,
+                               (i, "scales")))
+        ranges.sort()
+        reads: list[Read] = []
+        placed: dict[tuple[int, str], int] = {}
+        cur: list[int] | None = None  # [file, aligned_begin, aligned_end, slab_offset]
+        members: list[tuple[int, tuple[int, str]]] = []
+        slab = 0
+
+        def flush() -> None:
+            nonlocal slab
+            if cur is None:
+                return
+            reads.append(Read(cur[0], cur[1], cur[2] - cur[1], cur[3]))
+            for begin, tag in members:
+                placed[tag] = cur[3] + begin - cur[1]
+            slab = cur[3] + cur[2] - cur[1]
+
+        for f, begin, end, tag in ranges:
+            a0, a1 = align_down(begin), align_up(end)
+            if cur is not None and f == cur[0] and a0 <= cur[2]:
+                cur[2] = max(cur[2], a1)
+            else:
+                flush()
+                cur, members = [f, a0, a1, slab], []
+            members.append((begin, tag))
+        flush()
+        payload = sum(e - b for _, b, e, _ in ranges)
+        return ExpertExtents(
+            reads=tuple(reads),
+            specs=(specs[0], specs[1], specs[2]),
+            data_at=(placed[(0, "data")], placed[(1, "data")], placed[(2, "data")]),
+            scales_at=tuple(placed.get((i, "scales")) for i in range(3)),  # type: ignore[arg-type]
+            slab_bytes=slab,
+            payload_bytes=payload,
+        )

@@ -1,0 +1,166 @@
+"""Expert reads: direct I/O file handles and a persistent pool of reader threads.
+
+Why threads: ``os.preadv`` releases the GIL, so several reads keep the drive's queue
+busy while the engine thread computes the experts that are already resident. Workers
+only fill slabs and report the slot number on a completion queue; every cache decision
+stays on the engine thread, so there is nothing to lock around the cache.
+
+Direct I/O: O_DIRECT on Linux (offset, length and buffer are ALIGN-aligned: the planner
+reads the aligned superset), F_NOCACHE on macOS. Filesystems that refuse it (tmpfs,
+some overlays: EINVAL) fall back to buffered reads and the reason is kept in
+``ReadFiles.mode`` so callers can report it.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from colibrid.errors import CheckpointError
+from colibrid.store.extents import ALIGN, Read
+
+log = logging.getLogger("colibri.store")
+
+
+def _probe_direct(fd: int, size: int) -> str | None:
+    """None when an aligned O_DIRECT read works on ``fd``, else the reason it does not."""
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        os.preadv(fd, [buf], 0) if size else None
+        return None
+    except OSError as exc:
+        return f"{exc.strerror or exc} ({os.strerror(exc.errno) if exc.errno else ''})".strip()
+    finally:
+        buf.close()
+
+
+class ReadFiles:
+    """One read-only descriptor per weight file, opened direct when asked and possible."""
+
+    def __init__(self, paths: Sequence[Path], *, direct: bool) -> None:
+        self.paths = list(paths)
+        self.fds: list[int] = []
+        self.sizes: list[int] = []
+        self.mode = "buffered"
+        reasons: list[str] = []
+        for path in self.paths:
+            fd, why = self._open(path, direct)
+            self.fds.append(fd)
+            self.sizes.append(os.fstat(fd).st_size)
+            if why:
+                reasons.append(f"{path.name}: {why}")
+        if direct and not reasons:
+            self.mode = "O_DIRECT" if sys.platform.startswith("linux") else "F_NOCACHE"
+        elif direct:
+            self.mode = "buffered (direct I/O unsupported: " + "; ".join(reasons[:2]) + ")"
+            log.warning("colibri: direct I/O not available, using buffered reads: %s",
+                        "; ".join(reasons[:2]))
+
+    @staticmethod
+    def _open(path: Path, direct: bool) -> tuple[int, str | None]:
+        try:
+            if direct and hasattr(os, "O_DIRECT"):
+                try:
+                    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                except OSError as exc:
+                    why = f"open O_DIRECT: {exc.strerror}"
+                else:
+                    why = _probe_direct(fd, os.fstat(fd).st_size)
+                    if why is None:
+                        return fd, None
+                    os.close(fd)
+                return os.open(path, os.O_RDONLY), why
+            fd = os.open(path, os.O_RDONLY)
+            if direct:
+                nocache = getattr(__import__("fcntl"), "F_NOCACHE", None)
+                if nocache is None:
+                    return fd, "no O_DIRECT or F_NOCACHE on this platform"
+                __import__("fcntl").fcntl(fd, nocache, 1)
+            return fd, None
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot open for reading ({exc.strerror})") from None
+
+    @property
+    def direct(self) -> bool:
+        return self.mode in ("O_DIRECT", "F_NOCACHE")
+
+    def read_into(self, reads: Sequence[Read], target: memoryview) -> int:
+        """Run ``reads`` into ``target``; returns bytes read. Short reads are retried;
+        the aligned tail past end-of-file is allowed to come back short."""
+        total = 0
+        for r in reads:
+            fd, size = self.fds[r.file], self.sizes[r.file]
+            want = min(r.length, size - r.offset)
+            done = 0
+            while done < want:
+                n = os.preadv(fd, [target[r.slab_offset + done:r.slab_offset + r.length]],
+                              r.offset + done)
+                if n <= 0:
+                    raise CheckpointError(
+                        f"{self.paths[r.file]}: short read at {r.offset + done} "
+                        f"({done}/{want} bytes)")
+                done += n
+            total += done
+        return total
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+
+class IOPool:
+    """Persistent reader threads. ``submit(tag, reads, target)``; results come back on
+    ``done`` as ``(tag, nbytes, error_or_None)`` in completion order.
+
+    With ``threads == 0`` the read runs inline in ``submit`` and its result is queued
+    the same way, so callers have one code path and the output cannot depend on it.
+    """
+
+    def __init__(self, files: ReadFiles, threads: int) -> None:
+        self.files = files
+        self.threads = max(0, int(threads))
+        self.done: queue.SimpleQueue[tuple[int, int, BaseException | None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, Sequence[Read], memoryview] | None] = \
+            queue.SimpleQueue()
+        self._workers = [threading.Thread(target=self._work, name=f"colibri-io-{i}", daemon=True)
+                         for i in range(self.threads)]
+        for t in self._workers:
+            t.start()
+
+    def _run(self, tag: int, reads: Sequence[Read], target: memoryview) -> None:
+        try:
+            n = self.files.read_into(reads, target)
+        except BaseException as exc:  # reported to the waiter, never lost in a thread
+            self.done.put((tag, 0, exc))
+        else:
+            self.done.put((tag, n, None))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            self._run(*job)
+
+    def submit(self, tag: int, reads: Sequence[Read], target: memoryview) -> None:
+        if self.threads:
+            self._jobs.put((tag, reads, target))
+        else:
+            self._run(tag, reads, target)
+
+    def close(self) -> None:
+        for _ in self._workers:
+            self._jobs.put(None)
+        for t in self._workers:
+            t.join(timeout=5)
+        self._workers = []

@@ -1,0 +1,44 @@
+"""Belady's optimal replacement (offline): evict the entry used farthest in the future.
+
+Only possible on a recorded trace; `colibri bench policy` prints it as the limit the
+online policies are measured against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, int]:
+    """Hits and lookups of the optimal policy on one layer's per-step unions (a miss may
+    bypass the cache when it is reused later than everything cached), never evicting a
+    key the current step needs: an upper bound for every online policy."""
+    steps = [sorted(set(s)) for s in accesses]
+    future: dict[int, list[int]] = {}
+    for t in range(len(steps) - 1, -1, -1):
+        for key in steps[t]:
+            future.setdefault(key, []).append(t)  # descending; pop() gives the next use
+    cached: set[int] = set()
+    hits = lookups = 0
+    for t, step in enumerate(steps):
+        for key in step:
+            future[key].pop()
+            lookups += 1
+            hits += key in cached
+        need = set(step)
+        for key in step:
+            if key in cached or capacity <= 0:
+                continue
+            if len(cached) >= capacity:
+                candidates = [k for k in cached if k not in need]
+                if not candidates:
+                    continue
+                victim = max(candidates,
+                             key=lambda k: future[k][-1] if future[k] else len(steps) + 1)
+                nxt_new = future[key][-1] if future[key] else len(steps) + 1
+                nxt_victim = future[victim][-1] if future[victim] else len(steps) + 1
+                if nxt_new >= nxt_victim:
+                    continue  # optimal: bypass a key reused later than everything cached
+                cached.discard(victim)
+            cached.add(key)
+    return hits, lookups

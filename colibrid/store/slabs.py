@@ -1,0 +1,61 @@
+"""Preallocated, pre-faulted, aligned expert slabs in one anonymous mapping.
+
+Why one arena: every expert read lands in a fixed-size slot, so the hot path allocates
+nothing; an anonymous mmap is page-aligned (O_DIRECT needs an aligned buffer) and its
+pages can be handed back to the kernel slot by slot (``MADV_DONTNEED``) when MEMWATCH
+shrinks the cache, then faulted in again when it grows back — without unmapping memory
+that numpy views still reference. Pages are touched once at start-up because RAM the VM
+never touched fills slowly the first time (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from colibrid.store.extents import ALIGN, align_up
+
+PAGE = mmap.PAGESIZE
+
+
+class SlabArena:
+    """``n_slots`` slots of ``slot_bytes`` (rounded up to ALIGN) each."""
+
+    def __init__(self, slot_bytes: int, n_slots: int, *, prefault: bool = True) -> None:
+        if n_slots < 1 or slot_bytes < 1:
+            raise ValueError(f"need at least one slot of >= 1 byte, got {n_slots} x {slot_bytes}")
+        self.slot_bytes = align_up(slot_bytes, max(ALIGN, PAGE))
+        self.n_slots = n_slots
+        self._mm = mmap.mmap(-1, self.slot_bytes * n_slots)
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self._mv = memoryview(self._mm)
+        self._slots = [self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+                       for i in range(n_slots)]
+        self._views = [self._mv[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+                       for i in range(n_slots)]
+        if prefault:
+            for i in range(n_slots):
+                self.fault_in(i)
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.n_slots
+
+    def slot(self, i: int) -> np.ndarray:
+        """The uint8 array of slot ``i`` (a preallocated view)."""
+        return self._slots[i]
+
+    def memview(self, i: int) -> memoryview:
+        """Slot ``i`` as a writable memoryview (what ``os.preadv`` fills)."""
+        return self._views[i]
+
+    def fault_in(self, i: int) -> None:
+        self._slots[i][::PAGE] = 0
+
+    def release(self, i: int) -> None:
+        """Give slot ``i``'s pages back to the kernel (its contents become zeros)."""
+        madvise = getattr(self._mm, "madvise", None)
+        dontneed = getattr(mmap, "MADV_DONTNEED", None)
+        if madvise is not None and dontneed is not None:
+            madvise(dontneed, i * self.slot_bytes, self.slot_bytes)

@@ -1,0 +1,104 @@
+"""Store telemetry: counters the store bumps on its hot path and the frozen snapshot
+``statistics()`` hands out (per request and cumulative).
+
+Why split by tier: the hit rate alone hides *why* a token was fast; pinned hits cost
+nothing to keep, cache hits cost RAM, prefetched hits are PILOT's work and misses are
+disk time. Bytes read per token and achieved GB/s are what the roofline compares.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class Counters:
+    hits_pinned: int = 0
+    hits_cache: int = 0
+    hits_prefetched: int = 0
+    misses: int = 0
+    bytes_read: int = 0  # demand + prefetch bytes from disk (aligned supersets)
+    prefetch_bytes: int = 0
+    io_active_s: float = 0.0  # wall time with at least one demand read in flight
+    io_wait_s: float = 0.0  # engine thread blocked on a read
+    compute_s: float = 0.0  # engine thread inside expert compute (between yields)
+    tokens: int = 0
+    token_wall_s: float = 0.0
+    pilot_predicted: int = 0  # predicted (layer, expert) keys
+    pilot_correct: int = 0  # predicted keys the layer then chose
+    pilot_chosen: int = 0  # keys chosen in layers that had a prediction
+    pilot_loads: int = 0  # prefetch reads issued
+
+    def copy(self) -> Counters:
+        return Counters(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def minus(self, other: Counters) -> Counters:
+        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name)
+                           for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot: hit rates by tier, I/O volume and speed, time split, PILOT, cache size."""
+
+    lookups: int
+    hits_pinned: int
+    hits_cache: int
+    hits_prefetched: int
+    misses: int
+    bytes_read: int
+    bytes_per_token: float
+    read_gb_s: float
+    io_wait_s: float
+    compute_s: float
+    other_s: float
+    tokens: int
+    pilot_recall: float | None
+    pilot_loads: int
+    cache_per_layer: int
+    cache_bytes: int
+    pinned: int
+    io_mode: str
+    policy: str
+    memwatch: str
+
+    @property
+    def hit_rate(self) -> float:
+        return 1.0 - self.misses / self.lookups if self.lookups else 0.0
+
+    def lines(self, title: str = "store") -> list[str]:
+        n = max(self.lookups, 1)
+        pct = lambda x: f"{100.0 * x / n:.1f}%"  # noqa: E731
+        recall = "off" if self.pilot_recall is None else f"{100 * self.pilot_recall:.1f}%"
+        return [
+            f"{title}: hit {100 * self.hit_rate:.1f}% of {self.lookups} lookups (pinned "
+            f"{pct(self.hits_pinned)}, cache {pct(self.hits_cache)}, prefetched "
+            f"{pct(self.hits_prefetched)}, miss {pct(self.misses)})",
+            f"{title}: read {self.bytes_read / 1e9:.3f} GB, {self.bytes_per_token / 1e6:.1f} MB/"
+            f"token, {self.read_gb_s:.2f} GB/s achieved ({self.io_mode})",
+            f"{title}: time io-wait {self.io_wait_s:.3f} s, expert compute {self.compute_s:.3f} "
+            f"s, other (attention, dense, sampling) {self.other_s:.3f} s over {self.tokens} "
+            "forward passes",
+            f"{title}: PILOT recall {recall}, {self.pilot_loads} prefetch loads; cache "
+            f"{self.cache_per_layer} experts/layer ({self.cache_bytes / 2**30:.2f} GiB, "
+            f"{self.policy}), {self.pinned} pinned; memwatch: {self.memwatch}",
+        ]
+
+
+def snapshot(c: Counters, *, cache_per_layer: int, cache_bytes: int, pinned: int,
+             io_mode: str, policy: str, memwatch: str) -> StoreStats:
+    lookups = c.hits_pinned + c.hits_cache + c.hits_prefetched + c.misses
+    return StoreStats(
+        lookups=lookups, hits_pinned=c.hits_pinned, hits_cache=c.hits_cache,
+        hits_prefetched=c.hits_prefetched, misses=c.misses, bytes_read=c.bytes_read,
+        bytes_per_token=c.bytes_read / c.tokens if c.tokens else 0.0,
+        read_gb_s=c.bytes_read / c.io_active_s / 1e9 if c.io_active_s > 0 else 0.0,
+        io_wait_s=c.io_wait_s, compute_s=c.compute_s,
+        other_s=max(0.0, c.token_wall_s - c.io_wait_s - c.compute_s), tokens=c.tokens,
+        pilot_recall=c.pilot_correct / c.pilot_chosen if c.pilot_chosen else None,
+        pilot_loads=c.pilot_loads, cache_per_layer=cache_per_layer, cache_bytes=cache_bytes,
+        pinned=pinned, io_mode=io_mode, policy=policy, memwatch=memwatch)
+
+
+now = time.perf_counter

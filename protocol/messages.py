@@ -1,0 +1,338 @@
+"""Typed SERVE messages on top of the framing: requests the daemon parses, responses the
+clients parse, and the encoders for both. Still sans-IO and free of heavy imports.
+
+Requests validate *syntax* only (numbers are numbers, ids are ids, JSON is JSON); the
+daemon validates meaning (sampling ranges, context) and answers BAD_REQUEST with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote
+
+from colibri_protocol.codec import (
+    Frame,
+    encode_framed,
+    encode_line,
+    encode_text_line,
+    is_valid_id,
+    positional,
+)
+from colibri_protocol.errors import ProtocolError
+
+# ---- requests (client -> daemon) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+
+
+@dataclass(frozen=True)
+class Submit:
+    """One generation request. Exactly one of `prompt` (raw text, the template is the
+    client's business) and `messages` (a chat list the daemon renders) is set."""
+
+    id: str
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    conv: str | None = None
+    profile: str | None = None
+    model: str | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    id: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: str
+
+
+@dataclass(frozen=True)
+class Query:
+    """STATUS, MODEL or TELEMETRY: answered with a JSON reply of the same kind."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class ProfileCommand:
+    """PROFILE LIST | SHOW <name> | USE <name> | SAVE [<name>]."""
+
+    action: str
+    name: str | None = None
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class Quit:
+    pass
+
+
+Request = Hello | Submit | Stop | Cancel | Query | ProfileCommand | Ping | Quit
+
+_INT_OPTS = {"max_tokens", "top_k", "seed"}
+_FLOAT_OPTS = {"temperature", "top_p"}
+_STR_OPTS = {"conv", "profile", "model"}
+_PROFILE_ACTIONS = {"LIST": 0, "SHOW": 1, "USE": 1, "SAVE": -1}
+
+
+def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
+    opts: dict[str, Any] = {"stop": []}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ProtocolError("BAD_FRAME", f"expected key=value, got {arg!r}", rid)
+        try:
+            if key in _INT_OPTS:
+                opts[key] = int(value)
+            elif key in _FLOAT_OPTS:
+                opts[key] = float(value)
+                if not math.isfinite(opts[key]):
+                    raise ValueError(value)
+            elif key == "stop":
+                opts["stop"].append(unquote(value, errors="strict"))
+            elif key == "chat":
+                if value not in ("0", "1"):
+                    raise ValueError(value)
+                opts["chat"] = value == "1"
+            elif key in _STR_OPTS:
+                if not is_valid_id(value):
+                    raise ValueError(value)
+                opts[key] = value
+            else:
+                raise ProtocolError("BAD_REQUEST", f"unknown option {key!r}", rid)
+        except (ValueError, UnicodeDecodeError):
+            raise ProtocolError("BAD_REQUEST", f"bad value for {key}: {value[:40]!r}",
+                                rid) from None
+    return opts
+
+
+def _messages(text: str, rid: str) -> tuple[dict[str, Any], ...]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ProtocolError("BAD_REQUEST", f"chat payload is not JSON: {exc}", rid) from None
+    if isinstance(value, dict):
+        value = value.get("messages")
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in value)
+    if not ok:
+        raise ProtocolError("BAD_REQUEST", "chat payload must be a non-empty JSON list of "
+                            '{"role": ..., "content": ...} objects', rid)
+    return tuple(value)
+
+
+def _parse_submit(frame: Frame) -> Submit:
+    args, payload = frame.args, frame.payload or b""
+    rid = args[0] if args else "-"
+    if not is_valid_id(rid):
+        raise ProtocolError("BAD_FRAME", f"bad request id {rid[:40]!r} (1-63 of A-Za-z0-9_.:-)")
+    pos = positional(args)
+    opts = _options(args[len(pos):], rid)
+    if len(pos) >= 6:  # upstream mux form: slot, bytes, max_tokens, temperature, top_p
+        try:
+            opts.setdefault("max_tokens", int(pos[3]))
+            opts.setdefault("temperature", float(pos[4]))
+            opts.setdefault("top_p", float(pos[5]))
+        except ValueError:
+            raise ProtocolError("BAD_REQUEST", "bad number in SUBMIT", rid) from None
+        if pos[1] not in ("0", "-"):
+            opts.setdefault("conv", f"slot{pos[1]}")
+        if len(pos) >= 7 and pos[6] != "0":
+            raise ProtocolError("BAD_REQUEST", "grammars are not supported", rid)
+        payload = payload[: int(pos[2])]
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("BAD_REQUEST", "payload is not valid UTF-8", rid) from None
+    chat = opts.pop("chat", False)
+    stop = tuple(opts.pop("stop"))
+    if chat:
+        return Submit(rid, messages=_messages(text, rid), stop=stop, **opts)
+    return Submit(rid, prompt=text, stop=stop, **opts)
+
+
+def parse_request(frame: Frame) -> Request:
+    """A client frame as a typed request, or ProtocolError naming the problem."""
+    kind, args = frame.kind, frame.args
+    if kind == "SUBMIT":
+        return _parse_submit(frame)
+    if kind in ("STOP", "CANCEL"):
+        if len(args) != 1 or not is_valid_id(args[0]):
+            raise ProtocolError("BAD_FRAME", f"{kind} needs `{kind} <id>`")
+        return Stop(args[0]) if kind == "STOP" else Cancel(args[0])
+    if kind == "HELLO":
+        if len(args) > 1 or (args and not args[0].isdigit()):
+            raise ProtocolError("BAD_FRAME", "HELLO needs `HELLO [<version>]`")
+        return Hello(int(args[0]) if args else 1)
+    if kind in ("STATUS", "MODEL", "TELEMETRY"):
+        if args:
+            raise ProtocolError("BAD_FRAME", f"{kind} takes no arguments")
+        return Query(kind)
+    if kind == "PROFILE":
+        return _parse_profile(args)
+    if kind in ("PING", "QUIT"):
+        return Ping() if kind == "PING" else Quit()
+    raise ProtocolError("UNKNOWN_VERB", f"unknown verb {kind[:40]!r} (try HELLO, SUBMIT, "
+                        "STOP, CANCEL, STATUS, MODEL, TELEMETRY, PROFILE, PING, QUIT)")
+
+
+def _parse_profile(args: Sequence[str]) -> ProfileCommand:
+    action = args[0].upper() if args else ""
+    arity = _PROFILE_ACTIONS.get(action)
+    names = args[1:]
+    if arity is None or (arity >= 0 and len(names) != arity) or len(names) > 1:
+        raise ProtocolError("BAD_FRAME", "PROFILE needs LIST | SHOW <name> | USE <name> | "
+                            "SAVE [<name>]")
+    if names and not is_valid_id(names[0]):
+        raise ProtocolError("BAD_REQUEST", f"bad profile name {names[0][:40]!r}")
+    return ProfileCommand(action, names[0] if names else None)
+
+
+def encode_submit(req: Submit) -> bytes:
+    """The native SUBMIT frame for `req` (what `colibri ask` sends)."""
+    opts = [f"max_tokens={req.max_tokens}", f"temperature={req.temperature:g}"]
+    if req.top_p != 1.0:
+        opts.append(f"top_p={req.top_p:g}")
+    if req.top_k:
+        opts.append(f"top_k={req.top_k}")
+    if req.seed is not None:
+        opts.append(f"seed={req.seed}")
+    opts += [f"stop={quote(s, safe='')}" for s in req.stop]
+    opts += [f"{k}={v}" for k in ("conv", "profile", "model") if (v := getattr(req, k))]
+    if req.messages is not None:
+        opts.append("chat=1")
+        payload = json.dumps(list(req.messages), ensure_ascii=False).encode("utf-8")
+    else:
+        payload = (req.prompt or "").encode("utf-8")
+    return encode_framed("SUBMIT", req.id, payload=payload, options=opts)
+
+
+# ---- responses (daemon -> client) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accept:
+    id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Data:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """``DONE <id> STAT <emitted> <tok_s> <hit_pct> <rss_gb> <prompt_tokens> <length_limited>``
+    (upstream's fields, in upstream's order) then ``key=value`` extras."""
+
+    id: str
+    emitted: int
+    tok_s: float
+    hit_pct: float
+    rss_gb: float
+    prompt_tokens: int
+    length_limited: bool
+    extras: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def finish(self) -> str:
+        return self.extras.get("finish", "length" if self.length_limited else "stop")
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    id: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A JSON reply (STATUS, MODEL, TELEMETRY, PROFILES, PROFILE)."""
+
+    kind: str
+    body: Any
+
+
+@dataclass(frozen=True)
+class Line:
+    """Any other line (HELLO, OK, PONG, or a kind this client does not know: ignore it)."""
+
+    kind: str
+    args: tuple[str, ...]
+
+
+Response = Accept | Data | Done | ErrorReply | Reply | Line
+
+
+def encode_accept(rid: str, prompt_tokens: int) -> bytes:
+    return encode_line("ACCEPT", rid, prompt_tokens)
+
+
+def encode_data(rid: str, text: str) -> bytes:
+    return encode_framed("DATA", rid, payload=text.encode("utf-8"))
+
+
+def encode_done(done: Done) -> bytes:
+    extras = [f"{k}={v}" for k, v in done.extras.items()]
+    return encode_line("DONE", done.id, "STAT", done.emitted, f"{done.tok_s:.2f}",
+                       f"{done.hit_pct:.1f}", f"{done.rss_gb:.2f}", done.prompt_tokens,
+                       int(done.length_limited), *extras)
+
+
+def encode_error(rid: str, code: str, message: str) -> bytes:
+    return encode_text_line("ERROR", rid, code, text=message)
+
+
+def encode_reply(kind: str, body: Any) -> bytes:
+    return encode_framed(kind, payload=json.dumps(body, sort_keys=True).encode("utf-8"))
+
+
+def parse_response(frame: Frame) -> Response:
+    """A daemon frame as a typed response; unknown kinds come back as `Line` (ignore them)."""
+    kind, args = frame.kind, frame.args
+    try:
+        if kind == "ACCEPT":
+            return Accept(args[0], int(args[1]))
+        if kind == "DATA":
+            return Data(args[0], (frame.payload or b"").decode("utf-8", errors="replace"))
+        if kind == "DONE":
+            return _parse_done(args)
+        if kind == "ERROR":
+            return ErrorReply(args[0], args[1] if len(args) > 1 else "INTERNAL",
+                              " ".join(args[2:]))
+        if kind in ("STATUS", "MODEL", "TELEMETRY", "PROFILES", "PROFILE"):
+            return Reply(kind, json.loads(frame.payload or b"null"))
+    except (IndexError, ValueError) as exc:
+        raise ProtocolError("BAD_FRAME", f"malformed {kind} from the daemon: {exc}") from None
+    return Line(kind, args)
+
+
+def _parse_done(args: Sequence[str]) -> Done:
+    if len(args) < 8 or args[1] != "STAT":
+        raise ValueError("DONE needs `DONE <id> STAT` and six fields")
+    extras = dict(a.partition("=")[::2] for a in args[8:] if "=" in a)
+    return Done(args[0], int(args[2]), float(args[3]), float(args[4]), float(args[5]),
+                int(args[6]), args[7] == "1", extras)
