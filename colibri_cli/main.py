@@ -15,6 +15,9 @@ from colibri_cli import __version__
 BENCH_SUITES: dict[str, tuple[str, str]] = {
     "kernels": ("colibrid.bench.kernels",
                 "effective weight GB/s of each kernel path next to measured memory bandwidth"),
+    "stream": ("colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"),
+    "replay": ("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
+    "policy": ("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),
 }
 
 
@@ -59,7 +62,22 @@ def _colibrid_command(module: str, name: str) -> Callable[[Sequence[str]], int]:
     return run
 
 
+def _lazy(module: str) -> Callable[[Sequence[str]], int]:
+    """The `main(argv)` of colibri_cli.commands.<module>, imported only when run."""
+
+    def run(argv: Sequence[str]) -> int:
+        import importlib
+
+        return int(importlib.import_module(f"colibri_cli.commands.{module}").main(argv) or 0)
+
+    return run
+
+
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "ask": (_lazy("ask"), "ask the daemon one question; the answer streams to stdout"),
+    "repl": (_lazy("repl"), "chat with the model interactively"),
+    "ps": (_lazy("ps"), "what the daemon runs: model, profile, tiers, hit rate, queue"),
+    "profile": (_lazy("profile"), "usage profiles: list | show | use | save | warm"),
     "bench": (_run_bench, "measure kernels (and later streaming, policies) against the machine"),
     "convert": (_colibrid_command("colibrid.convert.convert", "convert"),
                 "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container"),

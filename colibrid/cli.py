@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from colibrid import control
 from colibrid.errors import CheckpointError, ColibriError, RequestError
 
 if TYPE_CHECKING:
@@ -70,6 +71,35 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernel-family", choices=("f32", "i8"), default="f32",
                    help="kernel arithmetic (i8 is lossy, opt-in)")
     p.add_argument("-v", "--verbose", action="store_true", help="more statistics on stderr")
+    add_store_arguments(p)
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """The expert-placement knobs (same names as `colibrid start` and config.toml keys)."""
+    g = p.add_argument_group("expert placement (never changes tokens)")
+    g.add_argument("--ram-gb", type=float, metavar="N", help="RAM budget (default: 88%% of "
+                   "available memory)")
+    g.add_argument("--cache", type=int, metavar="N",
+                   help="experts per layer in the RAM cache (overrides the budget)")
+    g.add_argument("--pin", choices=("off", "auto", "all"), help="pinned hot store")
+    g.add_argument("--pilot", choices=("on", "off", "auto"), help="lookahead prefetch")
+    g.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
+    g.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
+    g.add_argument("--profile", metavar="PATH", help="usage profile (.coli_usage) to learn from")
+
+
+def store_options(args: argparse.Namespace):  # -> StoreOptions (lazy import)
+    """StoreOptions from the flags; any placement flag selects the tiered store."""
+    from colibrid.store.options import StoreOptions
+
+    given = {k: getattr(args, k) for k in ("ram_gb", "cache", "pin", "pilot", "io_threads",
+                                           "direct", "profile") if getattr(args, k) is not None}
+    if "direct" in given:
+        given["direct"] = given["direct"] == "on"
+    try:
+        return StoreOptions(mode="tiered" if given else "auto", **given)
+    except ValueError as exc:
+        args.parser.error(str(exc))
 
 
 def _read_stdin() -> str:
@@ -140,7 +170,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from colibrid.engine.engine import Engine  # lazy: loads numpy, native kernels
 
-    engine = Engine.load(model, family=KernelFamily(args.kernel_family))
+    engine = Engine.load(model, family=KernelFamily(args.kernel_family),
+                         store=store_options(args))
     if args.verbose:
         print(f"colibri: model {model}, family {args.kernel_family}, {mode} prompt of "
               f"{len(prompt)} tokens, {len(stops)} stop ids, context {engine.max_context}",
@@ -159,12 +190,23 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     stats = event.stats.as_line(verbose=args.verbose)
     print(f"colibri: {stats}, finish={event.finish_reason}", file=sys.stderr)
+    store_stats = getattr(engine.experts, "statistics", None)
+    if args.verbose and store_stats is not None:
+        for line in store_stats().lines():
+            print(f"colibri: {line}", file=sys.stderr)
+    engine.close()
     return 0
 
 
 COMMANDS: tuple[Command, ...] = (
     Command("generate", "run one prompt and stream the answer", _configure_generate,
             _run_generate),
+    Command("start", "start the daemon in the background", control.configure_start,
+            control.start),
+    Command("stop", "stop the daemon gracefully", control.configure_stop, control.stop),
+    Command("status", "is the daemon running, and with what", control.configure_status,
+            control.status),
+    Command("run", "run the daemon in the foreground", control.configure_run, control.run),
 )
 
 

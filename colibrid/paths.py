@@ -61,10 +61,21 @@ class Paths:
         return self.run / (self.socket.stem + ".lock")
 
     def ensure(self) -> None:
-        """Create the layout; the socket's directory is private to the user (0700)."""
+        """Create the layout; the socket's directory is private to the user (0700).
+
+        Our own run directory is (re)made private; a directory given with `--socket`
+        elsewhere is never chmod-ed (it may be /tmp): if others can enter it, refuse.
+        """
         self.home.mkdir(parents=True, exist_ok=True)
         self.run.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.run, 0o700)
+        mode = self.run.stat().st_mode & 0o777
+        if mode & 0o077:
+            if self.run.resolve() != (self.home / "run").resolve():
+                from colibrid.errors import ConfigError
+
+                raise ConfigError(f"the socket directory {self.run} is open to other users "
+                                  f"(mode {mode:o}); put the socket in a private directory")
+            os.chmod(self.run, 0o700)
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:

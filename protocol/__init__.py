@@ -1,4 +1,5 @@
 """The SERVE line protocol between colibrid and its clients (shipped as colibri_protocol).
 
-Its specification, conformance vectors and codec arrive with the daemon (issue 5).
+See SERVE.md beside this file; `codec` frames bytes, `messages` types them, `errors`
+names the error codes, `home` locates the socket, `vectors` holds the conformance tests.
 """

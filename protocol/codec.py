@@ -159,7 +159,7 @@ class FrameDecoder:
             if len(raw) > self._max_line:
                 return ProtocolError("LINE_TOO_LONG", f"line longer than {self._max_line} bytes")
             item = self._header(raw.removesuffix(b"\r"))
-            if item is not None:
+            if item is not None or self._pending:
                 return item
 
     def _header(self, raw: bytes) -> Frame | ProtocolError | None:

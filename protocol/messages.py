@@ -70,7 +70,7 @@ class Query:
 
 @dataclass(frozen=True)
 class ProfileCommand:
-    """PROFILE LIST | SHOW <name> | USE <name> | SAVE [<name>]."""
+    """PROFILE LIST | SHOW <name> | USE <name> | SAVE [<name>] | FLUSH."""
 
     action: str
     name: str | None = None
@@ -91,7 +91,7 @@ Request = Hello | Submit | Stop | Cancel | Query | ProfileCommand | Ping | Quit
 _INT_OPTS = {"max_tokens", "top_k", "seed"}
 _FLOAT_OPTS = {"temperature", "top_p"}
 _STR_OPTS = {"conv", "profile", "model"}
-_PROFILE_ACTIONS = {"LIST": 0, "SHOW": 1, "USE": 1, "SAVE": -1}
+_PROFILE_ACTIONS = {"LIST": 0, "SHOW": 1, "USE": 1, "SAVE": -1, "FLUSH": 0}
 
 
 def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
@@ -202,7 +202,7 @@ def _parse_profile(args: Sequence[str]) -> ProfileCommand:
     names = args[1:]
     if arity is None or (arity >= 0 and len(names) != arity) or len(names) > 1:
         raise ProtocolError("BAD_FRAME", "PROFILE needs LIST | SHOW <name> | USE <name> | "
-                            "SAVE [<name>]")
+                            "SAVE [<name>] | FLUSH")
     if names and not is_valid_id(names[0]):
         raise ProtocolError("BAD_REQUEST", f"bad profile name {names[0][:40]!r}")
     return ProfileCommand(action, names[0] if names else None)

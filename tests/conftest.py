@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -56,3 +58,34 @@ def oracle_checkpoint(tmp_path_factory):
         return ref
 
     return get
+
+
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def chat_model(oracle_checkpoint, tmp_path_factory) -> Path:
+    """The tiny GLM-4 checkpoint plus a byte-level BPE tokenizer and a GLM-style template
+    (shared by the generate CLI and the daemon tests)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    ref = oracle_checkpoint("glm4_moe")
+    model = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(ref.out_dir, model)
+    specials = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                "<think>", "</think>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["What is the capital of France? Paris, café, 🙂 naïve."] * 50,
+                            trainer)
+    assert tok.get_vocab_size() <= json.loads((model / "config.json").read_text())["vocab_size"]
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": GLM_TEMPLATE, "eos_token": "<|endoftext|>"}))
+    return model

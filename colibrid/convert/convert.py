@@ -40,13 +40,12 @@ from colibrid.convert.plan import (
     CONVERTER_VERSION,
     ConvertParams,
     Group,
-    Item,
     Shard,
     build_groups,
     pack_shards,
 )
 from colibrid.convert.source import Source
-from colibrid.convert.writer import ShardWriter, temp_path, write_atomic
+from colibrid.convert.writer import ShardWriter, write_atomic
 from colibrid.errors import ColibriError, ConvertError
 
 PROGRESS_NAME = ".colibri-convert.json"
@@ -209,7 +208,8 @@ def finish(dst: Path, shards: Sequence[Shard], state: dict, extra: dict) -> None
     manifest = {"converter": CONVERTER_VERSION, "params": state["params"],
                 "shards": [{"name": s.name, "bytes": s.nbytes} for s in shards],
                 "tensors": sum(len(s.entries) for s in shards), **extra}
-    write_atomic(dst / MANIFEST_NAME, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    write_atomic(dst / MANIFEST_NAME, text.encode())
     state["complete"] = True
     write_atomic(dst / PROGRESS_NAME, _state_bytes(state))
 

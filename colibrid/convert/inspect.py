@@ -79,7 +79,7 @@ def _adjacent(ckpt: Checkpoint, names: Sequence[str]) -> bool:
     if len({ckpt.file_of(n) for n in names}) != 1:
         return False
     spans = sorted((ckpt.info(n).file_begin, ckpt.info(n).file_end) for n in names)
-    return all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    return all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 def inspect(path: str | Path) -> Report:

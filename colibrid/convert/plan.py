@@ -25,6 +25,7 @@ A bit width of 32 keeps a class in f32 (useful for exact round-trip tests).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -278,8 +279,6 @@ def shard_metadata(groups: Sequence[Group], params: ConvertParams) -> dict[str, 
     if params.group_size:
         meta[GROUP_SIZE_KEY] = str(params.group_size)
     if stamps:
-        import json
-
         meta[STAMP_KEY] = json.dumps(stamps, sort_keys=True, separators=(",", ":"))
     return meta
 
@@ -289,24 +288,17 @@ def pack_shards(groups: Sequence[Group], params: ConvertParams) -> list[Shard]:
     Main layers go to ``out-NNNNN``, MTP layers to ``out-mtp-NNNNN`` (upstream names)."""
     shards: list[Shard] = []
     for mtp, prefix in ((False, "out"), (True, "out-mtp")):
-        current: list[Group] = []
+        packs: list[list[Group]] = []
         size = 0
-        count = 0
-
-        def flush() -> None:
-            nonlocal current, size, count
-            if current:
-                name = f"{prefix}-{count:05d}.safetensors"
-                shards.append(Shard(name, current, shard_metadata(current, params)))
-                count += 1
-            current, size = [], 0
-
         for g in (g for g in groups if g.mtp == mtp):
-            if current and size + g.nbytes > params.shard_bytes:
-                flush()
-            current.append(g)
+            if not packs or (packs[-1] and size + g.nbytes > params.shard_bytes):
+                packs.append([])
+                size = 0
+            packs[-1].append(g)
             size += g.nbytes
-        flush()
+        for count, pack in enumerate(packs):
+            name = f"{prefix}-{count:05d}.safetensors"
+            shards.append(Shard(name, pack, shard_metadata(pack, params)))
     return shards
 
 

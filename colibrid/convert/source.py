@@ -14,6 +14,7 @@ refused by name before any output is written.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -158,10 +159,24 @@ class Source:
                 else:
                     block = _to_f32(raw[r0:r1], t.kind)
                 yield self._finite(name, block)
+            self.release(name)
         except ConvertError:
             raise
         except ColibriError as exc:
             raise ConvertError(str(exc)) from None
+
+    def release(self, name: str) -> None:
+        """Drop this tensor's mapped source pages from our resident set once converted
+        (they stay in the page cache): without it a conversion's RSS grows to the
+        whole source shard, which looks like (and competes as) real memory use."""
+        try:
+            f = self.ckpt._file(name)
+            info = f.tensors[name]
+            page = mmap.PAGESIZE
+            start = info.file_begin // page * page
+            f._buffer().madvise(mmap.MADV_DONTNEED, start, info.file_end - start)
+        except (AttributeError, OSError, ValueError):
+            pass  # an optimisation only (no madvise on this platform)
 
     @staticmethod
     def _finite(name: str, block: np.ndarray) -> np.ndarray:

@@ -124,7 +124,7 @@ def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
         step = max(1, ROWS_PER_BLOCK_BYTES // max(1, row))
         for r0 in range(0, out_f, step):
             n = min(step, out_f - r0) * row
-            yield item.name, np.frombuffer(rng.bytes(n), dtype=np.uint8)
+            yield item.name, _zero_mean_codes(rng.bytes(n), bits)
         entry = item.fmt.scale_entry(item.name, item.shape)
         assert entry is not None
         # uniform codes have std ~4.6 (int4) / ~74 (int8); aim at std 1/sqrt(fan-in),
@@ -135,6 +135,20 @@ def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
         jitter = rng.uniform(0.8, 1.2, size=entry.shape).astype(np.float32)
         scales.append((entry.name, (jitter * base).astype(np.float32)))
     yield from scales
+
+
+def _zero_mean_codes(raw: bytes, bits: int) -> np.ndarray:
+    """Uniform codes without the lone extreme (-8 / -128), so every weight matrix is
+    zero-mean: uniform [-8, 7] has mean -0.5, a rank-one common mode that would swamp
+    the input and make every token route (and predict) the same."""
+    b = np.frombuffer(raw, dtype=np.uint8).copy()
+    if bits == 8:
+        b[b == 0x80] = 0
+        return b
+    lo, hi = b & 0x0F, b >> 4
+    lo[lo == 0] = 8
+    hi[hi == 0] = 8
+    return lo | (hi << 4)
 
 
 def _float_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:

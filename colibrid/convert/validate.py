@@ -75,13 +75,35 @@ def expected_from_config(config: dict[str, Any],
     module = family(config.get("model_type"))
     args = module.ModelArgs.from_config(config)
     rec = _Recorder(has)
-    module.build(args, rec, _NoExperts(), None)
+    _walk_model(module, args, rec)
     layout = expert_layout(args, rec)
     for layer in layout.moe_layers:
         for e in range(layout.n_experts):
             for proj in PROJECTIONS:
                 rec._note(layout.tensor_name(layer, e, proj), layout.shape(proj), "matrix")
     return args, rec.seen
+
+
+def _walk_model(module: Any, args: Any, rec: _Recorder) -> None:
+    """Run the family's loaders one layer at a time, dropping each layer at once, so a
+    78-layer model is walked in one layer's worth of placeholder memory. This is the
+    loop of the families' ``build`` (all share load_decoder_layer / attention_at)."""
+    from colibrid.models.transformer import Transformer, load_decoder_layer
+
+    t, experts = args.trunk, _NoExperts()
+    for layer in range(t.num_hidden_layers):
+        load_decoder_layer(rec, None, experts, layer, args.attention_at(rec, None, layer),
+                           hidden=t.hidden_size, eps=t.rms_norm_eps,
+                           moe=args.moe if args.is_moe[layer] else None,
+                           dense_width=t.intermediate_size)
+    Transformer(rec, None, vocab=t.vocab_size, hidden=t.hidden_size, eps=t.rms_norm_eps,
+                layers=[], rotary=None, tie_embeddings=t.tie_word_embeddings)
+    import importlib
+
+    builder = importlib.import_module(module.build.__module__)  # glm_moe_dsa: deepseek_v3
+    load_mtp = getattr(builder, "load_mtp", None)
+    if load_mtp is not None:
+        load_mtp(args, rec, experts, None)
 
 
 def expected_tensors(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected]]:
@@ -92,7 +114,7 @@ def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
     """The stored format of ``name`` (f32/bf16/f16/fp8/int8-row/int4-row/int4-grouped),
     from header sizes only; raises CheckpointError naming the tensor on a mismatch."""
     info = ckpt.info(name)
-    where = f"{ckpt.file_of(name).name}: tensor {describe(name)}"
+    where = f"{ckpt.file_of(name)}: tensor {describe(name)}"
     if info.dtype == "U8":
         if len(shape) != 2:
             raise CheckpointError(f"{where}: U8 data for a {len(shape)}-D tensor")
@@ -114,8 +136,8 @@ def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
     elif info.dtype not in ("F32", "BF16", "F16"):
         raise CheckpointError(f"{where}: dtype {info.dtype} is not a weight format")
     if info.shape != tuple(shape):
-        raise CheckpointError(f"{where}: shape {list(info.shape)} but the config implies "
-                              f"{list(shape)}")
+        raise CheckpointError(f"{where}: shape {list(info.shape)} but expected {list(shape)} "
+                              "from config")
     return {"F8_E4M3": "fp8"}.get(info.dtype, info.dtype.lower())
 
 

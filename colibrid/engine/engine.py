@@ -21,7 +21,8 @@ from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
 from colibrid.models.base import Step
 from colibrid.store.checkpoint import Checkpoint
-from colibrid.store.experts import ExpertLayout, ResidentExpertStore
+from colibrid.store.experts import ExpertLayout
+from colibrid.store.options import StoreOptions, allocate_store, open_store
 
 DEFAULT_MAX_CONTEXT = 4096
 
@@ -50,22 +51,41 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, family: KernelFamily = KernelFamily.F32,
-             max_context: int | None = None, ops: Any = None) -> Engine:
-        """Open a model directory; `ops` defaults to the CPU backend (native kernels)."""
+             max_context: int | None = None, ops: Any = None,
+             store: StoreOptions | None = None) -> Engine:
+        """Open a model directory; `ops` defaults to the CPU backend (native kernels);
+        `store` chooses where routed experts live (default: StoreOptions(), see there)."""
         if ops is None:
             from colibrid.backends.cpu import CpuOps
 
             ops = CpuOps()
         started = time.perf_counter()
         checkpoint = Checkpoint.open(model_dir)
+        from colibrid.convert.validate import validate
+
+        try:
+            validate(checkpoint)  # every tensor vs config.json before any weight is mapped
+        except BaseException:
+            checkpoint.close()
+            raise
         config = checkpoint.config
         model_type = config.get("model_type")
         module = model_family(model_type)
         args = module.ModelArgs.from_config(config)
-        experts = ResidentExpertStore(checkpoint, expert_layout(args, checkpoint))
+        store_opts = store or StoreOptions()
+        experts = open_store(checkpoint, expert_layout(args, checkpoint), store_opts,
+                             str(model_type))
         model = module.build(args, checkpoint, experts, ops)
         limit = args.trunk.max_position_embeddings
         context = min(max_context or DEFAULT_MAX_CONTEXT, limit)
+        if hasattr(experts, "allocate"):
+            kv = sum(int(np.prod(shape)) * 4 * context
+                     for layout in model.cache_layouts() for shape in layout.values())
+            allocate_store(experts, store_opts, kv_bytes=kv)
+            if store_opts.pilot == "on":  # "auto" stays off until measured as a win
+                from colibrid.engine.pilot import attach
+
+                attach(model, experts)
         info = LoadInfo(str(model_type), args.trunk.num_hidden_layers,
                         time.perf_counter() - started)
         return cls(checkpoint, model, args, experts, family, context, info)
@@ -73,7 +93,16 @@ class Engine:
     def new_session(self) -> Session:
         return Session(self)
 
+    def request_finished(self) -> None:
+        """A request ended: the store persists its usage profile and re-pins."""
+        hook = getattr(self.experts, "request_finished", None)
+        if hook is not None:
+            hook()
+
     def close(self) -> None:
+        closer = getattr(self.experts, "close", None)
+        if closer is not None:
+            closer()
         self.checkpoint.close()
 
 
@@ -137,11 +166,16 @@ class Session:
                 if cancel.is_set():
                     raise Cancelled("request cancelled")
         step = Step(start=self.cache.length, family=self.engine.family, between_layers=hook)
+        tick = getattr(self.engine.experts, "between_tokens", None)
+        t0 = time.perf_counter()
         try:
             hidden = self.engine.model.hidden_states(tokens, self.cache, step)
         except BaseException:
             self.cache.truncate(self.cache.length)  # rows written past length are ignored
             raise
+        finally:
+            if tick is not None:  # a token boundary: the store may resize, never mid-layer
+                tick(time.perf_counter() - t0)
         self.cache.advance(len(tokens))
         self.tokens.extend(int(t) for t in tokens)
         return hidden

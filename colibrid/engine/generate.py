@@ -192,6 +192,9 @@ def _run(
     generated, prefill_s, decode_s = 0, 0.0, 0.0
 
     def done(reason: str) -> DoneEvent:
+        finished = getattr(engine, "request_finished", None)  # store: save profile, re-pin
+        if finished is not None:
+            finished()
         return DoneEvent(reason, GenStats.measure(len(ids), generated, prefill_s, decode_s))
 
     if cancel is not None and cancel.is_set():

@@ -165,7 +165,7 @@ class EngineHost:
             return False
 
     def _finish(self, job: Job, event: Event) -> None:
-        self._emit(job, event)
+        """Bookkeeping first, so a client that sees the end also sees the engine free."""
         if job in self._active:
             self._active.remove(job)
         if job.conv_key is not None:
@@ -175,6 +175,7 @@ class EngineHost:
             trio.from_thread.run_sync(job.on_finish)
         except trio.RunFinishedError:
             pass
+        self._emit(job, event)
 
     def _begin(self, job: Job) -> None:
         try:

@@ -44,6 +44,7 @@ class DecoderLayer:
         self.input_norm = input_norm
         self.post_norm = post_norm
         self.eps = eps
+        self.lookahead = None  # PILOT: called with the post-attention residual (engine-set)
 
     def __call__(self, h: np.ndarray, layer: int, cache, step: Step,
                  rope: tuple[np.ndarray, np.ndarray],
@@ -51,6 +52,8 @@ class DecoderLayer:
         attn, selection = self.attention(rms_norm(h, self.input_norm, self.eps), layer, cache,
                                          step, rope, selection)
         h = h + attn
+        if self.lookahead is not None:
+            self.lookahead(h)
         h = h + self.mlp(rms_norm(h, self.post_norm, self.eps), step.family)
         return h, selection
 

@@ -10,15 +10,19 @@ Counts are added from the engine thread and read from the trio thread: one lock.
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from colibrid.errors import ColibriError
 from colibrid.paths import atomic_write
+from colibrid.store.usage import engine_id_hash
+
+log = logging.getLogger("colibrid.profiles")
 
 FORMAT_VERSION = 1
 
@@ -28,9 +32,12 @@ class ProfileError(ColibriError):
 
 
 class PinTarget(Protocol):
-    """What pinning needs of an expert store: accept the set of experts to keep hot."""
+    """What pinning needs of an expert store: take the experts to keep hot (hottest first)
+    and say which are pinned now. Called in the engine thread, between two steps."""
 
-    def set_pinned(self, experts: frozenset[tuple[int, int]]) -> None: ...
+    pinned: Any  # a collection of (layer, expert)
+
+    def set_pinned(self, experts: Sequence[tuple[int, int]]) -> None: ...
 
 
 class RecordedPins:
@@ -40,20 +47,54 @@ class RecordedPins:
     def __init__(self) -> None:
         self.pinned: frozenset[tuple[int, int]] = frozenset()
 
-    def set_pinned(self, experts: frozenset[tuple[int, int]]) -> None:
-        self.pinned = experts
+    def set_pinned(self, experts: Sequence[tuple[int, int]]) -> None:
+        self.pinned = frozenset(experts)
 
 
-def choose_pins(counts: np.ndarray, budget: int) -> frozenset[tuple[int, int]]:
-    """The `budget` most used experts with a non-zero count; ties go to the lowest index."""
+class StorePins:
+    """Adapter for a store with a pinned tier (`colibrid.store.tiered.TieredStore`:
+    `pin(keys)`, `unpin(key)`, `pinned`): unpins what left the hot set, then pins the
+    newcomers hottest first while the store has room (its pin slots were sized at start)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @property
+    def pinned(self) -> frozenset[tuple[int, int]]:
+        return frozenset(self.store.pinned)
+
+    def set_pinned(self, experts: Sequence[tuple[int, int]]) -> None:
+        want = list(experts)
+        for key in [k for k in list(self.store.pinned) if k not in set(want)]:
+            self.store.unpin(key)
+        for key in want:
+            if key in self.store.pinned:
+                continue
+            try:
+                self.store.pin([key])
+            except ColibriError as exc:  # no free slot: the pin budget is spent
+                log.info("pinned %d experts; %s", len(self.store.pinned), exc)
+                break
+
+
+def pin_target(store: Any) -> PinTarget:
+    if all(hasattr(store, name) for name in ("pin", "unpin", "pinned")):
+        return StorePins(store)
+    return RecordedPins()
+
+
+def choose_pins(counts: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """The `budget` most used experts with a non-zero count, hottest first; ties go to the
+    lowest (layer, expert)."""
     flat = counts.reshape(-1)
     order = np.lexsort((np.arange(flat.size), -flat))[: max(budget, 0)]
     n_experts = counts.shape[1]
-    return frozenset((int(i) // n_experts, int(i) % n_experts) for i in order if flat[i] > 0)
+    return [(int(i) // n_experts, int(i) % n_experts) for i in order if flat[i] > 0]
 
 
-def engine_id(model_dir: Path) -> str:
-    return hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
+def engine_id(model_type: str) -> str:
+    """Upstream's `-2` header value (FNV-1a of the model type), so histories interchange."""
+    return str(engine_id_hash(model_type))
 
 
 def write_usage(path: Path, counts: np.ndarray, ident: str) -> None:
@@ -122,7 +163,7 @@ class ProfileBook:
             return [{"name": n, "selections": int(self._get(n).sum()), "active": n == self.active,
                      "saved": self.path(n).is_file()} for n in self.names()]
 
-    def pin_set(self) -> frozenset[tuple[int, int]]:
+    def pin_set(self) -> list[tuple[int, int]]:
         return choose_pins(self.counts(self.active), self.pin_budget)
 
     def save(self, name: str | None = None, *, source: str | None = None) -> Path:

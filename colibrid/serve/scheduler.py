@@ -81,8 +81,9 @@ class Scheduler:
             job.on_finish = lambda job=job: self._finished(job)
             self.host.start(job)
 
-    @asynccontextmanager
-    async def submit(self, request: GenerateRequest) -> AsyncIterator[Handle]:
+    def submit_nowait(self, request: GenerateRequest) -> Handle:
+        """Queue `request` now (so one connection's requests keep their order) or raise
+        ServeError (BUSY, SHUTTING_DOWN). The caller must then enter `track(handle)`."""
         if self.closing:
             raise ServeError("the daemon is stopping", code="SHUTTING_DOWN")
         if self._queued >= self.max_queue:
@@ -94,13 +95,24 @@ class Scheduler:
         self._queued += 1
         self._open += 1
         self._wake()
+        return Handle(self, job, receive)
+
+    @asynccontextmanager
+    async def track(self, handle: Handle) -> AsyncIterator[Handle]:
+        """Leaving this context (normally, by error or by cancellation) ends the request."""
         try:
-            async with receive:
-                yield Handle(self, job, receive)
+            async with handle.events:
+                yield handle
         finally:
-            self._cancel(job, notify=False)
+            self._cancel(handle.job, notify=False)
             self._open -= 1
             self._wake()
+
+    @asynccontextmanager
+    async def submit(self, request: GenerateRequest) -> AsyncIterator[Handle]:
+        """`submit_nowait` + `track`: yields the handle whose `events` channel streams."""
+        async with self.track(self.submit_nowait(request)) as handle:
+            yield handle
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(self._queued, len(self._running), self.max_queue,

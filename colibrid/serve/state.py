@@ -44,13 +44,22 @@ class DaemonState:
 
     def tiers(self) -> dict[str, Any]:
         store = self.engine.experts
-        stats = getattr(store, "statistics", None)
-        if callable(stats):
-            return dataclasses.asdict(stats()) if dataclasses.is_dataclass(stats()) else stats()
         layout = store.layout
         total = len(store.layers) * layout.n_experts
-        size = self.expert_bytes()
+        size = getattr(store, "slot_bytes", None) or self.expert_bytes()
         pinned = len(self.pinned())
+        stats = getattr(store, "statistics", None)
+        if callable(stats):  # a tiered store: pinned + cached experts in RAM, the rest on disk
+            snap = stats()
+            ram = snap.pinned + snap.cache_bytes // size
+            return {
+                "vram": {"experts": 0, "gb": 0.0},
+                "ram": {"experts": ram, "gb": ram * size / GB, "pinned": snap.pinned,
+                        "pinned_gb": snap.pinned * size / GB},
+                "disk": {"experts": total - ram, "gb": (total - ram) * size / GB},
+                "hit_rate": snap.hit_rate if snap.lookups else None,
+                "store": dataclasses.asdict(snap),
+            }
         return {
             "vram": {"experts": 0, "gb": 0.0},
             "ram": {"experts": total, "gb": total * size / GB, "pinned": pinned,
@@ -72,7 +81,7 @@ class DaemonState:
             "max_queue": sched.max_queue, "last_tok_s": round(host.last_tok_s, 2),
             "requests_done": host.requests_done, "conversations": host.conversations,
             "rss_gb": round(rss_gb(), 3), "tiers": tiers, "hit_rate": tiers.get("hit_rate"),
-            "pinned": sorted(self.pinned()), "stopping": sched.max_queue and self.scheduler.closing,
+            "pinned": sorted(self.pinned()), "stopping": self.scheduler.closing,
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -108,6 +117,9 @@ class DaemonState:
             book.active = name
             self.repin_soon()
             return "OK", ["PROFILE", "USE", name]
+        if action == "FLUSH":
+            await trio.to_thread.run_sync(book.save_all)
+            return "OK", ["PROFILE", "FLUSH"]
         path = await trio.to_thread.run_sync(lambda: book.save(name, source=book.active))
         return "OK", ["PROFILE", "SAVE", name or book.active, str(path)]
 

@@ -27,7 +27,10 @@ class SlabArena:
             raise ValueError(f"need at least one slot of >= 1 byte, got {n_slots} x {slot_bytes}")
         self.slot_bytes = align_up(slot_bytes, max(ALIGN, PAGE))
         self.n_slots = n_slots
-        self._mm = mmap.mmap(-1, self.slot_bytes * n_slots)
+        # Private, not the default shared mapping: MADV_DONTNEED frees private pages only.
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        self._mm = (mmap.mmap(-1, self.slot_bytes * n_slots, flags=flags) if flags else
+                    mmap.mmap(-1, self.slot_bytes * n_slots))
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         self._mv = memoryview(self._mm)
         self._slots = [self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]

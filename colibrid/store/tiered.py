@@ -70,6 +70,9 @@ class TieredStore:
         self.policy_name = policy
         self.counts = np.zeros((max(self.extents) + 1, layout.n_experts), dtype=np.int64)
         self.usage = None  # a UsageProfile when learning is on (set by the engine)
+        self.profile_path: str | None = None  # where usage is saved after each request
+        self.repinner = None  # a pinning.Repinner when REPIN is on
+        self.memwatch = None  # a memwatch.MemWatch when it is on
         self.stats = Counters()
         self.memwatch_note = "off"
         self.arena: SlabArena | None = None
@@ -246,6 +249,8 @@ class TieredStore:
         np.add.at(self.counts[layer], idx, 1)
         if self.usage is not None:
             self.usage.record(layer, idx)
+        if self.repinner is not None:
+            self.repinner.record(layer, idx)
         self._score_pilot(layer, idx)
 
     def _score_pilot(self, layer: int, idx: np.ndarray) -> None:
@@ -398,6 +403,19 @@ class TieredStore:
         self._predictions.clear()
         if self.usage is not None:
             self.usage.end_forward()
+        if self.memwatch is not None:
+            self.memwatch.tick(self)
+
+    def request_finished(self) -> None:
+        """A request boundary: persist the usage profile, then REPIN swaps."""
+        self._finish_held()
+        if self.usage is not None and self.profile_path and self.usage.dirty:
+            self.usage.save(self.profile_path)
+        if self.repinner is not None and self.pinned:
+            for cold, hot in self.repinner.swaps(list(self.pinned)):
+                self.unpin(cold)
+                self.pin([hot])
+                log.info("colibri: repin layer %d: expert %d -> %d", cold[0], cold[1], hot[1])
 
     def set_cache_per_layer(self, n: int) -> int:
         """Resize every layer's cache to ``n`` (clamped to what was allocated); evicts the
@@ -442,5 +460,7 @@ class TieredStore:
                         memwatch=self.memwatch_note)
 
     def close(self) -> None:
+        if self.memwatch is not None:
+            self.memwatch.close()
         self.pool.close()
         self.files.close()

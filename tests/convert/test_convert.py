@@ -97,7 +97,7 @@ def test_file_is_valid_and_experts_adjacent(converted) -> None:
         names = [p + f"{m}_proj.weight" for m in ("down", "gate", "up")]
         names += [n + ".qs" for n in names]
         spans = [(f.tensors[n].file_begin, f.tensors[n].file_end) for n in names]
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
     finally:
         f.close()
     manifest = json.loads((dst / "manifest.json").read_text())

@@ -39,9 +39,12 @@ class MoE:
         rows, top_k = route.experts.shape
         union = np.unique(route.experts)  # ascending expert ids
         self.experts.record(self.layer, union.tolist())
-        weights = self.experts.get_many(self.layer, union.tolist())
+        ready = getattr(self.experts, "iter_ready", None)  # resident first, misses as they land
+        pairs = (ready(self.layer, union.tolist()) if ready is not None else
+                 zip(union.tolist(), self.experts.get_many(self.layer, union.tolist()),
+                     strict=True))
         contributions = np.zeros((rows, top_k, x.shape[1]), dtype=np.float32)  # [S, K, D]
-        for expert, w in zip(union.tolist(), weights, strict=True):
+        for expert, w in pairs:
             row_idx, slot_idx = np.nonzero(route.experts == expert)
             y = self.ops.expert_swiglu(w.gate, w.up, w.down, np.ascontiguousarray(x[row_idx]),
                                        family)  # [n, D]

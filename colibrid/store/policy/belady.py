@@ -20,7 +20,7 @@ def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
             future.setdefault(key, []).append(t)  # descending; pop() gives the next use
     cached: set[int] = set()
     hits = lookups = 0
-    for t, step in enumerate(steps):
+    for step in steps:
         for key in step:
             future[key].pop()
             lookups += 1

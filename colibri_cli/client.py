@@ -1,0 +1,166 @@
+"""A blocking SERVE client on the shared codec (no numpy, no colibrid imports).
+
+`connect` finds the daemon's socket the way the daemon does (`colibri_protocol.home`);
+`ensure_daemon` starts one with `colibrid start` when none answers, and says so on
+stderr. Responses are read into a queue so replies to several in-flight requests can be
+taken in any order; unknown line kinds are ignored, as the protocol asks of clients.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from colibri_protocol import home
+from colibri_protocol.codec import FrameDecoder, encode_line, response_payload_length
+from colibri_protocol.errors import ProtocolError
+from colibri_protocol.messages import (
+    Accept,
+    Data,
+    Done,
+    ErrorReply,
+    Line,
+    Reply,
+    Response,
+    Submit,
+    encode_submit,
+    parse_response,
+)
+
+
+class ClientError(Exception):
+    """A failure to show the user as one line; `code` is the daemon's error code if any."""
+
+    def __init__(self, message: str, code: str = "CLIENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NotRunning(ClientError):
+    pass
+
+
+class Client:
+    _ids = itertools.count(1)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._decoder = FrameDecoder(response_payload_length)
+        self._queue: deque[Response] = deque()
+
+    @classmethod
+    def connect(cls, path: Path | None = None, *, timeout_s: float | None = None) -> Client:
+        path = path or home.socket_path()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            raise NotRunning(f"no daemon answers on {path} ({exc.strerror})") from None
+        sock.settimeout(timeout_s)
+        return cls(sock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:
+            raise ClientError(f"lost the daemon: {exc}") from None
+
+    def next_id(self) -> str:
+        return f"c{os.getpid()}-{next(self._ids)}"
+
+    def responses(self) -> Iterator[Response]:
+        """Every response as it arrives (blocking)."""
+        while True:
+            while self._queue:
+                yield self._queue.popleft()
+            try:
+                data = self.sock.recv(65536)
+            except OSError as exc:
+                raise ClientError(f"lost the daemon: {exc}") from None
+            if not data:
+                raise ClientError("the daemon closed the connection")
+            for item in self._decoder.feed(data):
+                if isinstance(item, ProtocolError):
+                    raise ClientError(f"garbled reply from the daemon: {item.message}")
+                self._queue.append(parse_response(item))
+
+    def call(self, line: bytes, *, want: tuple[str, ...]) -> Any:
+        """Send one daemon verb; the first reply of a kind in `want` (or its ERROR)."""
+        self.send(line)
+        for response in self.responses():
+            if isinstance(response, ErrorReply) and response.id == "-":
+                raise ClientError(f"{response.code}: {response.message}", response.code)
+            if isinstance(response, Reply) and response.kind in want:
+                return response.body
+            if isinstance(response, Line) and response.kind in want:
+                return response.args
+        raise AssertionError("unreachable")
+
+    def query(self, kind: str) -> Any:
+        return self.call(encode_line(kind), want=(kind,))
+
+    def generate(self, submit: Submit) -> Iterator[Accept | Data | Done]:
+        """Send `submit` and yield its ACCEPT, DATA and DONE; an ERROR raises ClientError."""
+        self.send(encode_submit(submit))
+        yield from self.follow(submit.id)
+
+    def follow(self, rid: str) -> Iterator[Accept | Data | Done]:
+        for response in self.responses():
+            if isinstance(response, (Accept, Data, Done)) and response.id == rid:
+                yield response
+                if isinstance(response, Done):
+                    return
+            elif isinstance(response, ErrorReply) and response.id == rid:
+                raise ClientError(f"{response.code}: {response.message}", response.code)
+
+    def cancel(self, rid: str, *, timeout_s: float = 10.0) -> None:
+        """Cancel `rid` and wait for its end, so the engine is known to be free."""
+        self.send(encode_line("CANCEL", rid))
+        self.sock.settimeout(timeout_s)
+        try:
+            for _ in self.follow(rid):
+                pass
+        except (ClientError, TimeoutError):
+            pass
+
+
+def start_daemon(model: str | None, stderr: TextIO) -> None:
+    """Run `colibrid start` (the configured default model unless `model`)."""
+    what = f"model {model}" if model else "the configured default model"
+    print(f"colibri: no daemon running; starting one with {what}", file=stderr)
+    cmd = [sys.executable, "-m", "colibrid", "start"] + (["--model", model] if model else [])
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        message = result.stderr.strip().removeprefix("colibrid: error: ")
+        raise ClientError(f"could not start the daemon: {message}")
+    print(result.stdout.strip(), file=stderr)
+
+
+def ensure_daemon(model: str | None = None, *, stderr: TextIO = sys.stderr) -> Client:
+    try:
+        return Client.connect()
+    except NotRunning:
+        start_daemon(model, stderr)
+    return Client.connect()
+
+
+def model_name(model: str | None) -> str | None:
+    """What a request names: a directory's base name, or the NAME itself."""
+    return Path(model).name if model else None

@@ -1,0 +1,1 @@
+"""One module per `colibri` subcommand, each with `main(argv) -> int`, imported lazily."""

@@ -1,0 +1,115 @@
+"""`colibri ask [PROMPT...]`: one question to the daemon, the answer streamed to stdout.
+
+The prompt is the arguments, then a blank line, then standard input when it is piped
+(`cat notes.md | colibri ask "summarise this"`). Without `--raw` the text becomes one
+user message (after `--system`) rendered by the daemon with the model's chat template.
+Ctrl-C cancels the request on the daemon and exits 130; a daemon error exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from colibri_protocol.messages import Accept, Data, Done, Submit
+
+from colibri_cli.client import ClientError, ensure_daemon, model_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colibri ask", description=__doc__.split("\n\n")[0])
+    p.add_argument("prompt", nargs="*", help="prompt text (stdin is appended when piped)")
+    p.add_argument("--system", metavar="TEXT", help="system message")
+    p.add_argument("--raw", action="store_true", help="send the text as-is, no chat template")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--top-k", type=int, default=0, metavar="K")
+    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--stop", action="append", default=[], metavar="STR")
+    p.add_argument("--json", action="store_true", help="JSON lines: text pieces, then stats")
+    p.add_argument("--profile", metavar="NAME", help="usage profile this request counts into")
+    p.add_argument("--model", metavar="NAME|DIR", help="model (started if no daemon runs)")
+    p.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
+    return p
+
+
+def read_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    parts = [" ".join(args.prompt)] if args.prompt else []
+    if sys.stdin is not None and not sys.stdin.isatty():
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            parser.error("stdin is not valid UTF-8")
+        if text:
+            parts.append(text)
+    if not parts:
+        parser.error("no prompt: give it as arguments or pipe it on stdin")
+    return "\n\n".join(parts)
+
+
+def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
+    common = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                  profile=args.profile, model=model_name(args.model))
+    if args.raw:
+        return Submit(rid, prompt=text, **common)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": text})
+    return Submit(rid, messages=tuple(messages), **common)
+
+
+def stats_line(done: Done) -> str:
+    x = done.extras
+    return (f"colibri: {done.prompt_tokens} prompt ({x.get('cached', 0)} cached) + "
+            f"{done.emitted} generated tokens, prefill {x.get('prefill_tok_s', '?')} tok/s, "
+            f"decode {done.tok_s:.1f} tok/s, hit rate {done.hit_pct:.1f}%, "
+            f"finish={done.finish}")
+
+
+def done_json(done: Done) -> dict[str, object]:
+    return {"done": True, "finish": done.finish, "prompt_tokens": done.prompt_tokens,
+            "generated_tokens": done.emitted, "decode_tok_s": done.tok_s,
+            "hit_pct": done.hit_pct, **{k: v for k, v in done.extras.items() if k != "finish"}}
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.raw and args.system:
+        parser.error("--system needs the chat template; it cannot go with --raw")
+    text = read_prompt(args, parser)
+    out = sys.stdout
+    try:
+        client = ensure_daemon(args.model)
+    except ClientError as exc:
+        print(f"colibri ask: {exc}", file=sys.stderr)
+        return 1
+    rid = client.next_id()
+    submit = make_submit(args, rid, text)
+    try:
+        for event in client.generate(submit):
+            if isinstance(event, Data):
+                out.write(json.dumps({"text": event.text}) + "\n" if args.json else event.text)
+                out.flush()
+            elif isinstance(event, Done):
+                out.write(json.dumps(done_json(event)) + "\n" if args.json else "\n")
+                if args.verbose:
+                    print(stats_line(event), file=sys.stderr)
+            elif isinstance(event, Accept) and args.verbose:
+                print(f"colibri: accepted, {event.prompt_tokens} prompt tokens", file=sys.stderr)
+    except KeyboardInterrupt:
+        client.cancel(rid)
+        out.write("\n")
+        print("colibri: cancelled", file=sys.stderr)
+        return 130
+    except ClientError as exc:
+        out.flush()
+        print(f"colibri ask: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0

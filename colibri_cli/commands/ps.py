@@ -1,0 +1,41 @@
+"""`colibri ps`: what the daemon runs right now, from its STATUS reply."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from colibri_cli.client import Client, ClientError
+from colibri_cli.render import duration, table
+
+
+def render(status: dict) -> str:
+    hit = status.get("hit_rate")
+    head = table([
+        ["MODEL", "UPTIME", "PROFILE", "RUNNING", "QUEUED", "LAST TOK/S", "HIT RATE"],
+        [status["model"], duration(status["uptime_s"]), status["profile"], status["running"],
+         status["queued"], f"{status['last_tok_s']:.1f}",
+         "-" if hit is None else f"{100 * hit:.1f}%"],
+    ])
+    rows = [["TIER", "EXPERTS", "GB", "PINNED"]]
+    for tier in ("vram", "ram", "disk"):
+        t = status["tiers"].get(tier, {})
+        rows.append([tier, t.get("experts", 0), f"{t.get('gb', 0.0):.3f}",
+                     t.get("pinned", "-")])
+    return f"{head}\n\n{table(rows)}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}"
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="colibri ps", description=__doc__)
+    p.add_argument("--json", action="store_true", help="the raw STATUS reply")
+    args = p.parse_args(argv)
+    try:
+        with Client.connect(timeout_s=10) as client:
+            status = client.query("STATUS")
+    except ClientError as exc:
+        print(f"colibri ps: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0

@@ -1,0 +1,206 @@
+"""`colibri repl`: chat with the model; the conversation is kept across turns.
+
+Answers stream as they are generated. The daemon keeps the conversation's KV cache
+(`conv=`), so a follow-up turn prefills only the new message. Enter sends; a message
+that starts with \"\"\" continues until a line ending with \"\"\" (multi-line input), and
+Alt-Enter (Esc, Enter) inserts a newline. Ctrl-C cancels the answer in progress (or
+clears the line); Ctrl-D leaves. History persists in $COLIBRI_HOME/repl_history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from colibri_protocol import home
+from colibri_protocol.codec import encode_line
+from colibri_protocol.messages import Data, Done, Submit
+
+from colibri_cli.client import Client, ClientError, ensure_daemon, model_name
+
+HELP = """commands:
+  /help                 this help
+  /reset                forget the conversation
+  /system TEXT          set the system message (and reset)
+  /set NAME VALUE       temperature, top_p, top_k, max_tokens, seed
+  /profile NAME         make NAME the daemon's active profile; count turns into it
+  /stats                statistics of the last answer
+  /quit                 leave (so does Ctrl-D)
+Ctrl-C cancels an answer in progress. Start a message with \"\"\" for several lines."""
+
+SETTABLE: dict[str, Callable[[str], object]] = {
+    "temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int}
+
+
+@dataclass
+class Chat:
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    options: dict[str, object] = field(default_factory=lambda: {
+        "max_tokens": 512, "temperature": 0.0})
+    profile: str | None = None
+    model: str | None = None
+    turn: int = 0
+    last: Done | None = None
+
+    @property
+    def conv(self) -> str:
+        return f"repl{os.getpid()}-{self.turn}"
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self.turn += 1  # a new conversation key: the daemon's KV is not reused
+
+    def request(self, rid: str, text: str) -> Submit:
+        prefix = [{"role": "system", "content": self.system}] if self.system else []
+        turn = [*self.messages, {"role": "user", "content": text}]
+        return Submit(rid, messages=tuple(prefix + turn), conv=self.conv,
+                      profile=self.profile, model=model_name(self.model),
+                      **self.options)  # type: ignore[arg-type]
+
+
+def stream_answer(client: Client, chat: Chat, text: str) -> None:
+    rid = client.next_id()
+    answer: list[str] = []
+    try:
+        for event in client.generate(chat.request(rid, text)):
+            if isinstance(event, Data):
+                answer.append(event.text)
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Done):
+                chat.last = event
+        sys.stdout.write("\n")
+        chat.messages += [{"role": "user", "content": text},
+                          {"role": "assistant", "content": "".join(answer)}]
+    except KeyboardInterrupt:
+        client.cancel(rid)
+        print("\n(cancelled)")
+    except ClientError as exc:
+        print(f"\nerror: {exc}")
+
+
+def command(client: Client, chat: Chat, line: str) -> bool:
+    """Run a slash command; False means leave."""
+    name, _, rest = line[1:].partition(" ")
+    rest = rest.strip()
+    if name in ("quit", "exit", "bye"):
+        return False
+    if name == "help":
+        print(HELP)
+    elif name == "reset":
+        chat.reset()
+        print("(conversation cleared)")
+    elif name == "system":
+        chat.system = rest or None
+        chat.reset()
+        print(f"(system message {'set' if rest else 'cleared'}; conversation cleared)")
+    elif name == "set":
+        key, _, value = rest.partition(" ")
+        if key not in SETTABLE:
+            print(f"/set what? one of {', '.join(SETTABLE)}")
+        else:
+            try:
+                chat.options[key] = SETTABLE[key](value)
+                print(f"({key} = {chat.options[key]})")
+            except ValueError:
+                print(f"not a valid {key}: {value!r}")
+    elif name == "profile":
+        if not rest:
+            print(f"(profile: {chat.profile or 'the active one'})")
+        else:
+            try:
+                client.call(encode_line("PROFILE", "USE", rest), want=("OK",))
+                chat.profile = rest
+                print(f"(active profile: {rest})")
+            except (ClientError, ValueError) as exc:
+                print(f"error: {exc}")
+    elif name == "stats":
+        done = chat.last
+        if done is None:
+            print("(no answer yet)")
+        else:
+            print(f"{done.prompt_tokens} prompt tokens ({done.extras.get('cached', 0)} cached), "
+                  f"{done.emitted} generated tokens, {done.tok_s:.1f} tok/s, "
+                  f"prefill {done.extras.get('prefill_tok_s', '?')} tok/s, "
+                  f"hit rate {done.hit_pct:.1f}%, finish={done.finish}")
+    else:
+        print(f"unknown command /{name}; /help lists them")
+    return True
+
+
+def make_reader() -> Callable[[], str]:
+    """prompt-toolkit with history and multi-line input on a terminal; plain lines else."""
+    if not sys.stdin.isatty():
+        def plain() -> str:
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line.rstrip("\n")
+        return plain
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    keys = KeyBindings()
+
+    @keys.add("enter")
+    def _(event) -> None:  # type: ignore[no-untyped-def]
+        buf = event.current_buffer
+        text = buf.text
+        open_block = text.lstrip().startswith('"""') and not (
+            len(text.strip()) > 3 and text.rstrip().endswith('"""'))
+        buf.insert_text("\n") if open_block else buf.validate_and_handle()
+
+    @keys.add("escape", "enter")
+    def _(event) -> None:  # type: ignore[no-untyped-def]
+        event.current_buffer.insert_text("\n")
+
+    history = home.colibri_home() / "repl_history"
+    history.parent.mkdir(parents=True, exist_ok=True)
+    session: PromptSession[str] = PromptSession(history=FileHistory(str(history)),
+                                                key_bindings=keys, multiline=True)
+
+    def ask() -> str:
+        return session.prompt(">>> ", prompt_continuation="... ")
+    return ask
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="colibri repl", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", metavar="NAME|DIR")
+    p.add_argument("--system", metavar="TEXT")
+    p.add_argument("--profile", metavar="NAME")
+    p.add_argument("--max-tokens", type=int, default=512, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    args = p.parse_args(argv)
+    try:
+        client = ensure_daemon(args.model)
+    except ClientError as exc:
+        print(f"colibri repl: {exc}", file=sys.stderr)
+        return 1
+    chat = Chat(system=args.system, profile=args.profile, model=args.model,
+                options={"max_tokens": args.max_tokens, "temperature": args.temperature})
+    read = make_reader()
+    print("colibri repl: /help for commands, Ctrl-D to leave")
+    with client:
+        while True:
+            try:
+                line = read()
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                return 0
+            text = line.strip()
+            if text.startswith('"""'):
+                text = text.strip('"').strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                if not command(client, chat, text):
+                    return 0
+                continue
+            stream_answer(client, chat, text)

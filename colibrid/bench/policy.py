@@ -1,0 +1,63 @@
+"""`colibri bench policy`: replay recorded routing through each eviction policy offline.
+
+Prints, per cache size (experts per layer), the hit rate of every online policy next to
+Belady's optimal for the same budget and trace — the limit measured on the same input.
+The trace is the one `colibri bench replay --record` saves (decode passes only unless
+--with-prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from colibrid.store.policy import DEFAULT_POLICY, POLICIES, make_policy, simulate
+from colibrid.store.policy.belady import belady_hits
+
+
+def per_layer(trace: list, with_prefill: bool) -> dict[int, list[list[int]]]:
+    steps = trace if with_prefill else trace[1:]
+    layers: dict[int, list[list[int]]] = {}
+    for step in steps:
+        for layer, experts in step:
+            layers.setdefault(int(layer), []).append([int(e) for e in experts])
+    return layers
+
+
+def run(trace: list, caches: list[int], with_prefill: bool = False) -> list[dict]:
+    layers = per_layer(trace, with_prefill)
+    rows = []
+    for cap in caches:
+        row: dict = {"cache": cap}
+        for name in [*POLICIES, "belady"]:
+            hits = lookups = 0
+            for acc in layers.values():
+                h, n = belady_hits(acc, cap) if name == "belady" else \
+                    simulate(make_policy(name), acc, cap)
+                hits, lookups = hits + h, lookups + n
+            row[name] = hits / lookups if lookups else 0.0
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="colibri bench policy", description=__doc__)
+    p.add_argument("--trace", type=Path, required=True, metavar="FILE")
+    p.add_argument("--cache", type=int, action="append", metavar="N",
+                   help="experts per layer (repeatable; default 1,2,4,8,16,32)")
+    p.add_argument("--with-prefill", action="store_true")
+    args = p.parse_args(argv)
+    doc = json.loads(args.trace.read_text())
+    rows = run(doc["trace"], args.cache or [1, 2, 4, 8, 16, 32], args.with_prefill)
+    names = [*POLICIES, "belady"]
+    print(f"{'cache':>6} " + " ".join(f"{n:>8}" for n in names) + "   (default: "
+          f"{DEFAULT_POLICY}; belady = optimal limit)")
+    for row in rows:
+        print(f"{row['cache']:>6} " + " ".join(f"{100 * row[n]:7.1f}%" for n in names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,208 @@
+"""`colibrid start | stop | status | run`: the daemon's life cycle from the shell.
+
+`run` is the foreground daemon (service managers; SIGTERM is graceful). `start` runs
+`colibrid run` detached (own session, stdin closed, output appended to the log) and waits
+on a readiness pipe until the model is loaded and the socket bound, then prints where it
+listens; if the daemon dies first its error is shown. `stop` sends SIGTERM to the pid in
+the pidfile and waits until the daemon lock is released. `status` asks the daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from colibrid.config import load_settings, resolve_model
+from colibrid.errors import ColibriError
+from colibrid.paths import Paths, atomic_write
+from colibrid.serve import socket_server
+
+
+def configure_daemon(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="NAME|DIR", help="model to serve (default: "
+                   "default_model in config.toml)")
+    p.add_argument("--ram-gb", type=float, metavar="N", help="memory budget for experts")
+    p.add_argument("--socket", metavar="PATH", help="socket path (default "
+                   "$COLIBRI_HOME/run/colibrid.sock)")
+
+
+def configure_start(p: argparse.ArgumentParser) -> None:
+    configure_daemon(p)
+    p.add_argument("--wait", type=float, default=600.0, metavar="S",
+                   help="how long to wait for the model to load")
+
+
+def configure_run(p: argparse.ArgumentParser) -> None:
+    configure_daemon(p)
+    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+
+def configure_stop(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", metavar="PATH")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S")
+
+
+def configure_status(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", metavar="PATH")
+    p.add_argument("--json", action="store_true", help="the raw STATUS reply")
+
+
+def _say(ready_fd: int | None, line: str) -> None:
+    if ready_fd is None:
+        print(f"colibrid: {line}", file=sys.stderr, flush=True)
+        return
+    try:
+        os.write(ready_fd, (line + "\n").encode())
+    except OSError:
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    """The daemon in the foreground; returns when stopped."""
+    import trio
+
+    from colibrid import daemon
+
+    ready_fd = args.ready_fd
+    try:
+        paths = Paths.from_env(args.socket)
+        settings = load_settings(paths, default_model=args.model, ram_gb=args.ram_gb,
+                                 socket=args.socket)
+        model_dir = resolve_model(paths, settings.default_model)
+        lock_fd = socket_server.claim(paths)
+    except ColibriError as exc:
+        _say(ready_fd, f"ERROR {exc}")
+        raise
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        socket_server.remove_stale(paths)
+        atomic_write(paths.pidfile, f"{os.getpid()}\n")
+
+        def ready(where: str) -> None:
+            if ready_fd is None:
+                _say(None, f"listening on {where} (pid {os.getpid()})")
+            else:
+                _say(ready_fd, f"READY {os.getpid()} {where}")
+
+        trio.run(daemon.serve, settings, paths, model_dir, ready)
+    except ColibriError as exc:
+        _say(ready_fd, f"ERROR {exc}")
+        raise
+    except BaseException as exc:
+        _say(ready_fd, f"ERROR {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        paths.pidfile.unlink(missing_ok=True)
+        os.close(lock_fd)
+    return 0
+
+
+def start(args: argparse.Namespace) -> int:
+    paths = Paths.from_env(args.socket)
+    paths.ensure()
+    if socket_server.lock_is_held(paths):
+        pid = socket_server.read_pid(paths)
+        raise socket_server.AlreadyRunning(
+            f"colibrid is already running on {paths.socket}" + (f" (pid {pid})" if pid else "")
+            + "; `colibrid stop` stops it")
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "colibrid", "run", "--ready-fd", str(write_fd)]
+    for flag, value in (("--model", args.model), ("--ram-gb", args.ram_gb),
+                        ("--socket", args.socket)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    with open(paths.log, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                pass_fds=(write_fd,), start_new_session=True)
+    os.close(write_fd)
+    lines = _read_ready(read_fd, args.wait)
+    ready = next((line for line in lines if line.startswith("READY ")), None)
+    if ready is None:
+        errors = [line[6:] for line in lines if line.startswith("ERROR ")]
+        if proc.poll() is None and not errors:
+            raise ColibriError(f"colibrid did not become ready within {args.wait:g} s "
+                               f"(pid {proc.pid} still loading; see {paths.log})")
+        message = errors[-1] if errors else f"the daemon exited; see {paths.log}"
+        raise ColibriError(message)
+    _, pid, where = ready.split(" ", 2)
+    print(f"colibrid: listening on {where} (pid {pid}; log {paths.log})")
+    return 0
+
+
+def _read_ready(fd: int, timeout_s: float) -> list[str]:
+    import select
+
+    deadline, data = time.monotonic() + timeout_s, b""
+    try:
+        while b"READY " not in data and (left := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], left)[0]:
+                break
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    return data.decode(errors="replace").splitlines()
+
+
+def stop(args: argparse.Namespace) -> int:
+    paths = Paths.from_env(args.socket)
+    pid = socket_server.read_pid(paths)
+    if not socket_server.lock_is_held(paths):
+        print("colibrid: not running")
+        return 0
+    if pid is None:
+        raise ColibriError(f"colibrid holds {paths.lockfile} but wrote no pidfile yet "
+                           "(still starting?); try again")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while socket_server.lock_is_held(paths):
+        if time.monotonic() > deadline:
+            raise ColibriError(f"colibrid (pid {pid}) did not stop within {args.timeout:g} s")
+        time.sleep(0.05)
+    print(f"colibrid: stopped (pid {pid})")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    from colibri_protocol.codec import FrameDecoder, response_payload_length
+    from colibri_protocol.messages import Reply, parse_response
+
+    paths = Paths.from_env(args.socket)
+    if not socket_server.lock_is_held(paths):
+        print("colibrid: not running")
+        return 3
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    try:
+        sock.connect(str(paths.socket))
+        sock.sendall(b"STATUS\n")
+        decoder = FrameDecoder(response_payload_length)
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ColibriError("the daemon closed the connection")
+            for frame in decoder.feed(data):
+                reply = parse_response(frame) if not isinstance(frame, Exception) else None
+                if isinstance(reply, Reply):
+                    body = reply.body
+                    if args.json:
+                        print(json.dumps(body, indent=2))
+                    else:
+                        print(f"colibrid: running (pid {body['pid']}), model {body['model']}, "
+                              f"up {body['uptime_s']:.0f} s, profile {body['profile']}, "
+                              f"socket {paths.socket}")
+                    return 0
+    except OSError as exc:
+        raise ColibriError(f"cannot reach the daemon on {paths.socket}: {exc}") from None
+    finally:
+        sock.close()

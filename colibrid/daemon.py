@@ -1,0 +1,114 @@
+"""colibrid's nursery tree: read the indentation of `serve` to see the process.
+
+::
+
+    serve
+    ├── load the model (in a thread, so signals stay responsive)
+    └── daemon nursery
+        ├── signal watcher (SIGTERM/SIGINT -> stopping)
+        ├── engine host (owns the one engine thread)
+        ├── scheduler (admission, fairness)
+        ├── profile saver (periodic atomic writes; final flush after the nursery)
+        └── front nursery
+            └── socket server: serve_listeners -> one task per connection
+
+Readiness (`ready`) is reported only after the socket is bound. Shutdown: refuse new
+requests, let running ones finish within `shutdown_grace_s`, cancel the rest (freed within
+one token), wait until their last lines are written, then cancel the rest of the tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from colibrid.config import Settings
+from colibrid.engine.host import EngineHost
+from colibrid.paths import Paths
+from colibrid.serve.profiles import ProfileBook, engine_id, pin_target
+from colibrid.serve.scheduler import Scheduler
+from colibrid.serve.session import serve_connection
+from colibrid.serve.socket_server import serve_socket
+from colibrid.serve.state import DaemonState
+
+log = logging.getLogger("colibrid")
+
+
+def load_model(model_dir: Path, settings: Settings) -> tuple[object, object]:
+    """The engine and its text codec (None when the checkpoint has no tokenizer)."""
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.tokenizer import TextCodec
+
+    engine = Engine.load(model_dir, max_context=settings.max_context)
+    codec = TextCodec.load(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    return engine, codec
+
+
+def make_profiles(paths: Paths, settings: Settings, engine: object, name: str) -> ProfileBook:
+    store = engine.experts  # type: ignore[attr-defined]
+    total = len(store.layers) * store.layout.n_experts
+    model_type = engine.info.model_type  # type: ignore[attr-defined]
+    return ProfileBook(paths.profiles / name, tuple(store.counts.shape), engine_id(model_type),
+                       settings.profile, pin_target(store), int(total * settings.pin_fraction))
+
+
+async def watch_signals(stopping: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: stopping", signal.Signals(signum).name)
+            stopping.set()
+
+
+async def save_profiles(book: ProfileBook, every_s: float) -> None:
+    while True:
+        await trio.sleep(every_s)
+        await trio.to_thread.run_sync(book.save_all)
+
+
+async def drain(scheduler: Scheduler, grace_s: float) -> None:
+    """In-flight requests end (within the grace) or are cancelled; queued ones fail."""
+    scheduler.close_nowait()
+    with trio.move_on_after(grace_s):
+        await scheduler.wait_idle()
+    scheduler.cancel_running()
+    with trio.move_on_after(5.0):  # a client that stopped reading must not hold us
+        await scheduler.wait_idle()
+
+
+async def serve(settings: Settings, paths: Paths, model_dir: Path,
+                ready: Callable[[str], None]) -> None:
+    name = model_dir.name
+    log.info("loading %s", model_dir)
+    engine, codec = await trio.to_thread.run_sync(load_model, model_dir, settings)
+    book = make_profiles(paths, settings, engine, name)
+    host = EngineHost(engine, codec, max_conversations=settings.max_conversations,
+                      layer_delay_s=settings.debug_layer_delay_s, usage=book)
+    stopping = trio.Event()
+    try:
+        async with trio.open_nursery() as daemon:
+            daemon.start_soon(watch_signals, stopping)
+            await daemon.start(host.serve)
+            scheduler = Scheduler(host, max_queue=settings.max_queue,
+                                  max_active=settings.max_active)
+            await daemon.start(scheduler.serve)
+            state = DaemonState(name, model_dir, engine, host, scheduler, book)
+            state.repin_soon()
+            daemon.start_soon(save_profiles, book, settings.profile_save_s)
+            async with trio.open_nursery() as front:
+                await front.start(serve_socket, paths.socket,
+                                  lambda stream: serve_connection(stream, state))
+                ready(f"{paths.socket} model={name}")
+                log.info("listening on %s", paths.socket)
+                await stopping.wait()
+                await drain(scheduler, settings.shutdown_grace_s)
+                front.cancel_scope.cancel()
+            host.close()
+            daemon.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(book.save_all)
+        log.info("stopped; profiles saved")

@@ -1,0 +1,180 @@
+"""One SERVE connection: frames in, requests to the scheduler, events out as lines.
+
+Every request runs in its own task under the connection's nursery, so several can be in
+flight and their DATA lines interleave; one lock keeps each frame's bytes together.
+A malformed line costs one ERROR line, never the connection (unless the framing is lost:
+TOO_LARGE). When the peer goes away (EOF, reset, a failed write) the nursery is
+cancelled, which cancels that connection's requests and frees the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import trio
+from colibri_protocol.codec import FrameDecoder, encode_line, request_payload_length
+from colibri_protocol.errors import ProtocolError
+from colibri_protocol.messages import (
+    Cancel,
+    Done,
+    Hello,
+    Ping,
+    ProfileCommand,
+    Query,
+    Quit,
+    Request,
+    Stop,
+    Submit,
+    encode_accept,
+    encode_data,
+    encode_done,
+    encode_error,
+    encode_reply,
+    parse_request,
+)
+
+from colibrid.errors import ColibriError
+from colibrid.serve import events
+from colibrid.serve.requests import GenerateRequest
+from colibrid.serve.scheduler import Handle
+from colibrid.serve.state import DaemonState, rss_gb
+
+log = logging.getLogger("colibrid.session")
+_client_ids = itertools.count(1)
+
+
+class Connection:
+    def __init__(self, stream: trio.abc.Stream, state: DaemonState) -> None:
+        self.stream = stream
+        self.state = state
+        self.client = next(_client_ids)
+        self.requests: dict[str, Handle] = {}
+        self._send_lock = trio.Lock()
+        self._closed = False
+
+    async def send(self, data: bytes) -> None:
+        if self._closed:
+            return
+        async with self._send_lock:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._closed = True
+
+    async def serve(self) -> None:
+        decoder = FrameDecoder(request_payload_length)
+        try:
+            async with trio.open_nursery() as nursery:
+                while not self._closed:
+                    try:
+                        data = await self.stream.receive_some(65536)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        break
+                    if not data:
+                        break
+                    for item in decoder.feed(data):
+                        await self._dispatch(item, nursery)
+                    if decoder.broken:
+                        break
+                nursery.cancel_scope.cancel()
+        finally:
+            self.state.host.forget_client(self.client)
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self.stream)
+
+    async def _dispatch(self, item: object, nursery: trio.Nursery) -> None:
+        try:
+            if isinstance(item, ProtocolError):
+                raise item
+            request = parse_request(item)  # type: ignore[arg-type]
+            await self._handle(request, nursery)
+        except ProtocolError as exc:
+            await self.send(encode_error(exc.request_id, exc.code, exc.message))
+            if exc.fatal:
+                self._closed = True
+        except ColibriError as exc:
+            await self.send(encode_error("-", _code(exc), str(exc)))
+
+    async def _handle(self, request: Request, nursery: trio.Nursery) -> None:
+        state = self.state
+        if isinstance(request, Submit):
+            if request.id in self.requests:
+                raise ProtocolError("DUPLICATE_ID", f"request {request.id} is in flight",
+                                    request.id)
+            if request.model and request.model != state.model_name:
+                raise ProtocolError("MODEL_MISMATCH", f"the daemon serves {state.model_name}; "
+                                    f"stop it to load {request.model}", request.id)
+            try:
+                generate = GenerateRequest.from_submit(request, self.client)
+            except ColibriError as exc:
+                raise ProtocolError("BAD_REQUEST", str(exc), request.id) from None
+            try:
+                handle = state.scheduler.submit_nowait(generate)
+            except ColibriError as exc:
+                raise ProtocolError(_code(exc), str(exc), request.id) from None
+            self.requests[request.id] = handle
+            nursery.start_soon(self._run, handle)
+        elif isinstance(request, (Stop, Cancel)):
+            handle = self.requests.get(request.id)
+            if handle is None:
+                raise ProtocolError("NOT_FOUND", f"no request {request.id} in flight",
+                                    request.id)
+            handle.stop() if isinstance(request, Stop) else handle.cancel()
+        elif isinstance(request, Hello):
+            await self.send(encode_line("HELLO", *state.hello()))
+        elif isinstance(request, Query):
+            body = {"STATUS": state.status, "MODEL": state.model_info,
+                    "TELEMETRY": state.telemetry}[request.kind]()
+            await self.send(encode_reply(request.kind, body))
+        elif isinstance(request, ProfileCommand):
+            kind, body = await state.profile(request.action, request.name)
+            await self.send(encode_line("OK", *body) if kind == "OK" else
+                            encode_reply(kind, body))
+        elif isinstance(request, Ping):
+            await self.send(b"PONG\n")
+        elif isinstance(request, Quit):
+            self._closed = True
+
+    async def _run(self, handle: Handle) -> None:
+        rid = handle.job.request.id
+        try:
+            async with self.state.scheduler.track(handle):
+                async for event in handle.events:
+                    await self.send(_encode(rid, event, self.state))
+                    if isinstance(event, events.TERMINAL):
+                        break
+        except ColibriError as exc:
+            await self.send(encode_error(rid, _code(exc), str(exc)))
+        finally:
+            self.requests.pop(rid, None)
+
+
+def _code(exc: ColibriError) -> str:
+    from colibri_protocol.errors import CODES
+
+    return exc.code if exc.code in CODES else "BAD_REQUEST"
+
+
+def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
+    if isinstance(event, events.Token):
+        return encode_data(rid, event.text)
+    if isinstance(event, events.Accepted):
+        return encode_accept(rid, event.prompt_tokens)
+    if isinstance(event, events.Failed):
+        return encode_error(rid, event.code, event.message)
+    hit_rate = state.tiers().get("hit_rate") or 0.0
+    done = Done(rid, event.generated_tokens, event.decode_tok_s, 100.0 * hit_rate, rss_gb(),
+                event.prompt_tokens, event.finish == "length",
+                {"finish": event.finish, "cached": str(event.cached_tokens),
+                 "prefill_s": f"{event.prefill_s:.4f}", "decode_s": f"{event.decode_s:.4f}",
+                 "prefill_tok_s": f"{event.prefill_tok_s:.1f}"})
+    return encode_done(done)
+
+
+async def serve_connection(stream: trio.abc.Stream, state: DaemonState) -> None:
+    """The per-connection handler given to `trio.serve_listeners`."""
+    try:
+        await Connection(stream, state).serve()
+    except Exception:
+        log.exception("connection handler failed")  # costs this connection only

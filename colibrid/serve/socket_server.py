@@ -1,0 +1,112 @@
+"""The Unix-socket listener, with the traps of trio issue #279 handled.
+
+* One daemon per socket: an exclusive `flock` on a lock file beside the socket is held for
+  the daemon's life (the kernel drops it when the process dies, even by SIGKILL), and a
+  live socket is probed by connecting before anything is removed.
+* A socket file left by a crashed daemon (no lock holder, connection refused) is stale and
+  is removed; so is its pidfile.
+* The socket's directory is 0700 and the socket 0600 (created under umask 0177).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from colibrid.errors import ColibriError
+from colibrid.paths import Paths
+
+
+class AlreadyRunning(ColibriError):
+    code = "ALREADY_RUNNING"
+
+
+def read_pid(paths: Paths) -> int | None:
+    try:
+        return int(paths.pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def claim(paths: Paths) -> int:
+    """Take the daemon lock (returns its fd, keep it open) or raise AlreadyRunning."""
+    paths.ensure()
+    fd = os.open(paths.lockfile, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            pid = read_pid(paths)
+            raise AlreadyRunning(f"colibrid is already running on {paths.socket}"
+                                 + (f" (pid {pid})" if pid else "")
+                                 + "; `colibrid stop` stops it") from None
+        raise
+    return fd
+
+
+def lock_is_held(paths: Paths) -> bool:
+    """Whether some process holds the daemon lock (i.e. a daemon is alive)."""
+    try:
+        fd = os.open(paths.lockfile, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def socket_answers(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def remove_stale(paths: Paths) -> None:
+    """With the lock held: a leftover socket that does not answer and the pidfile go."""
+    if paths.socket.exists() or paths.socket.is_symlink():
+        if socket_answers(paths.socket):
+            raise AlreadyRunning(f"another daemon answers on {paths.socket}")
+        paths.socket.unlink()
+    paths.pidfile.unlink(missing_ok=True)
+
+
+def bind(path: Path) -> trio.socket.SocketType:
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        raw.bind(str(path))
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    raw.listen(128)
+    return trio.socket.from_stdlib_socket(raw)
+
+
+async def serve_socket(path: Path, handler: Callable[[trio.SocketStream], Awaitable[None]], *,
+                       task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
+    """Bind, report readiness, serve connections until cancelled; removes the socket."""
+    sock = bind(path)
+    try:
+        listener = trio.SocketListener(sock)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, handler, [listener])
+            task_status.started(path)
+    finally:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,124 @@
+"""Store options (the knobs of `colibrid generate`, `colibrid start` and config.toml)
+and the factory that turns them into an expert store.
+
+Default (``mode="auto"``): when the routed experts plus the dense part fit in half the
+RAM budget, keep them resident as zero-copy mmap views (no I/O, no copies: the page
+cache is the cache); otherwise stream them through the tiered store with an automatic
+budget. Any explicit placement knob (``--ram-gb``, ``--cache``, ``--pin``, ``--pilot``,
+``--io-threads``, ``--direct``, ``--profile``) selects the tiered store, so the knob is
+never silently ignored. FP8/F16 expert checkpoints are converted on load and stay
+resident (a warning says so when they do not fit).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from colibrid.store import budget as budgets
+from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.experts import ExpertLayout, ResidentExpertStore
+from colibrid.store.extents import NotStreamable
+from colibrid.store.pinning import Repinner, autopin_slots, hottest
+from colibrid.store.policy import DEFAULT_POLICY
+from colibrid.store.tiered import TieredStore
+from colibrid.store.usage import UsageProfile
+
+log = logging.getLogger("colibri.store")
+PIN_MODES = ("off", "auto", "all")
+PILOT_MODES = ("on", "off", "auto")
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    mode: str = "auto"  # auto | resident | tiered
+    ram_gb: float | None = None
+    cache: int | None = None  # experts per layer; overrides the budget
+    pin: str = "auto"
+    pilot: str = "auto"
+    io_threads: int = 4  # 0 = reads inline on the engine thread
+    direct: bool = True
+    profile: str | None = None  # .coli_usage path (read, and written after each request)
+    policy: str = DEFAULT_POLICY
+    memwatch: bool = True
+    save_profile: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "resident", "tiered"):
+            raise ValueError(f"store mode {self.mode!r} must be auto, resident or tiered")
+        if self.pin not in PIN_MODES:
+            raise ValueError(f"--pin must be one of {PIN_MODES}, got {self.pin!r}")
+        if self.pilot not in PILOT_MODES:
+            raise ValueError(f"--pilot must be one of {PILOT_MODES}, got {self.pilot!r}")
+        if self.cache is not None and self.cache < 0:
+            raise ValueError(f"--cache must be >= 0, got {self.cache}")
+        if self.io_threads < 0:
+            raise ValueError(f"--io-threads must be >= 0, got {self.io_threads}")
+
+
+def dense_bytes(checkpoint: Checkpoint, expert_names: set[str]) -> int:
+    return sum(checkpoint.info(n).nbytes for n in checkpoint.names() if n not in expert_names)
+
+
+def open_store(checkpoint: Checkpoint, layout: ExpertLayout, opts: StoreOptions,
+               model_type: str) -> Any:
+    """The expert store for ``opts``; a TieredStore still needs :func:`allocate_store`."""
+    total, source = budgets.resolve_total(opts.ram_gb)
+    if opts.mode == "resident":
+        return ResidentExpertStore(checkpoint, layout)
+    try:
+        store = TieredStore(checkpoint, layout, direct=opts.direct, io_threads=opts.io_threads,
+                            policy=opts.policy)
+    except NotStreamable as exc:
+        log.warning("colibri: experts stay resident (%s)", exc)
+        return ResidentExpertStore(checkpoint, layout)
+    dense = dense_bytes(checkpoint, store.expert_names)
+    budgets.check_dense_fits(total, dense, source)
+    if opts.mode == "auto" and dense + store.payload_bytes() <= total // 2:
+        store.close()
+        return ResidentExpertStore(checkpoint, layout)
+    store.model_type = model_type
+    store.budget_total, store.budget_source, store.dense_bytes = total, source, dense
+    return store
+
+
+def allocate_store(store: TieredStore, opts: StoreOptions, *, kv_bytes: int) -> None:
+    """Plan the budget (now that the KV size is known), load the profile, pin, allocate."""
+    layers = store.layers
+    n_exp = store.layout.n_experts
+    usage = UsageProfile(max(layers) + 1, n_exp, getattr(store, "model_type", ""), layers)
+    if opts.profile:
+        usage.merge_file(Path(opts.profile))
+    store.usage = usage
+    work = min(n_exp, 64)
+    pilot_slots = 0 if opts.pilot == "off" else min(n_exp, 8)
+    base = budgets.plan(total=store.budget_total, source=store.budget_source,
+                        dense=store.dense_bytes, kv=kv_bytes, slot_bytes=store.slot_bytes,
+                        n_layers=store.n_layers, n_experts=n_exp, work_slots=work + pilot_slots,
+                        cache=opts.cache)
+    room = base.total - base.dense - base.kv - base.reserve - base.work
+    n_pins = 0
+    if opts.pin == "all":
+        n_pins = max(0, min(n_exp * len(layers), room // store.slot_bytes))
+        n_pins = min(n_pins, int(usage.counts[list(layers)].astype(bool).sum())) \
+            if usage.total else n_pins
+    elif opts.pin == "auto" and opts.cache is None:
+        n_pins = autopin_slots(usage.total, room, store.slot_bytes, len(layers), n_exp)
+    pins = hottest(usage.counts, layers, n_pins) if usage.total else \
+        [(la, e) for la in layers for e in range(n_exp)][:n_pins]
+    cache = base.cache_per_layer
+    if opts.cache is None and pins:
+        left = room - len(pins) * store.slot_bytes
+        cache = max(0, min(n_exp, left // max(1, store.n_layers * store.slot_bytes)))
+    store.plan = base
+    store.profile_path = opts.profile if opts.save_profile else None
+    if pins and opts.pin != "off":
+        store.repinner = Repinner(max(layers) + 1, n_exp)
+    store.allocate(cache, work_slots=work, pilot_slots=pilot_slots, pins=pins)
+    if opts.memwatch:
+        from colibrid.store.memwatch import default_watch
+
+        store.memwatch = default_watch(base.total, store)
+    log.info("colibri: %s; %d pinned", base.describe(), len(pins))

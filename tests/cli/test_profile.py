@@ -1,0 +1,58 @@
+"""Profiles end to end on the real daemon: warm a domain, list it, draw it, switch to it
+at run time: the pinned set (in `colibri ps`) changes, no token of a greedy answer does."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from daemon_helpers import Home, wait_for
+
+
+@pytest.fixture(scope="module")
+def home(chat_model: Path, tmp_path_factory) -> Home:
+    h = Home(tmp_path_factory.mktemp("prof"), chat_model)
+    h.start()
+    yield h
+    h.close()
+
+
+def pinned(home: Home) -> list:
+    result = home.colibri("ps", "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["pinned"]
+
+
+def test_warm_list_show_use_save(home: Home, tmp_path: Path) -> None:
+    question = ("ask", "--max-tokens", "16", "What is the capital of France?")
+    before = home.colibri(*question)
+    assert before.returncode == 0
+    warm = home.colibri("profile", "warm", "code", "--limit", "2", "--max-tokens", "8")
+    assert warm.returncode == 0, warm.stderr
+    listing = home.colibri("profile", "list")
+    assert "code" in listing.stdout and "built-in, not warmed" in listing.stdout
+    pins_default = pinned(home)
+    use = home.colibri("profile", "use", "code")
+    assert use.returncode == 0, use.stderr
+    assert wait_for(lambda: pinned(home) != pins_default, timeout_s=5)
+    assert pinned(home)  # the code profile pins its hot experts
+    ps = home.colibri("ps")
+    assert "code" in ps.stdout and "PINNED" in ps.stdout
+    after = home.colibri(*question)
+    assert after.stdout == before.stdout  # placement never changes tokens
+    png = tmp_path / "code.png"
+    show = home.colibri("profile", "show", "code", "--png", str(png))
+    assert show.returncode == 0, show.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 0 and height > 0
+    saved = home.colibri("profile", "save", "mine")
+    assert saved.returncode == 0 and "mine.coli_usage" in saved.stdout
+    usage = Path(saved.stdout.split()[-1]).read_text().splitlines()
+    assert usage[0].startswith("-1 ") and usage[1].startswith("-2 ")
+    assert all(len(line.split()) == 3 for line in usage)
+    missing = home.colibri("profile", "show", "nope")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr

@@ -1,0 +1,81 @@
+"""`colibri synth`: deterministic, valid, runnable synthetic containers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colibri_cli.main import main
+from colibrid.convert.inspect import inspect
+from colibrid.convert.plan import ConvertParams, build_groups, pack_shards
+from colibrid.convert.synth import synth_config
+from colibrid.convert.validate import expected_from_config
+from colibrid.engine.engine import Engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def planned_bytes(shape: str, layers: int, experts: int) -> tuple[int, int]:
+    """(container bytes, one expert's bytes) from the plan alone, nothing written."""
+    cfg = synth_config(shape, layers, experts)
+    args, expected = expected_from_config(cfg, lambda n: True)
+    params = ConvertParams()
+    groups = build_groups([(e.name, e.shape) for e in expected.values()],
+                          args.trunk.num_hidden_layers, params)
+    expert = next(g for g in groups if len(g.items) == 3)
+    return sum(s.nbytes for s in pack_shards(groups, params)), expert.nbytes
+
+
+def test_glm5_sizes_are_the_real_ones() -> None:
+    total, expert = planned_bytes("glm5", 4, 32)
+    assert abs(expert - 21.23e6) < 0.01e6  # upstream: 21.23 MB int4-g64 GLM-5 expert
+    assert 2.6e9 < total < 2.8e9  # the issue's "~2.7 GB"
+    cfg = synth_config("glm5", 4, 32)
+    assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"],
+            cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["index_topk"]) == \
+        (6144, 2048, 8, 512, 2048, 2048)
+
+
+def test_glm4_air_shape_plans() -> None:
+    total, expert = planned_bytes("glm4-air", 2, 4)
+    # gate/up [1408, 4096]: 1408*2048 B + 1408*64 scales; down [4096, 1408]: 4096*704 + 4096*22
+    assert expert == 2 * (1408 * 2048 + 1408 * 64 * 4) + 4096 * 704 + 4096 * 22 * 4
+    assert total > expert * 4
+
+
+def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        assert main(["synth", "--shape", "tiny", "--layers", "3", "--experts", "4",
+                     "--quiet", str(d)]) == 0
+    files = sorted(p.name for p in a.iterdir())
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "manifest.json",
+            "generation_config.json"} <= set(files)
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    report = inspect(a)
+    assert (report.n_layers, report.moe_layers, report.n_experts) == (3, 2, 4)
+    assert report.expert_contiguous and report.formats["expert"] == {"int4-g64": 24}
+    engine = Engine.load(a)
+    try:
+        from colibrid.engine.generate import TokenEvent, generate
+        from colibrid.engine.sampling import SamplingParams
+
+        events = generate(engine, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+        assert len([e for e in events if isinstance(e, TokenEvent)]) == 4
+    finally:
+        engine.close()
+    proc = subprocess.run([sys.executable, "-m", "colibrid", "generate", "--model", str(a),
+                           "--prompt", "hi", "--max-tokens", "3"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_bad_shape_is_one_line(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["synth", "--shape", "nope", str(tmp_path / "x")])
+    assert main(["synth", "--shape", "tiny", "--layers", "0", str(tmp_path / "y")]) == 1
+    assert "--layers" in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""Running the real daemon and clients as subprocesses in a private $COLIBRI_HOME."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class Home:
+    """A $COLIBRI_HOME with its own config; every daemon started here is stopped on close."""
+
+    def __init__(self, path: Path, model: Path, **settings: object) -> None:
+        self.path = path
+        self.model = model
+        path.mkdir(parents=True, exist_ok=True)
+        lines = [f'default_model = "{model}"'] + [
+            f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"'
+            for k, v in settings.items()]
+        (path / "config.toml").write_text("\n".join(lines) + "\n")
+        self.env = {**os.environ, "COLIBRI_HOME": str(path)}
+        self.env.pop("COLIBRI_SOCKET", None)
+
+    @property
+    def socket(self) -> Path:
+        return self.path / "run" / "colibrid.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.path / "run" / "colibrid.pid"
+
+    def colibrid(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "colibrid", *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def colibri(self, *args: str, stdin: str | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "colibri_cli", *args], env=self.env,
+                              capture_output=True, text=True, timeout=timeout, input=stdin)
+
+    def popen_colibri(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "colibri_cli", *args], env=self.env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+
+    def start(self) -> None:
+        result = self.colibrid("start")
+        assert result.returncode == 0, result.stderr + self.log()
+        assert "listening on" in result.stdout
+
+    def pid(self) -> int | None:
+        try:
+            return int(self.pidfile.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def log(self) -> str:
+        log = self.path / "colibrid.log"
+        return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+    def close(self) -> None:
+        """Stop the daemon; SIGKILL if it does not go (no daemon outlives a test)."""
+        pid = self.pid()
+        if pid is None:
+            return
+        try:
+            self.colibrid("stop", "--timeout", "15", timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and alive(pid):
+            time.sleep(0.05)
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
+    return True
+
+
+def wait_for(predicate, timeout_s: float = 10.0, step_s: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step_s)
+    return predicate()

@@ -1,0 +1,177 @@
+"""A deterministic stand-in for the engine, and the real daemon parts around it in-process.
+
+FakeEngine speaks the engine's interface (sessions with prefill/decode, cancel checked
+between "layers", an expert store with counts) over a byte vocabulary: a raw prompt is
+its UTF-8 bytes, and each generated token is the ASCII character after the previous
+token (wrapping from `~` to `!`), so transcripts are predictable: prompt "a" -> "bcd...".
+`open_daemon` runs the real EngineHost, Scheduler and SERVE sessions on top of it, with
+connections over in-memory streams: the protocol is tested without sockets or a model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+import trio.testing
+
+from colibrid.engine.host import EngineHost
+from colibrid.errors import Cancelled
+from colibrid.serve.profiles import ProfileBook, RecordedPins
+from colibrid.serve.scheduler import Scheduler
+from colibrid.serve.session import serve_connection
+from colibrid.serve.state import DaemonState
+
+VOCAB = 256
+N_LAYERS = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    moe_layers: tuple[int, ...] = (0, 1)
+    n_experts: int = 4
+    hidden: int = 8
+    ffn: int = 4
+
+
+class FakeExperts:
+    def __init__(self) -> None:
+        self.layout = Layout()
+        self.layers = self.layout.moe_layers
+        self.counts = np.zeros((N_LAYERS, self.layout.n_experts), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Info:
+    model_type: str = "fake"
+    n_layers: int = N_LAYERS
+    load_s: float = 0.0
+
+
+def next_token(last: int) -> int:
+    return last + 1 if 33 <= last < 126 else 33
+
+
+class FakeSession:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.tokens: list[int] = []
+        self.prefilled = 0  # tokens computed, for KV-reuse tests
+
+    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
+                cancel: threading.Event | None = None) -> np.ndarray:
+        for layer in range(N_LAYERS):
+            time.sleep(self.engine.layer_delay_s)
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("request cancelled")
+            self.engine.experts.counts[layer, int(token_ids[-1]) % 4] += 1
+        self.tokens.extend(int(t) for t in token_ids)
+        self.prefilled += len(token_ids)
+        self.engine.computed += len(token_ids)
+        logits = np.zeros(VOCAB, dtype=np.float32)
+        logits[next_token(self.tokens[-1])] = 50.0
+        return logits
+
+    def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray:
+        return self.prefill([token_id], cancel=cancel)
+
+    def common_prefix(self, token_ids: Sequence[int]) -> int:
+        n = 0
+        for held, new in zip(self.tokens, token_ids, strict=False):
+            if held != new:
+                break
+            n += 1
+        return n
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+
+
+class FakeEngine:
+    def __init__(self, *, max_context: int = 512, layer_delay_s: float = 0.0) -> None:
+        self.max_context = max_context
+        self.vocab_size = VOCAB
+        self.experts = FakeExperts()
+        self.info = Info()
+        self.layer_delay_s = layer_delay_s
+        self.computed = 0
+
+    def new_session(self) -> FakeSession:
+        return FakeSession(self)
+
+
+class FakeCodec:
+    stop_token_ids = frozenset({0})
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], **kw: Any) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return self.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@dataclass
+class InProcessDaemon:
+    state: DaemonState
+    nursery: trio.Nursery
+
+    async def connect(self) -> trio.testing.MemoryStapledStream:  # type: ignore[name-defined]
+        client, server = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(serve_connection, server, self.state)
+        return client
+
+
+@asynccontextmanager
+async def open_daemon(tmp: Path, *, max_queue: int = 16, max_active: int = 4,
+                      layer_delay_s: float = 0.0) -> AsyncIterator[InProcessDaemon]:
+    engine = FakeEngine(layer_delay_s=layer_delay_s)
+    book = ProfileBook(tmp / "profiles", (N_LAYERS, 4), "test", "default", RecordedPins(), 2)
+    host = EngineHost(engine, FakeCodec(), usage=book)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.serve)
+        scheduler = Scheduler(host, max_queue=max_queue, max_active=max_active)
+        await nursery.start(scheduler.serve)
+        state = DaemonState("fake", tmp, engine, host, scheduler, book)
+        try:
+            yield InProcessDaemon(state, nursery)
+        finally:
+            host.close()
+            nursery.cancel_scope.cancel()
+
+
+class LineReader:
+    """Reads protocol lines (and DATA payload lines) from a stream, for assertions."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    async def line(self, timeout_s: float = 5.0) -> str:
+        with trio.fail_after(timeout_s):
+            while b"\n" not in self.buf:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    raise EOFError(f"stream closed; pending {self.buf!r}")
+                self.buf += data
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode("utf-8")
+
+    async def until(self, prefix: str, timeout_s: float = 5.0) -> list[str]:
+        """Lines up to and including the first that starts with `prefix`."""
+        seen = []
+        while True:
+            line = await self.line(timeout_s)
+            seen.append(line)
+            if line.startswith(prefix):
+                return seen

@@ -1,0 +1,178 @@
+"""The tiered store's parts: aligned extents, direct-I/O fallback, policies against
+Belady, MEMWATCH resizing (fake and real memory pressure) and telemetry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from colibrid.engine.engine import Engine
+from colibrid.engine.generate import TokenEvent, generate
+from colibrid.engine.sampling import SamplingParams
+from colibrid.store import io_pool
+from colibrid.store.budget import mem_available
+from colibrid.store.extents import ALIGN
+from colibrid.store.memwatch import MemWatch
+from colibrid.store.options import StoreOptions
+from colibrid.store.policy import make_policy, simulate
+from colibrid.store.policy.belady import belady_hits
+from colibrid.store.slabs import SlabArena
+
+GiB = 1 << 30
+
+
+def greedy(engine: Engine, prompt: list[int]) -> list[int]:
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    return [e.token_id for e in generate(engine, prompt, params) if isinstance(e, TokenEvent)]
+
+
+def tiered(ref, **kw) -> Engine:
+    kw.setdefault("pin", "off")
+    kw.setdefault("pilot", "off")
+    return Engine.load(ref.out_dir, store=StoreOptions(mode="tiered", **kw))
+
+
+def test_extents_are_aligned_and_slab_is_aligned(oracle_checkpoint) -> None:
+    engine = tiered(oracle_checkpoint("glm4_moe"), cache=2)
+    try:
+        store = engine.experts
+        for row in store.extents.values():
+            for ext in row:
+                assert ext.reads and ext.slab_bytes <= store.slot_bytes
+                for r in ext.reads:
+                    assert r.offset % ALIGN == 0 and r.length % ALIGN == 0
+                    assert r.slab_offset % ALIGN == 0
+        assert store.arena.buf.ctypes.data % ALIGN == 0
+        assert store.files.mode == "O_DIRECT"  # tmp_path is ext4 here: direct really works
+    finally:
+        engine.close()
+
+
+def test_direct_fallback_is_reported(oracle_checkpoint, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(io_pool, "_probe_direct", lambda fd, size: "Invalid argument")
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=1)
+    try:
+        assert engine.experts.files.mode.startswith("buffered (direct I/O unsupported")
+        assert "direct I/O not available" in caplog.text
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()
+
+
+def test_policies_never_beat_belady() -> None:
+    rng = np.random.default_rng(0)
+    hot = rng.zipf(1.3, size=(400, 4)) % 32
+    trace = [sorted(set(row.tolist())) for row in hot]
+    for cap in (2, 4, 8):
+        best, n = belady_hits(trace, cap)
+        for name in ("lru", "lfru"):
+            hits, m = simulate(make_policy(name), trace, cap)
+            assert m == n and hits <= best
+
+
+def test_slab_release_and_fault_in() -> None:
+    arena = SlabArena(5000, 3)
+    arena.slot(1)[:] = 7
+    arena.release(1)
+    assert arena.slot(1).max() == 0 and arena.slot(0).shape[0] == arena.slot_bytes
+    arena.fault_in(1)
+
+
+def test_memwatch_shrinks_and_grows_between_tokens(oracle_checkpoint) -> None:
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=16)
+    store = engine.experts
+    free = [100 * GiB]
+    store.memwatch = MemWatch(low=GiB, band=1, available=lambda: free[0], rss=lambda: 0,
+                              sample_thread=False)
+    try:
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        assert store.cache_per_layer == 16
+        free[0] = GiB // 2
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        assert store.cache_per_layer == 0 and store.parked
+        assert all(not c for c in store.cache.values())
+        free[0] = 100 * GiB
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        assert store.cache_per_layer == 16 and not store.parked
+        assert "grow" in store.statistics().memwatch
+    finally:
+        engine.close()
+
+
+HOG = """
+import mmap, sys
+m = mmap.mmap(-1, int(sys.argv[1]))
+for i in range(0, len(m), 4096):
+    m[i] = 1
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_memwatch_follows_another_process(oracle_checkpoint) -> None:
+    """Another process takes 1.5 GiB during a generation: the cache shrinks, tokens stay
+    identical, and it grows back once that memory is released."""
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=16)
+    store = engine.experts
+    store.memwatch.close()
+    store.memwatch = MemWatch(low=mem_available() - GiB, band=64 << 20, interval_s=0.05)
+    hog = subprocess.Popen([sys.executable, "-c", HOG, str(int(1.5 * GiB))],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == b"held"
+        time.sleep(0.2)
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        assert store.cache_per_layer < 16
+        hog.kill()
+        hog.wait()
+        time.sleep(0.3)
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        assert store.cache_per_layer == 16
+        assert [a.split()[0] for a in store.memwatch.actions][:1] == ["shrink"]
+        assert store.memwatch.actions[-1].startswith("grow")
+    finally:
+        hog.kill()
+        engine.close()
+
+
+def test_statistics_split_and_per_request(oracle_checkpoint) -> None:
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=4, io_threads=2)
+    try:
+        greedy(engine, ref.prompt_ids)
+        st = engine.experts.statistics()
+        assert st.lookups == st.hits_pinned + st.hits_cache + st.hits_prefetched + st.misses
+        assert st.bytes_read > 0 and st.tokens == 20 and st.io_mode == "O_DIRECT"
+        assert 0 < st.hit_rate < 1 and st.read_gb_s > 0
+        assert any("hit" in line for line in st.lines())
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("pin", ["all", "auto"])
+def test_profile_and_pins_do_not_change_tokens(oracle_checkpoint, tmp_path, pin) -> None:
+    ref = oracle_checkpoint("deepseek_v3")
+    profile = tmp_path / ".coli_usage"
+    engine = tiered(ref, cache=2, profile=str(profile))
+    try:
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()
+    assert profile.read_text().startswith("-1 ")
+    engine = tiered(ref, cache=2 if pin == "all" else None, ram_gb=4, pin=pin,
+                    profile=str(profile))
+    try:
+        if pin == "all":
+            assert engine.experts.pinned
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        st = engine.experts.statistics()
+        assert st.hits_pinned > 0 or pin == "auto"
+    finally:
+        engine.close()
