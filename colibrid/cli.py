@@ -82,7 +82,8 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache", type=int, metavar="N",
                    help="experts per layer in the RAM cache (overrides the budget)")
     g.add_argument("--pin", choices=("off", "auto", "all"), help="pinned hot store")
-    g.add_argument("--pilot", choices=("on", "off", "auto"), help="lookahead prefetch")
+    g.add_argument("--pilot", choices=("on", "off", "auto"),
+                   help="lookahead prefetch (auto: on when experts stream from disk)")
     g.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     g.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
     g.add_argument("--profile", metavar="PATH", help="usage profile (.coli_usage) to learn from")

@@ -23,7 +23,11 @@ except ModuleNotFoundError:  # Python 3.10
 @dataclass(frozen=True)
 class Settings:
     default_model: str | None = None  # model NAME (under models/) or a directory
-    ram_gb: float | None = None  # memory budget for experts (the tiered store reads it)
+    ram_gb: float | None = None  # memory budget (default: 88% of available memory)
+    cache: int | None = None  # experts per layer in the RAM cache (overrides the budget)
+    pilot: str | None = None  # lookahead prefetch: on | off | auto
+    io_threads: int | None = None  # expert reader threads (0 = reads on the engine thread)
+    direct: bool | None = None  # O_DIRECT / F_NOCACHE expert reads
     socket: str | None = None  # socket path; default $COLIBRI_HOME/run/colibrid.sock
     max_queue: int = 16  # requests waiting beyond the active ones; more answers BUSY
     max_active: int = 4  # requests decoding at once (interleaved token by token)
@@ -62,7 +66,24 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
     return settings
 
 
+def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
+    """The expert placement the settings ask for; any placement key selects the tiered
+    store (so a knob is never silently ignored), none keeps the automatic choice. Pins
+    follow the active usage profile (the daemon's profile book), so AUTOPIN is off here."""
+    from colibrid.store.options import StoreOptions
+
+    given = {k: getattr(settings, k) for k in ("ram_gb", "cache", "pilot", "io_threads",
+                                               "direct") if getattr(settings, k) is not None}
+    try:
+        return StoreOptions(mode="tiered" if given else "auto", pin="off", save_profile=False,
+                            **given)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _type_ok(value: Any, annotation: str) -> bool:
+    if "bool" in annotation:
+        return isinstance(value, bool)
     if "float" in annotation:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if "int" in annotation:

@@ -28,7 +28,14 @@ from colibrid.serve import socket_server
 def configure_daemon(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="NAME|DIR", help="model to serve (default: "
                    "default_model in config.toml)")
-    p.add_argument("--ram-gb", type=float, metavar="N", help="memory budget for experts")
+    p.add_argument("--ram-gb", type=float, metavar="N",
+                   help="memory budget (default: 88%% of available memory)")
+    p.add_argument("--cache", type=int, metavar="N",
+                   help="experts per layer in the RAM cache (overrides the budget)")
+    p.add_argument("--pilot", choices=("on", "off", "auto"),
+                   help="lookahead prefetch (auto: on when experts stream from disk)")
+    p.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
+    p.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
     p.add_argument("--socket", metavar="PATH", help="socket path (default "
                    "$COLIBRI_HOME/run/colibrid.sock)")
 
@@ -74,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths = Paths.from_env(args.socket)
         settings = load_settings(paths, default_model=args.model, ram_gb=args.ram_gb,
-                                 socket=args.socket)
+                                 socket=args.socket, cache=args.cache, pilot=args.pilot,
+                                 io_threads=args.io_threads,
+                                 direct=None if args.direct is None else args.direct == "on")
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
     except ColibriError as exc:
@@ -116,7 +125,9 @@ def start(args: argparse.Namespace) -> int:
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "colibrid", "run", "--ready-fd", str(write_fd)]
     for flag, value in (("--model", args.model), ("--ram-gb", args.ram_gb),
-                        ("--socket", args.socket)):
+                        ("--socket", args.socket), ("--cache", args.cache),
+                        ("--pilot", args.pilot), ("--io-threads", args.io_threads),
+                        ("--direct", args.direct)):
         if value is not None:
             cmd += [flag, str(value)]
     with open(paths.log, "ab") as log:

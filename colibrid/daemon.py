@@ -26,7 +26,7 @@ from pathlib import Path
 
 import trio
 
-from colibrid.config import Settings
+from colibrid.config import Settings, store_options
 from colibrid.engine.host import EngineHost
 from colibrid.paths import Paths
 from colibrid.serve.profiles import ProfileBook, engine_id, pin_target
@@ -43,7 +43,8 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[object, object]:
     from colibrid.engine.engine import Engine
     from colibrid.engine.tokenizer import TextCodec
 
-    engine = Engine.load(model_dir, max_context=settings.max_context)
+    engine = Engine.load(model_dir, max_context=settings.max_context,
+                         store=store_options(settings))
     codec = TextCodec.load(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     return engine, codec
 

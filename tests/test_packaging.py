@@ -22,4 +22,5 @@ def test_every_package_folder_is_listed() -> None:
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert on_disk <= listed, f"missing from pyproject packages: {sorted(on_disk - listed)}"
-    assert config["package-dir"] == {"colibri_protocol": "protocol", "colibri_native": "native"}
+    assert config["package-dir"] == {"colibri_protocol": "protocol", "colibri_native": "native",
+                                     "colibri_profiles": "profiles"}

@@ -21,7 +21,21 @@ from colibri_protocol.messages import Submit
 from colibri_cli.client import Client, ClientError, ensure_daemon
 from colibri_cli.render import table
 
-BUILTIN = Path(__file__).resolve().parents[2] / "profiles"
+
+def _builtin_profiles() -> Path:
+    """The built-in domain profiles: shipped as the `colibri_profiles` package (the repo's
+    profiles/ folder), found beside the sources in a checkout."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("colibri_profiles")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if Path(location).is_dir():
+                return Path(location)
+    return Path(__file__).resolve().parents[2] / "profiles"
+
+
+BUILTIN = _builtin_profiles()
 
 
 def build_parser() -> argparse.ArgumentParser:

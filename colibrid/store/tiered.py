@@ -125,9 +125,9 @@ class TieredStore:
                 del self.cache[layer][expert]
                 self.policies[layer].remove(expert)
             else:
+                if len(self.free) <= self.work_slots + self.pilot_slots:
+                    raise StoreError("no free slot to pin into (the rest are work slots)")
                 slot = self._take_slot()
-                if slot is None:
-                    raise StoreError("no free slot to pin into")
                 self._read(slot, layer, expert, DEMAND)
                 self._wait_slot(slot)
             self.state[slot] = PINNED

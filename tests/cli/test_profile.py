@@ -11,9 +11,12 @@ import pytest
 from daemon_helpers import Home, wait_for
 
 
-@pytest.fixture(scope="module")
-def home(chat_model: Path, tmp_path_factory) -> Home:
-    h = Home(tmp_path_factory.mktemp("prof"), chat_model)
+@pytest.fixture(scope="module", params=["resident", "tiered"])
+def home(request, chat_model: Path, tmp_path_factory) -> Home:
+    """The daemon with experts resident, and with the tiered store (`cache = 4` in
+    config.toml), where pins really move experts into the pinned tier."""
+    settings = {"cache": 4} if request.param == "tiered" else {}
+    h = Home(tmp_path_factory.mktemp("prof"), chat_model, **settings)
     h.start()
     yield h
     h.close()
