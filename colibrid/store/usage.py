@@ -16,13 +16,13 @@ leaves either the old or the new file, never a torn one.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from colibrid.errors import ColibriError
+from colibrid.paths import atomic_write
 
 FORMAT_VERSION = 1
 MAX_LINES = 10_000_000
@@ -40,31 +40,17 @@ def engine_id_hash(model_type: str) -> int:
     return h
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+def usage_text(counts: np.ndarray, model_type: str) -> bytes:
+    """The `.coli_usage` text of selection counts [layers, experts] (DESIGN.md section 5):
+    the two header records, then `<layer> <expert> <count>` for non-zero counts; an empty
+    history is an empty file, as upstream writes it."""
+    if not counts.any():
+        return b""
+    lines = [f"-1 {counts.shape[0]} {counts.shape[1]}",
+             f"-2 {FORMAT_VERSION} {engine_id_hash(model_type)}"]
+    layers, experts = np.nonzero(counts)
+    lines += [f"{la} {e} {counts[la, e]}" for la, e in zip(layers, experts, strict=True)]
+    return ("\n".join(lines) + "\n").encode("ascii")
 
 
 class UsageProfile:
@@ -105,13 +91,7 @@ class UsageProfile:
 
     # ---- text format ------------------------------------------------------------------
     def to_text(self) -> bytes:
-        if not self.counts.any():
-            return b""
-        lines = [f"-1 {self.n_layers} {self.n_experts}",
-                 f"-2 {FORMAT_VERSION} {engine_id_hash(self.model_type)}"]
-        layers, experts = np.nonzero(self.counts)
-        lines += [f"{la} {e} {self.counts[la, e]}" for la, e in zip(layers, experts, strict=True)]
-        return ("\n".join(lines) + "\n").encode("ascii")
+        return usage_text(self.counts, self.model_type)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         path = Path(path)
