@@ -14,7 +14,10 @@ Accepted profiles:
 
   ``counts[e]``: selections of expert e; ``pairs``: how often a and b fired in the same
   token (symmetric, a != b).
-* a plain upstream ``.coli_usage`` text file (counts only): hottest experts first.
+* a ``.coli_usage`` text file (the daemon's and upstream's usage history): counts, plus
+  the co-occurrence the tiered store keeps beside it in ``<file>.cooc.npz`` (array
+  ``within`` [layers, experts, experts]) when that sidecar exists; without it, hottest
+  experts first.
 
 Order of a layer: start at the most-selected expert; repeatedly append the unplaced
 expert that co-fired most with the last placed one (ties: more selections, then the
@@ -74,6 +77,7 @@ class ExpertOrderProfile:
                     layer, expert, n = map(int, fields)
                     if layer >= 0:
                         counts.setdefault(layer, {})[expert] = n
+                _merge_sidecar(p, pairs)
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise ConvertError(f"{p}: not a usage profile ({exc})") from None
         return cls(counts, pairs, digest)
@@ -108,3 +112,21 @@ class ExpertOrderProfile:
             out.append(ids[nxt])
             last = nxt
         return out
+
+
+def _merge_sidecar(usage: Path, pairs: dict[int, dict[tuple[int, int], int]]) -> None:
+    """Co-occurrence pairs from the store's ``<usage>.cooc.npz`` sidecar, when present."""
+    sidecar = usage.with_name(usage.name + ".cooc.npz")
+    if not sidecar.is_file():
+        return
+    try:
+        with np.load(sidecar, allow_pickle=False) as z:
+            within = np.asarray(z["within"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConvertError(f"{sidecar}: not a co-occurrence sidecar ({exc})") from None
+    if within.ndim != 3 or within.shape[1] != within.shape[2]:
+        raise ConvertError(f"{sidecar}: 'within' must be [layers, experts, experts]")
+    for layer, a, b in zip(*np.nonzero(within), strict=True):
+        if a != b:
+            d = pairs.setdefault(int(layer), {})
+            d[(int(a), int(b))] = d.get((int(a), int(b)), 0) + int(within[layer, a, b])

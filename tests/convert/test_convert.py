@@ -198,3 +198,22 @@ def test_progress_bar_only_on_a_tty(source_checkpoint, tmp_path: Path, capsys) -
     out, err = capsys.readouterr()
     assert "MB/s" in out and err == ""
 
+
+
+def test_order_reads_the_stores_usage_and_cooccurrence(tmp_path: Path) -> None:
+    """`--order` takes what the tiered store writes: `.coli_usage` plus its co-occurrence
+    sidecar, so experts that fire together end up next to each other."""
+    from colibrid.convert.order import ExpertOrderProfile
+    from colibrid.store.usage import UsageProfile
+
+    usage = UsageProfile(2, 8, "glm4_moe", (1,))
+    for _ in range(5):
+        usage.record(1, [2, 6])  # 2 and 6 always fire together
+        usage.end_forward()
+    usage.record(1, [0, 2])
+    usage.end_forward()
+    path = tmp_path / ".coli_usage"
+    usage.save(path)
+    assert (tmp_path / ".coli_usage.cooc.npz").is_file()
+    order = ExpertOrderProfile.load(path).order(1, list(range(8)))
+    assert order[:2] == [2, 6]
