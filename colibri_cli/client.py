@@ -153,10 +153,42 @@ def start_daemon(model: str | None, stderr: TextIO) -> None:
     print(result.stdout.strip(), file=stderr)
 
 
+def ensure_demo(model: str | None, stderr: TextIO) -> None:
+    """With no model named or configured, pull the built-in demo model first if missing
+    (a subprocess, so this client never imports numpy). ``COLIBRI_NO_PULL=1`` opts out
+    (offline machines, tests): the daemon then says how to get a model."""
+    if model not in (None, "demo") or os.environ.get("COLIBRI_NO_PULL"):
+        return
+    root = home.colibri_home()
+    config = root / "config.toml"
+    try:
+        text = config.read_text(encoding="utf-8") if config.is_file() else ""
+    except OSError:
+        text = ""
+    if model is None and any(line.strip().startswith("default_model")
+                             for line in text.splitlines()):
+        return
+    if (root / "models" / "demo" / "manifest.json").is_file():
+        return
+    print("colibri: no model configured; pulling the demo model (SmolLM2-135M-Instruct "
+          "upcycled to a 16-expert MoE, ~93 MB download) — once", file=stderr)
+    cmd = [sys.executable, "-m", "colibri_cli", "pull", "demo"]
+    try:
+        stderr.fileno()
+        result = subprocess.run(cmd, stdout=stderr, stderr=stderr)
+    except (AttributeError, OSError, ValueError):  # not a real file: relay the output
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        stderr.write(result.stdout + result.stderr)
+    if result.returncode != 0:
+        raise ClientError("could not pull the demo model (see above); "
+                          "`colibri pull demo --from FILE.gguf` works offline")
+
+
 def ensure_daemon(model: str | None = None, *, stderr: TextIO = sys.stderr) -> Client:
     try:
         return Client.connect()
     except NotRunning:
+        ensure_demo(model, stderr)
         start_daemon(model, stderr)
     return Client.connect()
 

@@ -18,6 +18,8 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "stream": ("colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"),
     "replay": ("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
     "policy": ("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),
+    "routing": ("colibrid.bench.routing",
+                "per-layer expert skew and code-vs-prose difference on the built-in profiles"),
 }
 
 
@@ -81,6 +83,8 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "bench": (_run_bench, "measure kernels (and later streaming, policies) against the machine"),
     "convert": (_colibrid_command("colibrid.convert.convert", "convert"),
                 "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container"),
+    "pull": (_colibrid_command("colibrid.convert.demo", "pull"),
+             "fetch and build the built-in demo model (`colibri pull demo`)"),
     "inspect": (_colibrid_command("colibrid.convert.inspect", "inspect"),
                 "describe a container: architecture, formats, expert size, totals"),
     "synth": (_colibrid_command("colibrid.convert.synth", "synth"),

@@ -37,9 +37,15 @@ class Settings:
     profile: str = "default"  # active usage profile at start
     pin_fraction: float = 0.25  # share of all experts pinned from the active profile
     profile_save_s: float = 60.0  # how often usage profiles are saved while serving
+    http: str | None = None  # HTTP API: "HOST:PORT" or "PORT" (on 127.0.0.1); off if unset
+    http_api_key: str | None = None  # bearer key the HTTP API requires (needed off loopback)
+    http_cors: str | None = None  # comma-separated allowed CORS origins ("*" = any); off if unset
+    http_max_body_bytes: int = 4 * 1024 * 1024  # larger HTTP request bodies answer 413
+    http_retry_after_s: int = 1  # Retry-After of a 429 (admission queue full)
     debug_layer_delay_s: float = 0.0  # tests only: slow every layer to make races visible
 
 
+DEMO_MODEL = "demo"  # the default model when none is configured (colibri pull demo)
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 
 
@@ -92,11 +98,15 @@ def _type_ok(value: Any, annotation: str) -> bool:
 
 
 def resolve_model(paths: Paths, name: str | None) -> Path:
-    """A model NAME under models/ or a directory; a clear error when none is configured."""
+    """A model NAME under models/ or a directory; with none configured, the built-in demo
+    (``models/demo``, made by ``colibri pull demo``; ``colibri ask`` pulls it on first use)."""
     if not name:
-        raise ConfigError(
-            "no model given and no default configured: pass --model NAME|DIR or add "
-            f'`default_model = "NAME"` to {paths.config} (models live in {paths.models}/)')
+        if not (paths.models / DEMO_MODEL).is_dir():
+            raise ConfigError(
+                f"no model given and no default configured, and the demo model is not in "
+                f"{paths.models / DEMO_MODEL}: run `colibri pull demo`, pass --model NAME|DIR "
+                f'or add `default_model = "NAME"` to {paths.config}')
+        name = DEMO_MODEL
     candidate = Path(name).expanduser()
     if candidate.is_dir():
         return candidate.resolve()

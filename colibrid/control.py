@@ -38,6 +38,8 @@ def configure_daemon(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
     p.add_argument("--socket", metavar="PATH", help="socket path (default "
                    "$COLIBRI_HOME/run/colibrid.sock)")
+    p.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI/Anthropic HTTP API "
+                   "(a bare PORT binds 127.0.0.1; config.toml key `http`)")
 
 
 def configure_start(p: argparse.ArgumentParser) -> None:
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         paths = Paths.from_env(args.socket)
         settings = load_settings(paths, default_model=args.model, ram_gb=args.ram_gb,
                                  socket=args.socket, cache=args.cache, pilot=args.pilot,
-                                 io_threads=args.io_threads,
+                                 io_threads=args.io_threads, http=args.http,
                                  direct=None if args.direct is None else args.direct == "on")
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
@@ -127,7 +129,7 @@ def start(args: argparse.Namespace) -> int:
     for flag, value in (("--model", args.model), ("--ram-gb", args.ram_gb),
                         ("--socket", args.socket), ("--cache", args.cache),
                         ("--pilot", args.pilot), ("--io-threads", args.io_threads),
-                        ("--direct", args.direct)):
+                        ("--direct", args.direct), ("--http", args.http)):
         if value is not None:
             cmd += [flag, str(value)]
     with open(paths.log, "ab") as log:

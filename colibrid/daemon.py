@@ -10,7 +10,8 @@
         ├── scheduler (admission, fairness)
         ├── profile saver (periodic atomic writes; final flush after the nursery)
         └── front nursery
-            └── socket server: serve_listeners -> one task per connection
+            ├── socket server: serve_listeners -> one task per connection
+            └── http (optional): hypercorn.trio.serve(ASGI app) -> one task per connection
 
 Readiness (`ready`) is reported only after the socket is bound. Shutdown: refuse new
 requests, let running ones finish within `shutdown_grace_s`, cancel the rest (freed within
@@ -28,6 +29,7 @@ import trio
 
 from colibrid.config import Settings, store_options
 from colibrid.engine.host import EngineHost
+from colibrid.http.app import parse_bind, serve_http
 from colibrid.paths import Paths
 from colibrid.serve.profiles import ProfileBook, engine_id, pin_target
 from colibrid.serve.scheduler import Scheduler
@@ -83,6 +85,8 @@ async def drain(scheduler: Scheduler, grace_s: float) -> None:
 async def serve(settings: Settings, paths: Paths, model_dir: Path,
                 ready: Callable[[str], None]) -> None:
     name = model_dir.name
+    if settings.http:
+        parse_bind(settings.http, settings.http_api_key)  # refuse before loading the model
     log.info("loading %s", model_dir)
     engine, codec = await trio.to_thread.run_sync(load_model, model_dir, settings)
     book = make_profiles(paths, settings, engine, name)
@@ -99,15 +103,21 @@ async def serve(settings: Settings, paths: Paths, model_dir: Path,
             state = DaemonState(name, model_dir, engine, host, scheduler, book)
             state.repin_soon()
             daemon.start_soon(save_profiles, book, settings.profile_save_s)
-            async with trio.open_nursery() as front:
-                await front.start(serve_socket, paths.socket,
-                                  lambda stream: serve_connection(stream, state))
-                ready(f"{paths.socket} model={name}")
-                log.info("listening on %s", paths.socket)
-                await stopping.wait()
-                await drain(scheduler, settings.shutdown_grace_s)
-                front.cancel_scope.cancel()
-            host.close()
+            try:  # a front that fails to start must still end the engine thread
+                async with trio.open_nursery() as front:
+                    await front.start(serve_socket, paths.socket,
+                                      lambda stream: serve_connection(stream, state))
+                    where = str(paths.socket)
+                    if settings.http:  # the OpenAI/Anthropic API: same scheduler and state
+                        urls = await front.start(serve_http, state, settings)
+                        where += " http=" + ",".join(urls)
+                    ready(f"{where} model={name}")
+                    log.info("listening on %s", where)
+                    await stopping.wait()
+                    await drain(scheduler, settings.shutdown_grace_s)
+                    front.cancel_scope.cancel()
+            finally:
+                host.close()
             daemon.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

@@ -34,8 +34,10 @@ def test_bad_config_names_the_problem(tmp_path: Path, text: str, needle: str) ->
 
 def test_model_resolution(tmp_path: Path) -> None:
     paths = paths_in(tmp_path)
-    with pytest.raises(ConfigError, match="default_model"):
+    with pytest.raises(ConfigError, match="colibri pull demo"):
         resolve_model(paths, None)
+    (paths.models / "demo").mkdir(parents=True)
+    assert resolve_model(paths, None) == (paths.models / "demo").resolve()
     (paths.models / "tiny").mkdir(parents=True)
     assert resolve_model(paths, "tiny") == (paths.models / "tiny").resolve()
     assert resolve_model(paths, str(paths.models)) == paths.models.resolve()

@@ -206,9 +206,11 @@ def test_cancel_during_prefill(chat_model: Path, tmp_path_factory) -> None:
 def test_ask_starts_a_daemon_or_says_how(chat_model: Path, tmp_path_factory) -> None:
     fresh = Home(tmp_path_factory.mktemp("a"), chat_model)
     (fresh.path / "config.toml").write_text("")
+    fresh.env["COLIBRI_NO_PULL"] = "1"  # no demo pull here (tests/demo covers it)
     try:
         none = fresh.colibri("ask", "hi")
         assert none.returncode == 1 and "default_model" in none.stderr
+        assert "colibri pull demo" in none.stderr
         auto = fresh.colibri("ask", "--model", str(chat_model), "--max-tokens", "2", "hi")
         assert auto.returncode == 0, auto.stderr
         assert "no daemon running; starting one" in auto.stderr

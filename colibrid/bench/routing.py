@@ -8,7 +8,10 @@ expert store's counters. Printed per MoE layer:
 * ``top20``: the share of a layer's selections taken by its top 20% of experts (all
   domains together); uniform routing gives 20%;
 * ``TV code/prose``: the total variation distance between the code and the prose
-  selection distributions of that layer (0 = identical, 1 = disjoint).
+  selection distributions of that layer (0 = identical, 1 = disjoint);
+* ``halves: cross`` / ``within``: the same distance between half-sets of prompts (even /
+  odd lines), across domains and within a domain: ``within`` is the sampling-noise
+  floor that ``cross`` must clear for the domains to really route differently.
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ def count_selections(model: str | Path, domains: Sequence[str] = DOMAINS,
     out: dict[str, np.ndarray] = {}
     try:
         for domain in domains:
-            before = np.array(store.counts, copy=True)
-            for text in profile_prompts(domain)[:limit]:
-                ids = codec.encode(text, add_special_tokens=False)
-                engine.new_session().prefill(ids)
-                engine.request_finished()
-            out[domain] = np.array(store.counts, copy=True) - before
+            for half in (0, 1):  # even / odd prompts, for the same-domain noise floor
+                before = np.array(store.counts, copy=True)
+                for text in profile_prompts(domain)[:limit][half::2]:
+                    ids = codec.encode(text, add_special_tokens=False)
+                    engine.new_session().prefill(ids)
+                    engine.request_finished()
+                out[f"{domain}/{half}"] = np.array(store.counts, copy=True) - before
+            out[domain] = out[f"{domain}/0"] + out[f"{domain}/1"]
     finally:
         engine.close()
     return out, layers
@@ -77,22 +82,44 @@ def tv_distance(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def report(counts: dict[str, np.ndarray], layers: Sequence[int]) -> tuple[list[str], dict]:
-    total = sum(counts.values())
-    lines = [f"{'layer':>5} {'top20':>7} {'TV code/prose':>14}"]
-    shares, tvs = [], []
+    """Per layer: top-20% share, TV(code, prose) and its noise floor, the TV between
+    half-sets of prompts: cross = TV(code half, prose half), within = TV(code half, other
+    code half) and likewise for prose, both at the same sample sizes."""
+    domains = [d for d in counts if "/" not in d]
+    total = sum(counts[d] for d in domains)
+    have = "code" in counts and "prose" in counts
+    lines = [f"{'layer':>5} {'top20':>7} {'TV code/prose':>14} {'halves: cross':>14} "
+             f"{'within':>7}"]
+    shares, tvs, cross, within = [], [], [], []
     for layer in layers:
         s = top_share(total[layer])
-        tv = tv_distance(counts["code"][layer], counts["prose"][layer]) \
-            if "code" in counts and "prose" in counts else float("nan")
         shares.append(s)
-        tvs.append(tv)
-        lines.append(f"{layer:>5} {100 * s:>6.1f}% {tv:>14.3f}")
+        if have:
+            c = {k: v[layer] for k, v in counts.items()}
+            tvs.append(tv_distance(c["code"], c["prose"]))
+            cross.append(0.5 * (tv_distance(c["code/0"], c["prose/0"])
+                                + tv_distance(c["code/1"], c["prose/1"])))
+            within.append(0.5 * (tv_distance(c["code/0"], c["code/1"])
+                                 + tv_distance(c["prose/0"], c["prose/1"])))
+        else:
+            tvs.append(float("nan"))
+            cross.append(float("nan"))
+            within.append(float("nan"))
+        lines.append(f"{layer:>5} {100 * s:>6.1f}% {tvs[-1]:>14.3f} {cross[-1]:>14.3f} "
+                     f"{within[-1]:>7.3f}")
     summary = {"top20_mean": float(np.mean(shares)), "top20_min": float(np.min(shares)),
+               "top20_max": float(np.max(shares)),
                "tv_mean": float(np.mean(tvs)), "tv_min": float(np.min(tvs)),
-               "selections": {d: int(c.sum()) for d, c in counts.items()}}
-    lines.append(f"mean  {100 * summary['top20_mean']:>6.1f}% {summary['tv_mean']:>14.3f}"
-                 f"   (uniform routing: top20 = 20%; min top20 {100 * summary['top20_min']:.1f}%,"
-                 f" min TV {summary['tv_min']:.3f})")
+               "cross_mean": float(np.mean(cross)), "within_mean": float(np.mean(within)),
+               "layers_cross_above_within": int(sum(
+                   a > b for a, b in zip(cross, within, strict=True))),
+               "selections": {d: int(counts[d].sum()) for d in domains}}
+    lines.append(f"{'mean':<5} {100 * summary['top20_mean']:>6.1f}% {summary['tv_mean']:>14.3f} "
+                 f"{summary['cross_mean']:>14.3f} {summary['within_mean']:>7.3f}")
+    lines.append(f"uniform routing gives top20 = 20% (here {100 * summary['top20_min']:.1f}%.."
+                 f"{100 * summary['top20_max']:.1f}% per layer); code vs prose differ more "
+                 f"than same-domain halves in {summary['layers_cross_above_within']}/"
+                 f"{len(layers)} layers")
     lines.append("selections: " + ", ".join(f"{d} {n}" for d, n in
                                             summary["selections"].items()))
     return lines, summary

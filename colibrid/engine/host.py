@@ -205,7 +205,8 @@ class EngineHost:
         if self.codec is None:
             raise RequestError("this model has no tokenizer.json; it cannot take text prompts")
         if req.messages is not None:
-            return self.codec.encode_chat(list(req.messages), add_generation_prompt=True)
+            return self.codec.encode_chat(list(req.messages), add_generation_prompt=True,
+                                          tools=list(req.tools) if req.tools else None)
         return self.codec.encode(req.prompt or "", add_special_tokens=True)
 
     def _session_for(self, job: Job) -> Any:

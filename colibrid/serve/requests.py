@@ -21,6 +21,7 @@ class GenerateRequest:
     messages: tuple[dict[str, Any], ...] | None = None
     conv: str | None = None
     profile: str | None = None
+    tools: tuple[dict[str, Any], ...] | None = None  # for the chat template (HTTP API)
 
     @classmethod
     def from_submit(cls, submit: Submit, client: int) -> GenerateRequest:

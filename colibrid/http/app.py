@@ -1,0 +1,332 @@
+"""The ASGI app (routes, body limit, API key, CORS, error bodies) and `serve_http`, which
+runs it with hypercorn's trio worker inside the daemon nursery.
+
+Every generation goes through `scheduler.submit_nowait` + `scheduler.track`, exactly like
+a SERVE session: the queue, fairness, cancellation and the engine thread are shared.
+The response status is chosen only after the request is `Accepted` (or refused), so
+admission and context errors are real HTTP errors even for streaming requests. A task
+per request waits for ``http.disconnect`` and cancels the request's scope: leaving
+`track` sets the cancel flag, which frees the engine within one token.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from colibrid.errors import ColibriError, ConfigError
+from colibrid.http import anthropic, errors, openai, sse
+from colibrid.http.errors import ApiError
+from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
+from colibrid.http.openapi import describe
+from colibrid.http.parsing import Features
+from colibrid.serve.events import Accepted, Done, Failed, Token
+
+log = logging.getLogger("colibrid.http")
+JSON = (b"content-type", b"application/json")
+ROUTES = {"/health": "GET", "/metrics": "GET", "/openapi.json": "GET", "/v1/models": "GET",
+          "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/messages": "POST"}
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Responder:
+    """The response side of one exchange: remembers whether headers went out."""
+
+    def __init__(self, send: Send, extra: list[tuple[bytes, bytes]]) -> None:
+        self._send = send
+        self.extra = extra
+        self.status = 0
+
+    async def start(self, status: int, headers: tuple[tuple[bytes, bytes], ...]) -> None:
+        self.status = status
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [*headers, *self.extra]})
+
+    async def body(self, data: bytes, *, more: bool = True) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def full(self, status: int, data: bytes, content_type: bytes = JSON[1],
+                   headers: tuple[tuple[str, str], ...] = ()) -> None:
+        await self.start(status, ((b"content-type", content_type),
+                                  *((k.encode(), v.encode()) for k, v in headers)))
+        await self.body(data, more=False)
+
+    async def json(self, status: int, obj: Any) -> None:
+        await self.full(status, json.dumps(obj, ensure_ascii=False).encode())
+
+
+class HttpApp:
+    def __init__(self, state: Any, settings: Any) -> None:
+        self.state = state
+        self.settings = settings
+        self.metrics = HttpMetrics(state)
+        self.features = Features.of_template(getattr(state.host.codec, "_templates", None))
+        origins = [o.strip() for o in (settings.http_cors or "").split(",") if o.strip()]
+        self.cors = origins
+        self._clients = itertools.count(1 << 40)  # never collides with SERVE connection ids
+
+    @property
+    def max_context(self) -> int:
+        return int(self.state.engine.max_context)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"].rsplit(".", 1)[-1]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        if scope["type"] == "http":
+            await self.handle(scope, receive, send)
+
+    # ---- one exchange -------------------------------------------------------------------
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        responder = Responder(send, self._cors_headers(scope))
+        route = path if path in ROUTES or not path.startswith("/v1/models/") else "/v1/models/"
+        try:
+            if method == "OPTIONS" and responder.extra:
+                await responder.full(204, b"", headers=(
+                    ("access-control-allow-methods", "GET, POST, OPTIONS"),
+                    ("access-control-allow-headers",
+                     "authorization, content-type, x-api-key, anthropic-version"),
+                    ("access-control-max-age", "600")))
+                return
+            want = ROUTES.get(path, "GET" if route == "/v1/models/" else None)
+            if want is None:
+                raise ApiError(404, f"no route {path}", code="not_found")
+            if method != want:
+                raise ApiError(405, f"{path} takes {want}, not {method}",
+                               code="method_not_allowed")
+            if path != "/health":
+                self._authorize(scope)
+            body = await self._read_json(scope, receive) if want == "POST" else None
+            await self._route(path, body, receive, responder)
+        except ApiError as exc:
+            await self._fail(responder, exc, anthropic=path == "/v1/messages")
+        except Exception as exc:  # a bug costs this request only
+            log.exception("HTTP %s %s failed", method, path)
+            await self._fail(responder, ApiError(500, f"internal error: {type(exc).__name__}",
+                                                 code="internal_error"))
+        finally:
+            self.metrics.requests.labels(route if route in ROUTES or route == "/v1/models/"
+                                         else "other", str(responder.status or 499)).inc()
+
+    async def _fail(self, responder: Responder, exc: ApiError, *, anthropic: bool = False
+                    ) -> None:
+        if responder.status:  # headers are out: the stream can only end
+            return
+        try:
+            await responder.full(exc.status, exc.json_bytes(anthropic=anthropic),
+                                 headers=exc.headers)
+        except Exception:  # the client is gone
+            pass
+
+    def _cors_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        if not self.cors:
+            return []
+        origin = dict(scope["headers"]).get(b"origin", b"").decode("latin-1")
+        if "*" in self.cors:
+            return [(b"access-control-allow-origin", b"*")]
+        if origin in self.cors:
+            return [(b"access-control-allow-origin", origin.encode()), (b"vary", b"origin")]
+        return []
+
+    def _authorize(self, scope: Scope) -> None:
+        key = self.settings.http_api_key
+        if not key:
+            return
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else None
+        if token is None:
+            token = headers.get(b"x-api-key", b"").decode("latin-1") or None
+        if token != key:
+            raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer "
+                           "KEY`)", code="invalid_api_key")
+
+    async def _read_json(self, scope: Scope, receive: Receive) -> Any:
+        limit = self.settings.http_max_body_bytes
+        length = dict(scope["headers"]).get(b"content-length")
+        too_large = ApiError(413, f"the request body exceeds {limit} bytes",
+                             code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ApiError(400, "the client left before sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.bad_request(f"the body is not valid JSON: {exc}") from None
+
+    async def _route(self, path: str, body: Any, receive: Receive, responder: Responder
+                     ) -> None:
+        state = self.state
+        if path == "/health":
+            await responder.json(200, {"status": "ok", "model": state.model_name})
+        elif path == "/metrics":
+            await responder.full(200, self.metrics.render(), CONTENT_TYPE.encode())
+        elif path == "/openapi.json":
+            await responder.json(200, describe(state.model_name))
+        elif path == "/v1/models":
+            await responder.json(200, openai.models_list(state.model_name, int(state.started)))
+        elif path.startswith("/v1/models/"):
+            name = path[len("/v1/models/"):]
+            if name != state.model_name:
+                raise ApiError(404, f"the model {name!r} does not exist; this daemon serves "
+                               f"{state.model_name!r}", code="model_not_found", param="model")
+            await responder.json(200, openai.model_card(name, int(state.started)))
+        else:
+            common = {"served": state.model_name, "client": next(self._clients),
+                      "max_context": self.max_context}
+            if path == "/v1/chat/completions":
+                plan = openai.chat_plan(body, features=self.features, **common)
+                translator: Any = openai.ChatStream(plan)
+            elif path == "/v1/completions":
+                plan = openai.completion_plan(body, **common)
+                translator = openai.CompletionStream(plan)
+            else:
+                plan = anthropic.messages_plan(body, features=self.features, **common)
+                translator = anthropic.MessageStream(plan)
+            await self._generate(plan, translator, receive, responder)
+
+    # ---- generation -----------------------------------------------------------------------
+    async def _generate(self, plan: openai.Plan, translator: Any, receive: Receive,
+                        responder: Responder) -> None:
+        scheduler = self.state.scheduler
+        try:
+            handle = scheduler.submit_nowait(plan.request)
+        except ColibriError as exc:
+            raise errors.from_code(exc.code, str(exc),
+                                   retry_after_s=self.settings.http_retry_after_s) from None
+        failure: list[ApiError] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+            try:
+                async with scheduler.track(handle):
+                    await self._pump(plan, translator, handle.events, responder)
+            except ApiError as exc:
+                failure.append(exc)
+            nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+
+    async def _pump(self, plan: openai.Plan, translator: Any, events: Any,
+                    responder: Responder) -> None:
+        first = await events.receive()
+        if isinstance(first, Failed):
+            raise errors.from_code(first.code, first.message, max_context=self.max_context)
+        assert isinstance(first, Accepted)
+        if plan.max_tokens is not None and \
+                first.prompt_tokens + plan.max_tokens > self.max_context:
+            raise errors.context_exceeded(
+                f"this model's maximum context length is {self.max_context} tokens; the "
+                f"request asks for {first.prompt_tokens} prompt + {plan.max_tokens} "
+                "completion tokens. Shorten the prompt or lower max_tokens.")
+        anthropic_api = isinstance(translator, anthropic.MessageStream)
+        encode = _encoder(anthropic_api)
+        if plan.stream:
+            await responder.start(200, sse.HEADERS)
+            head = translator.start(first.prompt_tokens) if anthropic_api else translator.start()
+            if head:
+                await responder.body(encode(head))
+        async for event in events:
+            if isinstance(event, Token):
+                items = translator.token(event.text)
+                if plan.stream and items:
+                    await responder.body(encode(items))
+            elif isinstance(event, Done):
+                self.metrics.prompt_tokens.inc(event.prompt_tokens)
+                self.metrics.generated_tokens.inc(event.generated_tokens)
+                if not plan.stream:
+                    await responder.json(200, translator.response(event))
+                    return
+                tail = encode(translator.finish(event))
+                await responder.body(tail if anthropic_api else tail + sse.DONE, more=False)
+                return
+            elif isinstance(event, Failed):
+                error = errors.from_code(event.code, event.message,
+                                         max_context=self.max_context)
+                if not plan.stream:
+                    raise error
+                payload = error.body(anthropic=anthropic_api)
+                data = sse.named("error", {"error": payload["error"]}) if anthropic_api \
+                    else sse.data(payload)
+                await responder.body(data, more=False)
+                return
+
+
+def _encoder(anthropic_api: bool) -> Callable[[list[Any]], bytes]:
+    if anthropic_api:
+        return lambda items: b"".join(sse.named(name, payload) for name, payload in items)
+    return lambda items: b"".join(sse.data(chunk) for chunk in items)
+
+
+async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+# ---- the listener ---------------------------------------------------------------------------
+def parse_bind(value: str, api_key: str | None) -> str:
+    """"HOST:PORT" or "PORT" -> hypercorn bind; refuses a non-loopback host without a key."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"http = {value!r}: expected HOST:PORT or PORT")
+    if not _loopback(host) and not api_key:
+        raise ConfigError(f"http = {value!r} listens beyond this machine: set http_api_key "
+                          "in config.toml first (or bind 127.0.0.1)")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(info[4][0]).is_loopback
+                       for info in socket.getaddrinfo(host, None))
+        except (OSError, ValueError):
+            return False
+
+
+async def serve_http(state: Any, settings: Any, *,
+                     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+                     ) -> None:
+    """Serve the API until cancelled; `task_status` gets the bound URLs."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    config = Config()
+    config.bind = [parse_bind(settings.http, settings.http_api_key)]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("colibrid.http.server")
+    config.graceful_timeout = 2.0
+    config.keep_alive_timeout = 30.0
+    await serve(HttpApp(state, settings), config, task_status=task_status)

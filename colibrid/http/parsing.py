@@ -1,0 +1,167 @@
+"""Splitting generated text into reasoning, answer and tool calls (pure, incremental).
+
+GLM-style output: an optional ``<think>…</think>`` block first (the reasoning), then the
+answer, then zero or more ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>
+</tool_call>`` blocks (a JSON ``{"name": …, "arguments": …}`` body is accepted too).
+`OutputSplitter.feed` returns pieces as soon as they are certain, holding back only a
+tail that could still turn out to be the start of a tag; `finish` flushes and parses the
+tool calls. Which parts are looked for is decided from the chat template (`Features`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE, TOOL_OPEN = "<think>", "</think>", "<tool_call>"
+_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+@dataclass(frozen=True)
+class Features:
+    """What the checkpoint's chat template supports."""
+
+    tools: bool = False
+    think: bool = False
+
+    @classmethod
+    def of_template(cls, template: Any) -> Features:
+        text = json.dumps(template) if isinstance(template, dict) else str(template or "")
+        return cls(tools="tools" in text, think=THINK_OPEN in text or "thinking" in text)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def _held(buf: str, tag: str) -> int:
+    """Length of the longest suffix of `buf` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(buf)), 0, -1):
+        if buf.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every well-formed call in `text` (an unterminated last block is accepted)."""
+    calls = []
+    for body in _CALL.findall(text):
+        body = body.strip()
+        if body.startswith("{"):
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                continue
+            args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) \
+                else None
+            if isinstance(args, str):
+                args = _value(args)
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str) and \
+                    isinstance(args, dict):
+                calls.append(ToolCall(obj["name"], args))
+            continue
+        name = body.split("<arg_key>", 1)[0].strip()
+        if name and "<" not in name and "\n" not in name:
+            args = {k.strip(): _value(v.strip()) for k, v in _ARG.findall(body)}
+            calls.append(ToolCall(name, args))
+    return calls
+
+
+class OutputSplitter:
+    """Feed text pieces; get ``("reasoning" | "content", text)`` pieces back."""
+
+    def __init__(self, features: Features) -> None:
+        self.features = features
+        self.mode = "start" if features.think else "content"
+        self.buf = ""
+        self.tool_text = ""
+        self.after_reasoning = False
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.buf += text
+        return self._drain(final=False)
+
+    def finish(self) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+        pieces = self._drain(final=True)
+        if self.mode == "tools":
+            calls = parse_tool_calls(self.tool_text)
+            if not calls:  # not a call after all: it was answer text
+                pieces.append(("content", self.tool_text))
+            return pieces, calls
+        return pieces, []
+
+    def _drain(self, *, final: bool) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        while self.buf:
+            before = (self.mode, len(self.buf))
+            if self.mode == "start":
+                head = self.buf.lstrip()
+                if head.startswith(THINK_OPEN):
+                    self.buf = head[len(THINK_OPEN):]
+                    self.mode = "reasoning"
+                elif THINK_OPEN.startswith(head) and not final:
+                    break
+                else:
+                    self.mode = "content"
+            elif self.mode == "reasoning":
+                self._until(THINK_CLOSE, "reasoning", "content", out, final)
+                if self.mode == "content":
+                    self.after_reasoning = True
+            elif self.mode == "content":
+                if self.after_reasoning:
+                    self.buf = self.buf.lstrip()
+                    self.after_reasoning = not self.buf
+                    if not self.buf:
+                        break
+                if self.features.tools:
+                    self._until(TOOL_OPEN, "content", "tools", out, final)
+                    if self.mode == "tools":
+                        self.tool_text = TOOL_OPEN
+                else:
+                    out.append(("content", self.buf))
+                    self.buf = ""
+            else:  # tools: everything is call text until the end
+                self.tool_text += self.buf
+                self.buf = ""
+            if before == (self.mode, len(self.buf)):
+                break
+        return [p for p in out if p[1]]
+
+    def _until(self, tag: str, kind: str, then: str, out: list[tuple[str, str]],
+               final: bool) -> None:
+        at = self.buf.find(tag)
+        if at >= 0:
+            out.append((kind, self.buf[:at]))
+            self.buf = self.buf[at + len(tag):]
+            self.mode = then
+            return
+        keep = 0 if final else _held(self.buf, tag)
+        out.append((kind, self.buf[:len(self.buf) - keep]))
+        self.buf = self.buf[len(self.buf) - keep:]
+
+
+def split_all(text: str, features: Features) -> tuple[str, str, list[ToolCall]]:
+    """The whole output at once: (reasoning, content, tool calls)."""
+    splitter = OutputSplitter(features)
+    pieces = splitter.feed(text)
+    rest, calls = splitter.finish()
+    pieces += rest
+    reasoning = "".join(t for k, t in pieces if k == "reasoning")
+    content = "".join(t for k, t in pieces if k == "content")
+    return reasoning, content, calls
