@@ -20,6 +20,7 @@ from colibrid.engine.kv import KVCache
 from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
 from colibrid.models.base import Step
+from colibrid.models.mtp import MTPLayer
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout
 from colibrid.store.options import StoreOptions, allocate_store, open_store
@@ -120,7 +121,7 @@ def expert_layout(args: Any, checkpoint: Checkpoint) -> ExpertLayout:
     trunk = args.trunk
     layers = [layer for layer, is_moe in enumerate(args.is_moe) if is_moe]
     mtp = trunk.num_hidden_layers
-    if trunk.num_mtp_layers and checkpoint.has(f"model.layers.{mtp}.eh_proj.weight"):
+    if trunk.num_mtp_layers and MTPLayer.present(checkpoint, mtp):
         layers.append(mtp)
     return ExpertLayout(moe_layers=tuple(layers), n_experts=args.moe.n_routed_experts,
                         hidden=trunk.hidden_size, ffn=args.moe.moe_intermediate_size)
@@ -177,11 +178,8 @@ class Session:
         step = Step(start=self.cache.length, family=self.engine.family, between_layers=hook)
         tick = getattr(self.engine.experts, "between_tokens", None)
         t0 = time.perf_counter()
-        try:
+        try:  # a failed pass leaves `length` unchanged, so rows it wrote are never read
             hidden = self.engine.model.hidden_states(tokens, self.cache, step)
-        except BaseException:
-            self.cache.truncate(self.cache.length)  # rows written past length are ignored
-            raise
         finally:
             if tick is not None:  # a token boundary: the store may resize, never mid-layer
                 tick(time.perf_counter() - t0)
