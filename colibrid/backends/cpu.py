@@ -17,6 +17,9 @@ class CpuOps:
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return native.matmul(w, np.ascontiguousarray(x, dtype=np.float32), family)
 
+    def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        return native.matmul_blocks(w, np.ascontiguousarray(x, dtype=np.float32), family)
+
     def expert_swiglu(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight,
                       x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return native.expert_swiglu(gate, up, down, np.ascontiguousarray(x, dtype=np.float32),

@@ -208,6 +208,29 @@ def matmul(
     return y
 
 
+def matmul_blocks(
+    w: QuantWeight, x: np.ndarray, family: KernelFamily, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Block-diagonal product: W's O rows form B = x.shape[-2] equal blocks and block b
+    multiplies x[..., b, :]. x: float32 [S, B, I] (or [B, I] -> [O]); returns [S, O].
+
+    Bit-identical to ``matmul`` of each block's rows with its own activation rows."""
+    _check_weight(w, family)
+    o, i = w.shape
+    if not isinstance(x, np.ndarray) or x.ndim not in (2, 3):
+        raise ValueError("x must be a 2-D [B, I] or 3-D [S, B, I] numpy array")
+    x3 = x.reshape(1, *x.shape) if x.ndim == 2 else x
+    s, b = x3.shape[0], x3.shape[1]
+    _check_array("x", x3, np.float32, (s, b, i))
+    if s < 1 or b < 1 or o % b:
+        raise ValueError(f"{o} output rows do not split into {b} equal blocks")
+    y = _out(out, s, o, x.ndim == 2)
+    rc = lib.colibri_matmul_blocks(_weight_struct(w), _FAMILY_CODE[family], _fptr(x3), s, b,
+                                   _fptr(y))
+    _raise_rc(rc)
+    return y
+
+
 def expert_swiglu(
     gate: QuantWeight,
     up: QuantWeight,

@@ -17,17 +17,23 @@ from colibrid.store.policy import DEFAULT_POLICY, POLICIES, make_policy, simulat
 from colibrid.store.policy.belady import belady_hits
 
 
-def per_layer(trace: list, with_prefill: bool) -> dict[int, list[list[int]]]:
-    steps = trace if with_prefill else trace[1:]
+def per_layer(trace: list, with_prefill: bool,
+              prefill_steps: list[int] | None = None) -> dict[int, list[list[int]]]:
+    """Each layer's sequence of expert sets; prefill passes (the first one in a file from
+    before ``prefill_steps`` existed) are left out unless asked for."""
+    skip = set() if with_prefill else set(prefill_steps if prefill_steps is not None else [0])
     layers: dict[int, list[list[int]]] = {}
-    for step in steps:
+    for k, step in enumerate(trace):
+        if k in skip:
+            continue
         for layer, experts in step:
             layers.setdefault(int(layer), []).append([int(e) for e in experts])
     return layers
 
 
-def run(trace: list, caches: list[int], with_prefill: bool = False) -> list[dict]:
-    layers = per_layer(trace, with_prefill)
+def run(trace: list, caches: list[int], with_prefill: bool = False,
+        prefill_steps: list[int] | None = None) -> list[dict]:
+    layers = per_layer(trace, with_prefill, prefill_steps)
     rows = []
     for cap in caches:
         row: dict = {"cache": cap}
@@ -50,7 +56,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--with-prefill", action="store_true")
     args = p.parse_args(argv)
     doc = json.loads(args.trace.read_text())
-    rows = run(doc["trace"], args.cache or [1, 2, 4, 8, 16, 32], args.with_prefill)
+    rows = run(doc["trace"], args.cache or [1, 2, 4, 8, 16, 32], args.with_prefill,
+               doc.get("prefill_steps"))
     names = [*POLICIES, "belady"]
     print(f"{'cache':>6} " + " ".join(f"{n:>8}" for n in names) + "   (default: "
           f"{DEFAULT_POLICY}; belady = optimal limit)")

@@ -53,57 +53,104 @@ def store_options(args: argparse.Namespace):  # noqa: ANN201
     return build(args)
 
 
-def record(model: Path, prompt: list[int], max_tokens: int, out: Path) -> None:
+def prompt_ids(model: Path, texts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt: a one-message chat when the model has a chat template
+    (what a user would send), else the plain encoding."""
+    from colibrid.engine.tokenizer import TextCodec
+
+    codec = TextCodec.load(model)
+    if codec.has_chat_template:
+        return [codec.encode_chat([{"role": "user", "content": t}],
+                                  add_generation_prompt=True) for t in texts]
+    return [codec.encode(t, add_special_tokens=True) for t in texts]
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped."""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def record(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) -> None:
+    """Greedy-generate each prompt as its own request with every expert resident; save
+    the requests and the routing of every forward pass (prefill passes flagged)."""
     from colibrid.engine.engine import Engine
+    from colibrid.engine.tokenizer import load_stop_token_ids
+    from colibrid.paths import atomic_write
     from colibrid.store.options import StoreOptions
 
     engine = Engine.load(model, store=StoreOptions(mode="resident"))
+    stop = load_stop_token_ids(model)
     tracer = TracingStore(engine.experts)
     engine.experts = tracer
     for layer in engine.model.layers:  # the MoE blocks hold the store too
         if hasattr(layer.mlp, "experts"):
             layer.mlp.experts = tracer
-    session = engine.new_session()
-    logits = session.prefill(prompt)
-    generated = []
-    for _ in range(max_tokens):
-        token = int(np.argmax(logits))
-        generated.append(token)
-        if len(prompt) + len(generated) >= engine.max_context:
-            break
-        logits = session.decode(token)
+    requests, prefill_steps = [], []
+    try:
+        for prompt in prompts:
+            tracer.steps = [s for s in tracer.steps if s] + [[]]
+            prefill_steps.append(len(tracer.steps) - 1)
+            session = engine.new_session()
+            logits = session.prefill(prompt)
+            generated: list[int] = []
+            while len(generated) < max_tokens:
+                token = int(np.argmax(logits))
+                generated.append(token)
+                if (token in stop or len(generated) == max_tokens
+                        or len(prompt) + len(generated) >= engine.max_context):
+                    break
+                logits = session.decode(token)
+            requests.append({"prompt_ids": prompt, "generated_ids": generated})
+    finally:
+        engine.close()
     steps = [s for s in tracer.steps if s]
-    doc = {"model": str(model), "prompt_ids": prompt, "generated_ids": generated,
+    doc = {"model": str(model), "requests": requests, "prefill_steps": prefill_steps,
+           "prompt_ids": requests[0]["prompt_ids"],
+           "generated_ids": requests[0]["generated_ids"],
            "trace": [[[la, ex] for la, ex in step] for step in steps]}
-    out.write_text(json.dumps(doc))
-    engine.close()
-    print(f"recorded {len(prompt)} prompt + {len(generated)} generated tokens, "
+    atomic_write(out, json.dumps(doc).encode())
+    n_prompt = sum(len(r["prompt_ids"]) for r in requests)
+    n_gen = sum(len(r["generated_ids"]) for r in requests)
+    print(f"recorded {len(requests)} request(s): {n_prompt} prompt + {n_gen} generated tokens, "
           f"{len(steps)} forward passes of routing -> {out}")
 
 
+def requests_of(doc: dict) -> list[dict]:
+    """The recorded requests (a single-request file from before ``requests`` existed)."""
+    return doc.get("requests") or [{"prompt_ids": doc["prompt_ids"],
+                                     "generated_ids": doc["generated_ids"]}]
+
+
 def replay(doc: dict, model: Path, args: argparse.Namespace) -> dict:
+    """Teacher-force every recorded request in order (request boundaries included, so
+    profiles are saved and REPIN runs as in a real session)."""
     from colibrid.engine.engine import Engine
 
     engine = Engine.load(model, store=store_options(args))
     try:
-        session = engine.new_session()
-        t0 = time.perf_counter()
-        logits = session.prefill(doc["prompt_ids"])
-        prefill_s = time.perf_counter() - t0
         stats0 = getattr(engine.experts, "stats", None)
         base = stats0.copy() if stats0 is not None else None
-        agree = 0
-        t0 = time.perf_counter()
-        for token in doc["generated_ids"]:
-            agree += int(np.argmax(logits)) == token
-            logits = session.decode(token)
-        decode_s = time.perf_counter() - t0
-        n = len(doc["generated_ids"])
+        agree = n = passes = 0
+        prefill_s = decode_s = 0.0
+        for req in requests_of(doc):
+            session = engine.new_session()
+            t0 = time.perf_counter()
+            logits = session.prefill(req["prompt_ids"])
+            prefill_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for k, token in enumerate(req["generated_ids"]):
+                agree += int(np.argmax(logits)) == token
+                n += 1
+                if k + 1 < len(req["generated_ids"]):
+                    logits = session.decode(token)
+                    passes += 1
+            decode_s += time.perf_counter() - t0
+            engine.request_finished()
         out = {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": n,
-               "tok_s": n / decode_s if decode_s else 0.0, "agree": agree}
+               "tok_s": passes / decode_s if decode_s else 0.0, "agree": agree}
         if base is not None:
             out["stats"] = engine.experts.statistics(since=base)
-        engine.request_finished()
         return out
     finally:
         engine.close()
@@ -115,21 +162,32 @@ def main(argv: list[str]) -> int:
     p.add_argument("--record", type=Path, metavar="FILE")
     p.add_argument("--replay", type=Path, metavar="FILE")
     p.add_argument("--ids", default="", metavar="1,2,3", help="prompt token ids to record")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a prompt to record as its own request (repeatable; sent as a chat "
+                        "message when the model has a chat template)")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="record one request per line of FILE (# comments), e.g. "
+                        "profiles/code/warm.txt")
+    p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
     add_store_flags(p)
     args = p.parse_args(argv)
     args.parser = p
     if args.record:
         if not args.model:
             p.error("--record needs --model")
-        prompt = [int(x) for x in args.ids.split(",") if x] or [1, 2, 3, 4, 5, 6, 7, 8]
-        record(args.model, prompt, args.max_tokens, args.record)
+        texts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
+        prompts = prompt_ids(args.model, texts) if texts else []
+        ids = [int(x) for x in args.ids.split(",") if x]
+        if ids or not prompts:
+            prompts.insert(0, ids or [1, 2, 3, 4, 5, 6, 7, 8])
+        record(args.model, prompts, args.max_tokens, args.record)
         return 0
     if not args.replay:
         p.error("give --record FILE or --replay FILE")
     doc = json.loads(args.replay.read_text())
     res = replay(doc, args.model or Path(doc["model"]), args)
-    print(f"replay: {res['tokens']} tokens teacher-forced, decode {res['tok_s']:.2f} tok/s, "
+    print(f"replay: {len(requests_of(doc))} request(s), {res['tokens']} tokens "
+          f"teacher-forced, decode {res['tok_s']:.2f} tok/s, "
           f"argmax agrees {res['agree']}/{res['tokens']} (must be all)")
     if "stats" in res:
         for line in res["stats"].lines("replay"):

@@ -53,6 +53,10 @@ class Ops(Protocol):
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray: ...
 
+    def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        """Block-diagonal: W's rows in x.shape[-2] equal blocks, block b times x[..., b, :]."""
+        ...
+
     def expert_swiglu(
         self, gate: QuantWeight, up: QuantWeight, down: QuantWeight, x: np.ndarray,
         family: KernelFamily,

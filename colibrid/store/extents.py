@@ -79,6 +79,11 @@ class ExpertExtents:
     slab_bytes: int  # aligned bytes the reads fill
     payload_bytes: int  # exact tensor bytes (what the model needs)
 
+    @property
+    def read_bytes(self) -> int:
+        """Bytes the reads transfer (the aligned supersets)."""
+        return sum(r.length for r in self.reads)
+
     def views(self, slab: np.ndarray) -> ExpertWeights:
         """Zero-copy QuantWeights over a filled slab (uint8, at least slab_bytes long)."""
         mats = []

@@ -13,6 +13,7 @@ some overlays: EINVAL) fall back to buffered reads and the reason is kept in
 
 from __future__ import annotations
 
+import heapq
 import logging
 import mmap
 import os
@@ -118,9 +119,18 @@ class ReadFiles:
         self.fds = []
 
 
+DEMAND_READ = 0  # a layer is waiting for this read
+BACKGROUND = 1  # PILOT prefetch or REPIN promotion: only when no demand read waits
+
+
 class IOPool:
-    """Persistent reader threads. ``submit(tag, reads, target)``; results come back on
-    ``done`` as ``(tag, nbytes, error_or_None)`` in completion order.
+    """Persistent reader threads. ``submit(tag, reads, target, priority)``; results come
+    back on ``done`` as ``(tag, nbytes, error_or_None)`` in completion order.
+
+    Why priorities: a layer's demand misses must not queue behind PILOT's guesses for the
+    next layer; background reads run only when no demand read waits, and one that has not
+    started yet can be withdrawn (:meth:`cancel`) or promoted (:meth:`promote`) once the
+    router has spoken. Each tag has at most one read in the pool at a time.
 
     With ``threads == 0`` the read runs inline in ``submit`` and its result is queued
     the same way, so callers have one code path and the output cannot depend on it.
@@ -130,8 +140,11 @@ class IOPool:
         self.files = files
         self.threads = max(0, int(threads))
         self.done: queue.SimpleQueue[tuple[int, int, BaseException | None]] = queue.SimpleQueue()
-        self._jobs: queue.SimpleQueue[tuple[int, Sequence[Read], memoryview] | None] = \
-            queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._heap: list[tuple[int, int, int]] = []  # (priority, seq, tag)
+        self._queued: dict[int, tuple[int, int, Sequence[Read], memoryview]] = {}
+        self._seq = 0
+        self._closing = False
         self._workers = [threading.Thread(target=self._work, name=f"colibri-io-{i}", daemon=True)
                          for i in range(self.threads)]
         for t in self._workers:
@@ -145,22 +158,57 @@ class IOPool:
         else:
             self.done.put((tag, n, None))
 
+    def _next(self) -> tuple[int, Sequence[Read], memoryview] | None:
+        with self._cv:
+            while True:
+                while self._heap:
+                    _prio, seq, tag = heapq.heappop(self._heap)
+                    job = self._queued.get(tag)
+                    if job is not None and job[1] == seq:  # else cancelled or re-queued
+                        del self._queued[tag]
+                        return tag, job[2], job[3]
+                if self._closing:
+                    return None
+                self._cv.wait()
+
     def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
+        while (job := self._next()) is not None:
             self._run(*job)
 
-    def submit(self, tag: int, reads: Sequence[Read], target: memoryview) -> None:
-        if self.threads:
-            self._jobs.put((tag, reads, target))
-        else:
+    def submit(self, tag: int, reads: Sequence[Read], target: memoryview,
+               priority: int = DEMAND_READ) -> None:
+        if not self.threads:
             self._run(tag, reads, target)
+            return
+        with self._cv:
+            self._seq += 1
+            self._queued[tag] = (priority, self._seq, reads, target)
+            heapq.heappush(self._heap, (priority, self._seq, tag))
+            self._cv.notify()
+
+    def cancel(self, tag: int) -> bool:
+        """Withdraw a read no worker has started; True when its completion will never come."""
+        with self._cv:
+            return self._queued.pop(tag, None) is not None
+
+    def promote(self, tag: int) -> None:
+        """Move a queued background read ahead of the other background reads (no-op once a
+        worker has taken it)."""
+        with self._cv:
+            job = self._queued.get(tag)
+            if job is None or job[0] == DEMAND_READ:
+                return
+            self._seq += 1
+            self._queued[tag] = (DEMAND_READ, self._seq, job[2], job[3])
+            heapq.heappush(self._heap, (DEMAND_READ, self._seq, tag))
+            self._cv.notify()
 
     def close(self) -> None:
-        for _ in self._workers:
-            self._jobs.put(None)
+        with self._cv:
+            self._closing = True
+            self._queued.clear()
+            self._heap.clear()
+            self._cv.notify_all()
         for t in self._workers:
             t.join(timeout=5)
         self._workers = []

@@ -29,6 +29,7 @@ class Counters:
     pilot_correct: int = 0  # predicted keys the layer then chose
     pilot_chosen: int = 0  # keys chosen in layers that had a prediction
     pilot_loads: int = 0  # prefetch reads issued
+    pilot_cancelled: int = 0  # prefetch reads withdrawn before they started (wrong guesses)
 
     def copy(self) -> Counters:
         return Counters(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -56,6 +57,7 @@ class StoreStats:
     tokens: int
     pilot_recall: float | None
     pilot_loads: int
+    pilot_cancelled: int
     cache_per_layer: int
     cache_bytes: int
     pinned: int
@@ -80,7 +82,8 @@ class StoreStats:
             f"{title}: time io-wait {self.io_wait_s:.3f} s, expert compute {self.compute_s:.3f} "
             f"s, other (attention, dense, sampling) {self.other_s:.3f} s over {self.tokens} "
             "forward passes",
-            f"{title}: PILOT recall {recall}, {self.pilot_loads} prefetch loads; cache "
+            f"{title}: PILOT recall {recall}, {self.pilot_loads} prefetch loads "
+            f"({self.pilot_cancelled} withdrawn unread); cache "
             f"{self.cache_per_layer} experts/layer ({self.cache_bytes / 2**30:.2f} GiB, "
             f"{self.policy}), {self.pinned} pinned; memwatch: {self.memwatch}",
         ]
@@ -97,7 +100,8 @@ def snapshot(c: Counters, *, cache_per_layer: int, cache_bytes: int, pinned: int
         io_wait_s=c.io_wait_s, compute_s=c.compute_s,
         other_s=max(0.0, c.token_wall_s - c.io_wait_s - c.compute_s), tokens=c.tokens,
         pilot_recall=c.pilot_correct / c.pilot_chosen if c.pilot_chosen else None,
-        pilot_loads=c.pilot_loads, cache_per_layer=cache_per_layer, cache_bytes=cache_bytes,
+        pilot_loads=c.pilot_loads, pilot_cancelled=c.pilot_cancelled,
+        cache_per_layer=cache_per_layer, cache_bytes=cache_bytes,
         pinned=pinned, io_mode=io_mode, policy=policy, memwatch=memwatch)
 
 

@@ -27,7 +27,7 @@ from colibrid.errors import CheckpointError, ColibriError
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, ExpertWeights
 from colibrid.store.extents import ExpertExtents, ExtentPlanner
-from colibrid.store.io_pool import IOPool, ReadFiles
+from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
 from colibrid.store.policy import DEFAULT_POLICY, Policy, make_policy
 from colibrid.store.slabs import SlabArena
 from colibrid.store.telemetry import Counters, StoreStats, now, snapshot
@@ -77,6 +77,8 @@ class TieredStore:
         self.memwatch_note = "off"
         self.arena: SlabArena | None = None
         self._landed: list[int] = []  # slots whose prefetch read completed
+        self._delivery = None  # (generator, its waiting reads) of the layer being served
+        self.pin_on_land: set[tuple[int, int]] = set()  # background REPIN reads in flight
         self._predictions: dict[int, set[int]] = {}  # PILOT's guess per layer, for recall
 
     # ---- set-up --------------------------------------------------------------------------
@@ -154,8 +156,28 @@ class TieredStore:
         ext = self.extents[layer][expert]
         self.state[slot] = kind
         self.slot_key[slot] = (layer, expert)
-        self.stats.bytes_read += sum(r.length for r in ext.reads)
-        self.pool.submit(slot, ext.reads, self.arena.memview(slot))
+        self.stats.bytes_read += ext.read_bytes
+        self.pool.submit(slot, ext.reads, self.arena.memview(slot),
+                         BACKGROUND if kind == PREFETCH else DEMAND_READ)
+
+    def _withdraw(self, key: tuple[int, int]) -> bool:
+        """Cancel a background read no worker has started; frees its slot."""
+        slot = self.inflight[key]
+        if not self.pool.cancel(slot):
+            return False
+        del self.inflight[key]
+        nbytes = self.extents[key[0]][key[1]].read_bytes
+        self.stats.bytes_read -= nbytes
+        self.stats.prefetch_bytes -= nbytes
+        self.stats.pilot_cancelled += 1
+        self._release(slot)
+        return True
+
+    def _poll(self) -> None:
+        """Take every completion already queued (non-blocking) so landed prefetches and
+        REPIN reads are admitted before a layer is looked up."""
+        while not self.pool.done.empty():
+            self._pump()
 
     def _wait_slot(self, slot: int) -> None:
         while self.state[slot] in (DEMAND, PREFETCH):
@@ -167,16 +189,8 @@ class TieredStore:
         t0 = now()
         tag, _n, err = self.pool.done.get()
         self.stats.io_wait_s += now() - t0
-        kind = self.state[tag]
-        if kind == PREFETCH:
-            key = self.slot_key[tag]
-            if key is not None:
-                self.inflight.pop(key, None)
-            if err is not None:
-                self._release(tag)
-            else:
-                self.state[tag] = LANDED
-                self._landed.append(tag)
+        if self.state[tag] == PREFETCH:
+            self._landed_background(tag, err)
             return tag
         self.state[tag] = HELD
         if err is not None:
@@ -185,6 +199,18 @@ class TieredStore:
                 raise err
             raise CheckpointError(f"expert read failed: {err}") from err
         return tag
+
+    def _landed_background(self, slot: int, err: BaseException | None) -> None:
+        key = self.slot_key[slot]
+        if key is not None:
+            self.inflight.pop(key, None)
+        if err is not None:  # a guess or a promotion that failed costs nothing but itself
+            if key is not None:
+                self.pin_on_land.discard(key)
+            self._release(slot)
+        else:
+            self.state[slot] = LANDED
+            self._landed.append(slot)
 
     def _view(self, slot: int) -> ExpertWeights:
         key = self.slot_key[slot]
@@ -224,7 +250,21 @@ class TieredStore:
     def _finish_held(self) -> None:
         held, self._held = self._held, []
         for layer, expert, slot in held:
-            self._admit(layer, expert, slot, protected=())
+            self._keep(layer, expert, slot, protected=())
+
+    def _keep(self, layer: int, expert: int, slot: int, protected) -> None:
+        """A demand-read slot the layer is done with: pinned when REPIN asked for it,
+        else admitted to the cache."""
+        if (layer, expert) in self.pin_on_land:
+            self._settle_pin((layer, expert), slot)
+        else:
+            self._admit(layer, expert, slot, protected=protected)
+
+    def _settle_pin(self, key: tuple[int, int], slot: int) -> None:
+        self.pin_on_land.discard(key)
+        self.state[slot] = PINNED
+        self.slot_key[slot] = key
+        self.pinned[key] = slot
 
     def _drain_landed(self, layer: int = -1, need: set[int] | None = None) -> None:
         """Admit completed prefetches; in ``layer`` never evict an expert of ``need``."""
@@ -233,7 +273,9 @@ class TieredStore:
             key = self.slot_key[slot]
             if key is None or self.state[slot] != LANDED:
                 continue
-            if key in self.pinned or key[1] in self.cache[key[0]]:
+            if key in self.pin_on_land:
+                self._settle_pin(key, slot)
+            elif key in self.pinned or key[1] in self.cache[key[0]]:
                 self._release(slot)
             else:
                 protected = need if need is not None and key[0] == layer else ()
@@ -274,12 +316,15 @@ class TieredStore:
     def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """(expert, weights) pairs: resident first (ascending), then misses as reads land.
 
+        The lookup and the miss reads happen in this call, not at the first ``next``, so
+        the caller can compute something else (the shared expert) while the drive works.
         A yielded expert is valid until the consumer asks for the next one.
         """
         return self._serve(layer, [int(e) for e in experts], streaming=True)
 
     def _serve(self, layer: int, keys: list[int],
                streaming: bool) -> Iterator[tuple[int, ExpertWeights]]:
+        """Look the layer up and dispatch its misses now; deliver through a generator."""
         if self.arena is None:
             raise StoreError("the store has no memory yet: call allocate()")
         if layer not in self.extents:
@@ -287,8 +332,10 @@ class TieredStore:
         n_exp = self.layout.n_experts
         if any(not 0 <= e < n_exp for e in keys):
             raise KeyError(f"expert out of range [0, {n_exp}) in layer {layer}: {keys}")
+        self._abandon_delivery()
         self._finish_held()
         need = set(keys)
+        self._poll()
         self._drain_landed(layer, need)
         st, cache, policy = self.stats, self.cache[layer], self.policies[layer]
         hits: list[tuple[int, int]] = []
@@ -311,10 +358,13 @@ class TieredStore:
                 st.hits_prefetched += 1
                 slot = self.inflight.pop((layer, e))
                 self.state[slot] = DEMAND
+                self.pool.promote(slot)
                 waiting[slot] = e
             else:
                 st.misses += 1
                 misses.append(e)
+        for key in [k for k in self.inflight if k[0] == layer and k not in self.pin_on_land]:
+            self._withdraw(key)  # PILOT guessed wrong: don't spend the disk on it now
         if not streaming and len(misses) > len(self.free):
             raise StoreError(f"layer {layer} needs {len(misses)} reads at once but only "
                              f"{len(self.free)} work slots are free; use iter_ready")
@@ -324,6 +374,28 @@ class TieredStore:
             slot = self.free.pop()
             self._read(slot, layer, pending.pop(), DEMAND)
             waiting[slot] = self.slot_key[slot][1]  # type: ignore[index]
+        delivery = self._deliver(layer, hits, waiting, pending, need, streaming, t_io)
+        self._delivery = (delivery, waiting)
+        return delivery
+
+    def _abandon_delivery(self) -> None:
+        """The previous layer's delivery was dropped unfinished (an exception in the
+        model): let its reads land and free their slots before anything else moves."""
+        if self._delivery is None:
+            return
+        delivery, waiting = self._delivery
+        self._delivery = None
+        delivery.close()  # runs its clean-up when it had started
+        while waiting:  # it never started: clean up here
+            slot = self._pump_quiet()
+            if slot in waiting:
+                waiting.pop(slot)
+                self._release(slot)
+
+    def _deliver(self, layer: int, hits: list[tuple[int, int]], waiting: dict[int, int],
+                 pending: list[int], need: set[int], streaming: bool,
+                 t_io: float) -> Iterator[tuple[int, ExpertWeights]]:
+        st = self.stats
         try:
             for e, slot in hits:
                 t0 = now()
@@ -342,7 +414,7 @@ class TieredStore:
                 st.compute_s += now() - t0
                 if streaming:
                     need.discard(e)
-                    self._admit(layer, e, slot, protected=need)
+                    self._keep(layer, e, slot, protected=need)
                 else:
                     self._held.append((layer, e, slot))
                 while pending and self.free:
@@ -359,12 +431,11 @@ class TieredStore:
                     self._release(slot)
 
     def _pump_quiet(self) -> int:
-        tag, _n, _err = self.pool.done.get()
+        """Take one completion during clean-up: background reads land as usual, a demand
+        read's slot is returned for the caller to free (its error is moot now)."""
+        tag, n, err = self.pool.done.get()
         if self.state[tag] == PREFETCH:
-            key = self.slot_key[tag]
-            if key is not None:
-                self.inflight.pop(key, None)
-            self._release(tag)
+            self._landed_background(tag, err)
         return tag
 
     # ---- PILOT ---------------------------------------------------------------------------
@@ -388,7 +459,7 @@ class TieredStore:
             slot = self.free.pop()
             self._read(slot, layer, e, PREFETCH)
             self.inflight[key] = slot
-            self.stats.prefetch_bytes += sum(r.length for r in self.extents[layer][e].reads)
+            self.stats.prefetch_bytes += self.extents[layer][e].read_bytes
             issued += 1
         self.stats.pilot_loads += issued
         self.stats.pilot_predicted += len(predicted)
@@ -407,15 +478,37 @@ class TieredStore:
             self.memwatch.tick(self)
 
     def request_finished(self) -> None:
-        """A request boundary: persist the usage profile, then REPIN swaps."""
+        """A request boundary: persist the usage profile, then start the REPIN swaps."""
         self._finish_held()
         if self.usage is not None and self.profile_path and self.usage.dirty:
             self.usage.save(self.profile_path)
         if self.repinner is not None and self.pinned:
             for cold, hot in self.repinner.swaps(list(self.pinned)):
-                self.unpin(cold)
-                self.pin([hot])
-                log.info("colibri: repin layer %d: expert %d -> %d", cold[0], cold[1], hot[1])
+                self.repin(cold, hot)
+
+    def repin(self, cold: tuple[int, int], hot: tuple[int, int]) -> None:
+        """Demote ``cold`` to the cache now and promote ``hot`` in the background: a read
+        at background priority that nobody waits for; the expert becomes pinned when the
+        read lands (or at once when it is already cached). Slot count is conserved: the
+        demoted slot (or the cache victim it displaced) carries the new pin."""
+        self.unpin(cold)
+        layer, expert = hot
+        log.info("colibri: repin layer %d: expert %d -> %d", layer, cold[1], expert)
+        slot = self.cache[layer].pop(expert, None)
+        if slot is not None:
+            self.policies[layer].remove(expert)
+            self.prefetched.discard(hot)
+            self._settle_pin(hot, slot)
+            return
+        self.pin_on_land.add(hot)
+        if hot in self.inflight:  # PILOT is already reading it: pin it when it lands
+            return
+        if len(self.free) <= self.work_slots + self.pilot_slots:
+            self.pin_on_land.discard(hot)  # no room after all: skip this swap
+            return
+        slot = self.free.pop()
+        self._read(slot, layer, expert, PREFETCH)
+        self.inflight[hot] = slot
 
     def set_cache_per_layer(self, n: int) -> int:
         """Resize every layer's cache to ``n`` (clamped to what was allocated); evicts the

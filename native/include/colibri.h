@@ -45,6 +45,10 @@ int colibri_get_threads(void);
 /* y[S, O] = x[S, I] @ W^T in the given family. */
 int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y);
 
+/* Block-diagonal: O rows in B equal blocks; block b uses x[s, b, :] (x is [S, B, I]). */
+int colibri_matmul_blocks(const colibri_weight *w, int family, const float *x, int S, int B,
+                          float *y);
+
 /* y[S, D] = down(silu(gate x) * (up x)); gate/up [F, D], down [D, F]. */
 int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
                           const colibri_weight *down, int family, const float *x, int S,

@@ -82,7 +82,7 @@ int colibri_get_threads(void) {
 
 /* ---- per-calling-thread scratch (no allocation on the hot path once warm) ---- */
 
-enum { SLOT_QX, SLOT_QXP, SLOT_XS, SLOT_GSUM, SLOT_XP, SLOT_G, SLOT_U, SLOT_N };
+enum { SLOT_QX, SLOT_QXP, SLOT_XS, SLOT_GSUM, SLOT_XP, SLOT_G, SLOT_U, SLOT_BX, SLOT_BY, SLOT_N };
 static _Thread_local struct { void *p; size_t n; } tl_slot[SLOT_N];
 
 static void *scratch(int k, size_t n) {
@@ -241,4 +241,63 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
     if ((rc = prepare(&j, ops, family, g, S))) return rc;
     run(&j, ops, family);
     return 0;
+}
+
+/* ---- block-diagonal matmul: each block of output rows has its own activation ----
+ *
+ * Why: absorbed MLA attention multiplies every head's slice of kv_b_proj by that head's
+ * own vector (64 small matvecs per layer). One call keeps the weight in its checkpoint
+ * format (int8/int4 instead of a 4x larger float copy) and spreads the blocks over the
+ * pool. Block b is computed exactly as colibri_matmul on its rows with x[:, b, :], so
+ * the bits cannot depend on the block count, the thread split or S. */
+
+typedef struct {
+    const colibri_weight *w;
+    int family, S, B, Ob;
+    const float *x; /* [S, B, I] */
+    float *y;       /* [S, O] */
+    _Atomic int rc;
+} blocks_ctx;
+
+static void block_chunk(void *ctx, int b) {
+    blocks_ctx *c = ctx;
+    const colibri_weight *w = c->w;
+    const isa_ops *ops = isa_table(colibri_get_isa());
+    const int I = w->I, S = c->S;
+    colibri_weight sub = *w;
+    mm_job j;
+    describe(&j, w);
+    const size_t G = (size_t)j.G;
+    sub.O = c->Ob;
+    sub.data = (const uint8_t *)w->data + (size_t)b * c->Ob * j.wrow;
+    if (w->scales) sub.scales = w->scales + (size_t)b * c->Ob * G;
+    describe(&j, &sub);
+    float *xb = scratch(SLOT_BX, (size_t)S * I * sizeof(float));
+    float *yb = S == 1 ? c->y + (size_t)b * c->Ob : scratch(SLOT_BY, (size_t)S * c->Ob * sizeof(float));
+    if (!xb || !yb) {
+        atomic_store(&c->rc, -2);
+        return;
+    }
+    for (int s = 0; s < S; s++)
+        memcpy(xb + (size_t)s * I, c->x + ((size_t)s * c->B + b) * I, (size_t)I * sizeof(float));
+    j.y = yb;
+    const int rc = prepare(&j, ops, c->family, xb, S);
+    if (rc) {
+        atomic_store(&c->rc, rc);
+        return;
+    }
+    (is_integer(&sub, c->family) ? ops->i8_rows : ops->f32_rows)(&j, 0, c->Ob);
+    if (S > 1)
+        for (int s = 0; s < S; s++)
+            memcpy(c->y + (size_t)s * w->O + (size_t)b * c->Ob, yb + (size_t)s * c->Ob,
+                   (size_t)c->Ob * sizeof(float));
+}
+
+int colibri_matmul_blocks(const colibri_weight *w, int family, const float *x, int S, int B,
+                          float *y) {
+    if (check_weight(w) || x == NULL || y == NULL || S < 1 || B < 1 || w->O % B) return -1;
+    blocks_ctx c = {w, family, S, B, w->O / B, x, y, 0};
+    const double work = (double)w->O * w->I * S;
+    colibri_pool_for(B, work < (double)(1 << 18) ? 1 : colibri_get_threads(), block_chunk, &c);
+    return atomic_load(&c.rc);
 }

@@ -40,3 +40,29 @@ def test_swiglu_rows_equal_single_calls(kit, isa, family):
     batch = kit.native.expert_swiglu(gate, up, down, x, family)
     singles = np.stack([kit.native.expert_swiglu(gate, up, down, r, family) for r in x])
     assert np.array_equal(batch.view(np.uint32), singles.view(np.uint32))
+
+
+@pytest.mark.parametrize("family", [KernelFamily.F32, KernelFamily.I8])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_blocks_equal_per_block_matmuls(kit, isa, fmt_gs, family, nthreads):
+    """matmul_blocks (MLA's per-head products) = one matmul per block, bit for bit."""
+    kit.isa_or_skip(isa)
+    fmt, gs = fmt_gs
+    kit.native.set_isa(isa)
+    kit.native.set_threads(nthreads)
+    blocks, rows, i = 24, 40, 192
+    w = kit.make_weight(fmt, blocks * rows, i, gs, seed=11)
+    x = np.random.default_rng(8).standard_normal((3, blocks, i), dtype=np.float32)
+    y = kit.native.matmul_blocks(w, x, family)
+    assert y.shape == (3, blocks * rows)
+    for b in range(blocks):
+        sub = type(w)(w.fmt, (rows, i), w.data[b * rows:(b + 1) * rows],
+                      None if w.scales is None else w.scales[b * rows:(b + 1) * rows],
+                      w.group_size)
+        want = kit.native.matmul(sub, np.ascontiguousarray(x[:, b]), family)
+        got = y[:, b * rows:(b + 1) * rows]
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), b
+    one = kit.native.matmul_blocks(w, np.ascontiguousarray(x[1]), family)
+    assert np.array_equal(one.view(np.uint32), y[1].view(np.uint32))
+    with pytest.raises(ValueError, match="equal blocks"):
+        kit.native.matmul_blocks(w, np.zeros((7, i), np.float32), family)

@@ -186,3 +186,54 @@ def test_profile_and_pins_do_not_change_tokens(oracle_checkpoint, tmp_path, pin)
         assert st.hits_pinned > 0 or pin == "auto"
     finally:
         engine.close()
+
+
+def test_repin_swaps_in_the_background_without_changing_tokens(oracle_checkpoint) -> None:
+    from colibrid.store.pinning import Repinner
+
+    ref = oracle_checkpoint("deepseek_v3")
+    engine = tiered(ref, cache=2, io_threads=2)
+    try:
+        store = engine.experts
+        layer = store.layers[0]
+        greedy(engine, ref.prompt_ids)  # learn which experts this prompt uses
+        used = store.counts[layer]
+        cold = int(np.argmin(used))
+        hot = int(np.argmax(used))
+        assert used[hot] > used[cold] * 1.25 + 4
+        store.pin([(layer, cold)])
+        store.repinner = Repinner(store.counts.shape[0], store.layout.n_experts)
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids  # ends with request_finished
+        # the swap was decided at the boundary: the cold expert left the pinned tier at
+        # once, the hot one is pinned or on its way (a background read nobody waits for)
+        assert (layer, cold) not in store.pinned
+        assert (layer, hot) in store.pinned or (layer, hot) in store.pin_on_land
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        assert (layer, hot) in store.pinned and not store.pin_on_land
+        assert store.statistics().hits_pinned > 0
+        # not cached any more: the promotion must read, and repin() must not wait for it
+        store.set_cache_per_layer(0)
+        store.set_cache_per_layer(2)
+        second = int(np.argsort(used)[-2])
+        store.repin((layer, hot), (layer, second))
+        assert (layer, second) in store.pin_on_land and (layer, second) not in store.pinned
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        assert (layer, second) in store.pinned and not store.pin_on_land
+    finally:
+        engine.close()
+
+
+def test_a_dropped_delivery_lands_its_reads_and_frees_their_slots(oracle_checkpoint) -> None:
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=1, io_threads=2)
+    try:
+        store = engine.experts
+        layer = store.layers[0]
+        free0 = len(store.free)
+        store.iter_ready(layer, [0, 1, 2])  # lookup and reads happen here; never iterated
+        assert len(store.free) == free0 - 3
+        assert [e for e, _ in store.iter_ready(layer, [1])] == [1]  # cleans up, then serves
+        assert len(store.free) == free0 - 1 and list(store.cache[layer]) == [1]
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()

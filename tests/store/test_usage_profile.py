@@ -81,12 +81,15 @@ while True:
 
 
 def test_survives_kill_9_at_any_moment(tmp_path: Path) -> None:
-    path = tmp_path / ".coli_usage"
     for delay in (0.05, 0.13, 0.31):
+        path = tmp_path / f"{delay}" / ".coli_usage"
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)],
                                 stdout=subprocess.PIPE)
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
-        time.sleep(delay)
+        deadline = time.monotonic() + 30
+        while not path.exists() and time.monotonic() < deadline:  # a busy disk: first save
+            time.sleep(0.01)
+        time.sleep(delay)  # then kill it somewhere inside a later save
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         u = UsageProfile(8, 64, "glm_moe_dsa", moe_layers=range(8))

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from colibrid.models.base import Linear, Ops, Step, WeightSource
+from colibrid.models.layers.absorb import split_kv_b
 from colibrid.models.layers.attention import causal_mask, masked_softmax
 from colibrid.models.layers.dsa import Indexer
 from colibrid.models.layers.norm import rms_norm
@@ -72,11 +73,10 @@ class MLAAttention:
         self.kv_a_proj = Linear.load(src, ops, f"{prefix}.kv_a_proj_with_mqa",
                                      s.kv_lora_rank + s.rope, s.hidden, bias=s.bias)
         self.kv_a_norm = src.vector(f"{prefix}.kv_a_layernorm.weight", (s.kv_lora_rank,))
-        kv_b = src.dense_f32(f"{prefix}.kv_b_proj.weight", (s.heads * (s.nope + s.v),
-                                                            s.kv_lora_rank))
-        kv_b = kv_b.reshape(s.heads, s.nope + s.v, s.kv_lora_rank)
-        self.w_k = np.ascontiguousarray(kv_b[:, :s.nope, :])  # [H, N, C]
-        self.w_v = np.ascontiguousarray(kv_b[:, s.nope:, :])  # [H, V, C]
+        kv_b = src.weight(f"{prefix}.kv_b_proj.weight", (s.heads * (s.nope + s.v),
+                                                         s.kv_lora_rank))
+        self.absorb_k, self.w_v = split_kv_b(kv_b, s.heads, s.nope, s.v)  # W_v: [H * V, C]
+        self.ops = ops
         self.o_proj = Linear.load(src, ops, f"{prefix}.o_proj", s.hidden, s.heads * s.v,
                                   bias=s.bias)
         self.scale = np.float32(scale)
@@ -118,13 +118,13 @@ class MLAAttention:
         if selection is not None:
             allowed = allowed & selection
         # absorbed scores: q_nope W_k against the latent, plus the rotary part
-        q_latent = np.matmul(q_nope.transpose(1, 0, 2), self.w_k)  # [H, S, C]
+        q_latent = self.absorb_k(self.ops, q_nope, family).transpose(1, 0, 2)  # [H, S, C]
         scores = np.matmul(q_latent, latents.T)  # [H, S, T]
         scores += np.matmul(q_rope.transpose(1, 0, 2), rope_keys.T)
         probs = masked_softmax(scores * self.scale, allowed)  # [H, S, T]
         o_latent = np.matmul(probs, latents)  # [H, S, C]
-        out = np.matmul(o_latent, self.w_v.transpose(0, 2, 1))  # [H, S, V]
-        out = np.ascontiguousarray(out.transpose(1, 0, 2).reshape(rows, s.heads * s.v))
+        out = self.ops.matmul_blocks(self.w_v, np.ascontiguousarray(o_latent.transpose(1, 0, 2)),
+                                     family)  # [S, H * V]
         return self.o_proj(out, family), selection
 
 

@@ -6,10 +6,14 @@ The model never learns where an expert lives: it asks the expert source for the 
 the experts the rows chose. Each expert's contribution lands in a per-(row, slot) buffer
 and the contributions are summed per row in ascending expert order, so the result does
 not depend on the order in which experts arrive (cache hits first, disk reads later) —
-placement never changes a token.
+placement never changes a token. The shared expert runs while the routed misses are being
+read (the store dispatches them when asked) and is added last, as it always was.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -30,19 +34,26 @@ class MoE:
 
     def __call__(self, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         route = self.router.route(x)
-        out = self.apply_experts(x, route, family)
-        if self.shared is not None:
-            out += self.shared(x, family)
+        pairs = self.fetch(route)  # misses start streaming now
+        shared = self.shared(x, family) if self.shared is not None else None
+        out = self.combine(x, route, pairs, family)
+        if shared is not None:
+            out += shared
         return out
 
-    def apply_experts(self, x: np.ndarray, route: Route, family: KernelFamily) -> np.ndarray:
-        rows, top_k = route.experts.shape
-        union = np.unique(route.experts)  # ascending expert ids
-        self.experts.record(self.layer, union.tolist())
+    def fetch(self, route: Route) -> Iterable[tuple[int, Any]]:
+        """Record the routing and ask the store for the union of chosen experts."""
+        union = np.unique(route.experts).tolist()  # ascending expert ids
+        self.experts.record(self.layer, union)
         ready = getattr(self.experts, "iter_ready", None)  # resident first, misses as they land
-        pairs = (ready(self.layer, union.tolist()) if ready is not None else
-                 zip(union.tolist(), self.experts.get_many(self.layer, union.tolist()),
-                     strict=True))
+        if ready is not None:
+            return ready(self.layer, union)
+        return zip(union, self.experts.get_many(self.layer, union), strict=True)
+
+    def combine(self, x: np.ndarray, route: Route, pairs: Iterable[tuple[int, Any]],
+                family: KernelFamily) -> np.ndarray:
+        """Apply each expert as it arrives; sum per row in ascending expert order."""
+        rows, top_k = route.experts.shape
         contributions = np.zeros((rows, top_k, x.shape[1]), dtype=np.float32)  # [S, K, D]
         for expert, w in pairs:
             row_idx, slot_idx = np.nonzero(route.experts == expert)

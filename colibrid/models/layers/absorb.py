@@ -1,0 +1,103 @@
+"""MLA weight absorption on kv_b_proj as the checkpoint stores it (int8/int4/bf16/f32).
+
+Absorbed attention needs, per head h, q_nope[h] @ W_k[h] (W_k: [N, C], a product along
+the rows of the stored matrix) and o_latent[h] @ W_v[h]^T (a plain matvec). Keeping a
+float copy of kv_b costs 4x its int8 bytes (3.4 GB more on GLM-5) and reads as much per
+token, so both products run on the kernels in the stored codes instead:
+
+- W_v's rows are the checkpoint's rows: gathered per head, one block-diagonal matmul.
+- W_k is transposed code for code (lossless: no requantisation) into rows over C with a
+  unit scale; its per-(row, group) scales multiply the query instead, group by group, so
+  a block of output rows shares one scaled query. ``q_nope * s`` rounds in a different
+  order than ``s * code``; it is float reassociation within the F32 family's tolerance.
+
+Shapes: H heads, N qk_nope_head_dim, V v_head_dim, C kv_lora_rank, S rows, G groups of
+the stored rows over C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
+from colibrid.convert.quant import dequantize
+from colibrid.models.base import Ops
+
+
+@dataclass(frozen=True)
+class KeyAbsorb:
+    """W_k transposed: rows (h, c) over N; block (h, g) shares the query scaled by
+    ``scales[h, g]`` ([H, G, N]; None when the stored format has no scales)."""
+
+    weight: QuantWeight  # [H * C, N]
+    scales: np.ndarray | None  # [H, G, N]
+    heads: int
+    groups: int
+
+    def __call__(self, ops: Ops, q_nope: np.ndarray, family: KernelFamily) -> np.ndarray:
+        """q_nope [S, H, N] -> q_latent [S, H, C]."""
+        rows = q_nope.shape[0]
+        if self.scales is None:
+            x = q_nope
+        else:  # [S, H, 1, N] * [H, G, N] -> one query per block (h, g)
+            x = (q_nope[:, :, None, :] * self.scales[None]).reshape(rows, -1, q_nope.shape[2])
+        y = ops.matmul_blocks(self.weight, np.ascontiguousarray(x, dtype=np.float32), family)
+        return y.reshape(rows, self.heads, -1)
+
+
+def split_kv_b(w: QuantWeight, heads: int, nope: int, v: int) -> tuple[KeyAbsorb, QuantWeight]:
+    """(W_k absorbed, W_v [H * V, C]) from kv_b_proj [H * (N + V), C].
+
+    Int4 groups that do not tile C exactly (a ragged last group) cannot share one query
+    per block: such a weight is expanded to float once, as the fallback."""
+    c = w.shape[1]
+    if w.fmt == WeightFormat.Q4 and w.group_size and c % w.group_size:
+        w = QuantWeight(WeightFormat.F32, w.shape, dequantize(w))
+    per_head = nope + v
+    idx = np.arange(heads * per_head).reshape(heads, per_head)
+    k_rows, v_rows = idx[:, :nope].reshape(-1), idx[:, nope:].reshape(-1)
+    w_v = _take_rows(w, v_rows)
+    return _transpose_keys(_take_rows(w, k_rows), heads, nope, c), w_v
+
+
+def _take_rows(w: QuantWeight, rows: np.ndarray) -> QuantWeight:
+    scales = None if w.scales is None else np.ascontiguousarray(w.scales[rows])
+    return QuantWeight(w.fmt, (len(rows), w.shape[1]), np.ascontiguousarray(w.data[rows]),
+                       scales, w.group_size)
+
+
+def _transpose_keys(wk: QuantWeight, heads: int, nope: int, c: int) -> KeyAbsorb:
+    if wk.fmt in (WeightFormat.F32, WeightFormat.BF16):
+        data = wk.data.reshape(heads, nope, c).transpose(0, 2, 1).reshape(heads * c, nope)
+        return KeyAbsorb(QuantWeight(wk.fmt, (heads * c, nope), np.ascontiguousarray(data)),
+                         None, heads, 1)
+    if wk.fmt == WeightFormat.Q8:
+        codes = wk.data
+        scales = wk.scales.reshape(heads, nope, 1)
+    else:  # Q4: stored codes are q + 8, even element in the low nibble
+        codes = _unpack_q4(wk.data, c)
+        scales = wk.scales.reshape(heads, nope, -1)
+    groups = scales.shape[2]
+    t = codes.reshape(heads, nope, c).transpose(0, 2, 1).reshape(heads * c, nope)
+    ones = np.ones(heads * c, dtype=np.float32)
+    if wk.fmt == WeightFormat.Q8:
+        weight = QuantWeight(WeightFormat.Q8, (heads * c, nope), np.ascontiguousarray(t), ones)
+    else:
+        weight = QuantWeight(WeightFormat.Q4, (heads * c, nope), _pack_q4(t), ones)
+    block_scales = np.ascontiguousarray(scales.transpose(0, 2, 1), dtype=np.float32)
+    return KeyAbsorb(weight, block_scales, heads, groups)
+
+
+def _unpack_q4(data: np.ndarray, cols: int) -> np.ndarray:
+    out = np.empty((data.shape[0], data.shape[1] * 2), dtype=np.uint8)
+    out[:, 0::2] = data & 0x0F
+    out[:, 1::2] = data >> 4
+    return out[:, :cols]
+
+
+def _pack_q4(codes: np.ndarray) -> np.ndarray:
+    if codes.shape[1] % 2:  # pad with code 8 (the value zero)
+        codes = np.concatenate([codes, np.full((codes.shape[0], 1), 8, np.uint8)], axis=1)
+    return np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
