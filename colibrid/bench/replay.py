@@ -34,11 +34,11 @@ class TracingStore:
         self.steps[-1].append((int(layer), [int(e) for e in experts]))
         self.inner.record(layer, experts)
 
-    def between_tokens(self, wall_s: float = 0.0) -> None:
+    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
         self.steps.append([])
         hook = getattr(self.inner, "between_tokens", None)
         if hook is not None:
-            hook(wall_s)
+            hook(wall_s, attention_s)
 
 
 def add_store_flags(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ from colibrid.backends.base import KernelFamily
 from colibrid.engine.kv import KVCache
 from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
-from colibrid.models.base import Step
+from colibrid.models.base import PassClock, Step
 from colibrid.models.mtp import MTPLayer
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout
@@ -175,14 +175,16 @@ class Session:
             def hook() -> None:
                 if cancel.is_set():
                     raise Cancelled("request cancelled")
-        step = Step(start=self.cache.length, family=self.engine.family, between_layers=hook)
+        clock = PassClock()
+        step = Step(start=self.cache.length, family=self.engine.family, between_layers=hook,
+                    clock=clock)
         tick = getattr(self.engine.experts, "between_tokens", None)
         t0 = time.perf_counter()
         try:  # a failed pass leaves `length` unchanged, so rows it wrote are never read
             hidden = self.engine.model.hidden_states(tokens, self.cache, step)
         finally:
             if tick is not None:  # a token boundary: the store may resize, never mid-layer
-                tick(time.perf_counter() - t0)
+                tick(time.perf_counter() - t0, clock.attention_s)
         self.cache.advance(len(tokens))
         self.tokens.extend(int(t) for t in tokens)
         return hidden

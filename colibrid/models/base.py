@@ -65,6 +65,14 @@ class Ops(Protocol):
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray: ...
 
 
+@dataclass
+class PassClock:
+    """Seconds a forward pass spent in attention (the store times the experts itself), so
+    telemetry can split a token's time into I/O wait, experts, attention and the rest."""
+
+    attention_s: float = 0.0
+
+
 @dataclass(frozen=True)
 class Step:
     """One forward pass: where the new rows start, which arithmetic to use, and a hook
@@ -73,6 +81,7 @@ class Step:
     start: int  # absolute position of the first new token
     family: KernelFamily
     between_layers: Callable[[], None] | None = None
+    clock: PassClock | None = None
 
 
 class ConfigReader:

@@ -8,6 +8,7 @@ Shape legend: S rows, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,11 @@ class DecoderLayer:
     def __call__(self, h: np.ndarray, layer: int, cache, step: Step,
                  rope: tuple[np.ndarray, np.ndarray],
                  selection: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        t0 = time.perf_counter()
         attn, selection = self.attention(rms_norm(h, self.input_norm, self.eps), layer, cache,
                                          step, rope, selection)
+        if step.clock is not None:
+            step.clock.attention_s += time.perf_counter() - t0
         h = h + attn
         if self.lookahead is not None:
             self.lookahead(h)

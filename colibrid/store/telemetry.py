@@ -23,6 +23,7 @@ class Counters:
     io_active_s: float = 0.0  # wall time with at least one demand read in flight
     io_wait_s: float = 0.0  # engine thread blocked on a read
     compute_s: float = 0.0  # engine thread inside expert compute (between yields)
+    attention_s: float = 0.0  # engine thread inside attention (the model's clock)
     tokens: int = 0
     token_wall_s: float = 0.0
     pilot_predicted: int = 0  # predicted (layer, expert) keys
@@ -53,6 +54,7 @@ class StoreStats:
     read_gb_s: float
     io_wait_s: float
     compute_s: float
+    attention_s: float
     other_s: float
     tokens: int
     pilot_recall: float | None
@@ -80,8 +82,8 @@ class StoreStats:
             f"{title}: read {self.bytes_read / 1e9:.3f} GB, {self.bytes_per_token / 1e6:.1f} MB/"
             f"token, {self.read_gb_s:.2f} GB/s achieved ({self.io_mode})",
             f"{title}: time io-wait {self.io_wait_s:.3f} s, expert compute {self.compute_s:.3f} "
-            f"s, other (attention, dense, sampling) {self.other_s:.3f} s over {self.tokens} "
-            "forward passes",
+            f"s, attention {self.attention_s:.3f} s, other (shared experts, dense MLPs, "
+            f"routing) {self.other_s:.3f} s over {self.tokens} forward passes",
             f"{title}: PILOT recall {recall}, {self.pilot_loads} prefetch loads "
             f"({self.pilot_cancelled} withdrawn unread); cache "
             f"{self.cache_per_layer} experts/layer ({self.cache_bytes / 2**30:.2f} GiB, "
@@ -97,8 +99,9 @@ def snapshot(c: Counters, *, cache_per_layer: int, cache_bytes: int, pinned: int
         hits_prefetched=c.hits_prefetched, misses=c.misses, bytes_read=c.bytes_read,
         bytes_per_token=c.bytes_read / c.tokens if c.tokens else 0.0,
         read_gb_s=c.bytes_read / c.io_active_s / 1e9 if c.io_active_s > 0 else 0.0,
-        io_wait_s=c.io_wait_s, compute_s=c.compute_s,
-        other_s=max(0.0, c.token_wall_s - c.io_wait_s - c.compute_s), tokens=c.tokens,
+        io_wait_s=c.io_wait_s, compute_s=c.compute_s, attention_s=c.attention_s,
+        other_s=max(0.0, c.token_wall_s - c.io_wait_s - c.compute_s - c.attention_s),
+        tokens=c.tokens,
         pilot_recall=c.pilot_correct / c.pilot_chosen if c.pilot_chosen else None,
         pilot_loads=c.pilot_loads, pilot_cancelled=c.pilot_cancelled,
         cache_per_layer=cache_per_layer, cache_bytes=cache_bytes,

@@ -466,11 +466,12 @@ class TieredStore:
         return issued
 
     # ---- boundaries, resizing, telemetry -------------------------------------------------
-    def between_tokens(self, wall_s: float = 0.0) -> None:
-        """A forward pass ended: admit held experts, count the token."""
+    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
+        """A forward pass ended: admit held experts, count the token and its time."""
         self._finish_held()
         self.stats.tokens += 1
         self.stats.token_wall_s += wall_s
+        self.stats.attention_s += attention_s
         self._predictions.clear()
         if self.usage is not None:
             self.usage.end_forward()

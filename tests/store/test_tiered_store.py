@@ -162,6 +162,9 @@ def test_statistics_split_and_per_request(oracle_checkpoint) -> None:
         assert st.bytes_read > 0 and st.tokens == 20 and st.io_mode == "O_DIRECT"
         assert 0 < st.hit_rate < 1 and st.read_gb_s > 0
         assert any("hit" in line for line in st.lines())
+        # the time split: attention measured by the model, experts and I/O by the store
+        assert st.attention_s > 0 and st.compute_s > 0 and st.other_s >= 0
+        assert any(f"attention {st.attention_s:.3f} s" in line for line in st.lines())
     finally:
         engine.close()
 
