@@ -118,6 +118,13 @@ def main(argv: list[str]) -> int:
                   f"non-resident experts per token); achieved {100 * tok_s / strict:.0f}%")
     else:
         print("roofline: no expert reads during decode (everything hit): not disk-bound")
+    # Which limit binds: the CPU time a token takes (everything but waiting for reads)
+    # against the disk time its non-resident experts need at the probe's speed.
+    cpu_ms = 1e3 * (wall - st.io_wait_s) / args.tokens
+    disk_ms = 1e3 * st.bytes_read / 1e9 / gbs / args.tokens
+    bound = "disk" if disk_ms >= cpu_ms else "compute"
+    print(f"bound: {bound} ({disk_ms:.0f} ms of reads per token at probe speed vs "
+          f"{cpu_ms:.0f} ms of compute per token; the larger one is the floor)")
     for line in st.lines("stream"):
         print(line)
     engine.close()
