@@ -17,6 +17,12 @@ import numpy as np
 from colibrid.models.layers.moe import MoE
 from colibrid.models.layers.norm import rms_norm
 
+# Runners-up hinted after the top-k, as a share of k (measured with `colibri bench stream`
+# on a GLM-5-shaped model: recall 74% -> 90%, 0.5 GB/token fewer demand misses; the
+# extra guesses mostly stay queued behind the sure ones and are withdrawn unread when
+# wrong, because the pool runs one background read at a time).
+EXTRA_GUESSES = 0.5
+
 
 def attach(model: Any, store: Any) -> int:
     """Give every decoder layer followed by a MoE layer a lookahead; returns how many."""
@@ -29,11 +35,20 @@ def attach(model: Any, store: Any) -> int:
     return n
 
 
+def most_confident_first(experts: np.ndarray) -> list[int]:
+    """The distinct experts of a route [S, K] (each row best first): every row's first
+    choice, then every row's second, ... so reads start with the surest guesses."""
+    ranked = experts.T.reshape(-1)
+    _, first = np.unique(ranked, return_index=True)
+    return ranked[np.sort(first)].tolist()
+
+
 def _predictor(nxt: Any, store: Any) -> Callable[[np.ndarray], None]:
     mlp: MoE = nxt.mlp
+    n_guess = mlp.router.top_k + int(mlp.router.top_k * EXTRA_GUESSES)
 
     def lookahead(h: np.ndarray) -> None:
-        route = mlp.router.route(rms_norm(h, nxt.post_norm, nxt.eps))
-        store.hint(mlp.layer, np.unique(route.experts).tolist())
+        ranked = mlp.router.candidates(rms_norm(h, nxt.post_norm, nxt.eps), n_guess)
+        store.hint(mlp.layer, most_confident_first(ranked))
 
     return lookahead

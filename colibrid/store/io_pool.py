@@ -130,15 +130,20 @@ class IOPool:
     Why priorities: a layer's demand misses must not queue behind PILOT's guesses for the
     next layer; background reads run only when no demand read waits, and one that has not
     started yet can be withdrawn (:meth:`cancel`) or promoted (:meth:`promote`) once the
-    router has spoken. Each tag has at most one read in the pool at a time.
+    router has spoken. At most ``max_background`` background reads run at once (one
+    expert-sized read already keeps a drive's queue deep), so the later, less confident
+    guesses stay queued long enough to be withdrawn instead of costing disk time. Each
+    tag has at most one read in the pool at a time.
 
     With ``threads == 0`` the read runs inline in ``submit`` and its result is queued
     the same way, so callers have one code path and the output cannot depend on it.
     """
 
-    def __init__(self, files: ReadFiles, threads: int) -> None:
+    def __init__(self, files: ReadFiles, threads: int, max_background: int = 1) -> None:
         self.files = files
         self.threads = max(0, int(threads))
+        self.max_background = max(1, int(max_background))
+        self._background_running = 0
         self.done: queue.SimpleQueue[tuple[int, int, BaseException | None]] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._heap: list[tuple[int, int, int]] = []  # (priority, seq, tag)
@@ -158,22 +163,33 @@ class IOPool:
         else:
             self.done.put((tag, n, None))
 
-    def _next(self) -> tuple[int, Sequence[Read], memoryview] | None:
+    def _next(self) -> tuple[int, Sequence[Read], memoryview, int] | None:
         with self._cv:
             while True:
                 while self._heap:
-                    _prio, seq, tag = heapq.heappop(self._heap)
+                    prio, seq, tag = self._heap[0]
                     job = self._queued.get(tag)
-                    if job is not None and job[1] == seq:  # else cancelled or re-queued
-                        del self._queued[tag]
-                        return tag, job[2], job[3]
+                    if job is None or job[1] != seq:  # cancelled or re-queued: drop it
+                        heapq.heappop(self._heap)
+                        continue
+                    if prio == BACKGROUND and self._background_running >= self.max_background:
+                        break  # only background work left and its share is running
+                    heapq.heappop(self._heap)
+                    del self._queued[tag]
+                    self._background_running += prio == BACKGROUND
+                    return tag, job[2], job[3], prio
                 if self._closing:
                     return None
                 self._cv.wait()
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
-            self._run(*job)
+            tag, reads, target, prio = job
+            self._run(tag, reads, target)
+            if prio == BACKGROUND:
+                with self._cv:
+                    self._background_running -= 1
+                    self._cv.notify_all()
 
     def submit(self, tag: int, reads: Sequence[Read], target: memoryview,
                priority: int = DEMAND_READ) -> None:

@@ -29,6 +29,9 @@ from colibrid.store.usage import UsageProfile
 log = logging.getLogger("colibri.store")
 PIN_MODES = ("off", "auto", "all")
 PILOT_MODES = ("on", "off", "auto")
+# Slots PILOT may read into ahead of the router: top-8 plus its runners-up on GLM-5
+# (engine/pilot.py EXTRA_GUESSES); a guess beyond them waits for a slot.
+PILOT_SLOTS = 12
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def allocate_store(store: TieredStore, opts: StoreOptions, *, kv_bytes: int) -> 
         usage.merge_file(Path(opts.profile))
     store.usage = usage
     work = min(n_exp, 64)
-    pilot_slots = 0 if opts.pilot == "off" else min(n_exp, 8)
+    pilot_slots = 0 if opts.pilot == "off" else min(n_exp, PILOT_SLOTS)
     base = budgets.plan(total=store.budget_total, source=store.budget_source,
                         dense=store.dense_bytes, kv=kv_bytes, slot_bytes=store.slot_bytes,
                         n_layers=store.n_layers, n_experts=n_exp, work_slots=work + pilot_slots,

@@ -31,6 +31,14 @@ class SlabArena:
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
         self._mm = (mmap.mmap(-1, self.slot_bytes * n_slots, flags=flags) if flags else
                     mmap.mmap(-1, self.slot_bytes * n_slots))
+        hugepage = getattr(mmap, "MADV_HUGEPAGE", None)
+        if hugepage is not None and hasattr(self._mm, "madvise"):
+            # Transparent huge pages: one 2 MiB page instead of 512 small ones per read
+            # chunk, so direct I/O pins far fewer pages and kernels miss the TLB less.
+            try:
+                self._mm.madvise(hugepage)
+            except OSError:
+                pass  # THP disabled: small pages work the same, only slower
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         self._mv = memoryview(self._mm)
         self._slots = [self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]

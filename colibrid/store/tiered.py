@@ -266,9 +266,13 @@ class TieredStore:
         self.slot_key[slot] = key
         self.pinned[key] = slot
 
-    def _drain_landed(self, layer: int = -1, need: set[int] | None = None) -> None:
-        """Admit completed prefetches; in ``layer`` never evict an expert of ``need``."""
+    def _drain_landed(self, layer: int = -1, need: set[int] | None = None) -> dict[int, int]:
+        """Admit completed prefetches to their caches. Those ``layer`` is about to use are
+        handed back instead ({expert: slot}, state HELD): a small cache must not drop a
+        correct guess before the layer has used it; the layer admits them afterwards,
+        like its own reads."""
         landed, self._landed = self._landed, []
+        mine: dict[int, int] = {}
         for slot in landed:
             key = self.slot_key[slot]
             if key is None or self.state[slot] != LANDED:
@@ -277,9 +281,12 @@ class TieredStore:
                 self._settle_pin(key, slot)
             elif key in self.pinned or key[1] in self.cache[key[0]]:
                 self._release(slot)
+            elif need is not None and key[0] == layer and key[1] in need:
+                self.state[slot] = HELD
+                mine[key[1]] = slot
             else:
-                protected = need if need is not None and key[0] == layer else ()
-                self._admit(key[0], key[1], slot, protected=protected, prefetched=True)
+                self._admit(key[0], key[1], slot, protected=(), prefetched=True)
+        return mine
 
     # ---- the ExpertStore protocol -------------------------------------------------------
     def record(self, layer: int, experts: Sequence[int]) -> None:
@@ -336,7 +343,7 @@ class TieredStore:
         self._finish_held()
         need = set(keys)
         self._poll()
-        self._drain_landed(layer, need)
+        landed = self._drain_landed(layer, need)
         st, cache, policy = self.stats, self.cache[layer], self.policies[layer]
         hits: list[tuple[int, int]] = []
         misses: list[int] = []
@@ -346,6 +353,9 @@ class TieredStore:
             if slot is not None:
                 st.hits_pinned += 1
                 hits.append((e, slot))
+            elif e in landed:  # PILOT's read landed: use it, keep it afterwards
+                st.hits_prefetched += 1
+                hits.append((e, landed[e]))
             elif e in cache:
                 if (layer, e) in self.prefetched:
                     self.prefetched.discard((layer, e))
@@ -374,8 +384,9 @@ class TieredStore:
             slot = self.free.pop()
             self._read(slot, layer, pending.pop(), DEMAND)
             waiting[slot] = self.slot_key[slot][1]  # type: ignore[index]
-        delivery = self._deliver(layer, hits, waiting, pending, need, streaming, t_io)
-        self._delivery = (delivery, waiting)
+        owned = set(landed.values())
+        delivery = self._deliver(layer, hits, owned, waiting, pending, need, streaming, t_io)
+        self._delivery = (delivery, waiting, owned)
         return delivery
 
     def _abandon_delivery(self) -> None:
@@ -383,24 +394,32 @@ class TieredStore:
         model): let its reads land and free their slots before anything else moves."""
         if self._delivery is None:
             return
-        delivery, waiting = self._delivery
+        delivery, waiting, owned = self._delivery
         self._delivery = None
         delivery.close()  # runs its clean-up when it had started
-        while waiting:  # it never started: clean up here
+        for slot in owned:  # it never started: clean up here
+            self._release(slot)
+        owned.clear()
+        while waiting:
             slot = self._pump_quiet()
             if slot in waiting:
                 waiting.pop(slot)
                 self._release(slot)
 
-    def _deliver(self, layer: int, hits: list[tuple[int, int]], waiting: dict[int, int],
-                 pending: list[int], need: set[int], streaming: bool,
+    def _deliver(self, layer: int, hits: list[tuple[int, int]], owned: set[int],
+                 waiting: dict[int, int], pending: list[int], need: set[int], streaming: bool,
                  t_io: float) -> Iterator[tuple[int, ExpertWeights]]:
+        """``owned``: hit slots that are not in a tier yet (landed prefetches): they are
+        kept like the layer's own reads once used."""
         st = self.stats
         try:
             for e, slot in hits:
                 t0 = now()
                 yield e, self._view(slot)
                 st.compute_s += now() - t0
+                if slot in owned:
+                    owned.discard(slot)
+                    self._done_with(layer, e, slot, need, streaming)
             while waiting:
                 slot = self._pump()
                 if slot not in waiting:
@@ -412,11 +431,7 @@ class TieredStore:
                 t0 = now()
                 yield e, self._view(slot)
                 st.compute_s += now() - t0
-                if streaming:
-                    need.discard(e)
-                    self._keep(layer, e, slot, protected=need)
-                else:
-                    self._held.append((layer, e, slot))
+                self._done_with(layer, e, slot, need, streaming)
                 while pending and self.free:
                     nslot = self.free.pop()
                     self._read(nslot, layer, pending.pop(), DEMAND)
@@ -424,11 +439,23 @@ class TieredStore:
                 if pending and not waiting:
                     raise StoreError(f"layer {layer}: no slot free for {len(pending)} reads")
         finally:
+            for slot in owned:  # abandoned before use: those slots go back
+                self._release(slot)
+            owned.clear()
             while waiting:  # abandoned (exception or early close): let reads land first
                 slot = self._pump_quiet()
                 if slot in waiting:
                     waiting.pop(slot)
                     self._release(slot)
+
+    def _done_with(self, layer: int, e: int, slot: int, need: set[int], streaming: bool) -> None:
+        """A slot this layer read (or PILOT read for it) has been used: keep it in a tier
+        now (streaming) or once the caller is done with every expert (get_many)."""
+        if streaming:
+            need.discard(e)
+            self._keep(layer, e, slot, protected=need)
+        else:
+            self._held.append((layer, e, slot))
 
     def _pump_quiet(self) -> int:
         """Take one completion during clean-up: background reads land as usual, a demand
@@ -440,17 +467,19 @@ class TieredStore:
 
     # ---- PILOT ---------------------------------------------------------------------------
     def hint(self, layer: int, experts: Sequence[int]) -> int:
-        """Start background reads of predicted experts of ``layer``; returns reads issued.
+        """Start background reads of predicted experts of ``layer``, in the order given
+        (surest first); returns reads issued.
 
         Never blocks, never evicts: a read needs a free slot beyond the work slots, and it
         is admitted to the cache only when ``layer`` is next served.
         """
         if self.arena is None or layer not in self.extents:
             return 0
-        predicted = {int(e) for e in experts}
+        order = list(dict.fromkeys(int(e) for e in experts))
+        predicted = set(order)
         self._predictions[layer] = predicted
         issued = 0
-        for e in sorted(predicted):
+        for e in order:
             key = (layer, e)
             if key in self.pinned or e in self.cache[layer] or key in self.inflight:
                 continue

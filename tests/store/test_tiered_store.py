@@ -240,3 +240,23 @@ def test_a_dropped_delivery_lands_its_reads_and_frees_their_slots(oracle_checkpo
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
         engine.close()
+
+
+def test_landed_guesses_are_used_even_when_the_cache_is_smaller(oracle_checkpoint) -> None:
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=1, io_threads=2, pilot="on")
+    try:
+        store = engine.experts
+        layer = store.layers[0]
+        assert store.hint(layer, [2, 0, 1]) == 3
+        deadline = time.monotonic() + 10
+        while store.inflight and time.monotonic() < deadline:
+            store._poll()
+        before = store.stats.copy()
+        assert [e for e, _ in store.iter_ready(layer, [0, 1, 2])] == [0, 1, 2]
+        st = store.statistics(since=before)
+        assert st.hits_prefetched == 3 and st.misses == 0 and st.bytes_read == 0
+        assert len(store.cache[layer]) == 1  # kept what fits, after use
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()

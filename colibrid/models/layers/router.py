@@ -46,14 +46,25 @@ class Router:
 
     def route(self, h: np.ndarray) -> Route:
         scores = self.scores(h)  # [S, E]
-        choice = scores + self.bias if self.bias is not None else scores.copy()
-        if self.n_group > 1 and self.topk_group < self.n_group:
-            choice = self._mask_groups(choice)
-        experts = _top_indices(choice, self.top_k)  # [S, K]
+        experts = _top_indices(self._selection(scores), self.top_k)  # [S, K]
         gates = np.take_along_axis(scores, experts, axis=1)  # [S, K]
         if self.norm_topk_prob:
             gates = gates / (gates.sum(axis=1, keepdims=True, dtype=np.float32) + np.float32(1e-20))
         return Route(experts=experts, gates=(gates * self.scaling).astype(np.float32))
+
+    def candidates(self, h: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` best experts per row by the selection score, best first [S, n]: the
+        top-k that `route` picks, then the runners-up (PILOT's ranked guesses)."""
+        choice = self._selection(self.scores(h))
+        return _top_indices(np.where(np.isfinite(choice), choice, -np.inf),
+                            min(n, self.n_experts))
+
+    def _selection(self, scores: np.ndarray) -> np.ndarray:
+        """Scores as selection sees them: bias added, losing groups masked to -inf."""
+        choice = scores + self.bias if self.bias is not None else scores.copy()
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            choice = self._mask_groups(choice)
+        return choice
 
     def _mask_groups(self, choice: np.ndarray) -> np.ndarray:
         rows = choice.shape[0]
