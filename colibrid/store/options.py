@@ -32,6 +32,10 @@ PILOT_MODES = ("on", "off", "auto")
 # Slots PILOT may read into ahead of the router: top-8 plus its runners-up on GLM-5
 # (engine/pilot.py EXTRA_GUESSES); a guess beyond them waits for a slot.
 PILOT_SLOTS = 12
+# Slots a layer's demand misses stream through (iter_ready reuses each as soon as its
+# expert is computed): twice GLM-5's top-8, so a decode step never waits for one and a
+# prefill's larger union streams through them. Every slot beyond this is cache.
+WORK_SLOTS = 16
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ def allocate_store(store: TieredStore, opts: StoreOptions, *, kv_bytes: int) -> 
     if opts.profile:
         usage.merge_file(Path(opts.profile))
     store.usage = usage
-    work = min(n_exp, 64)
+    work = min(n_exp, WORK_SLOTS)
     pilot_slots = 0 if opts.pilot == "off" else min(n_exp, PILOT_SLOTS)
     base = budgets.plan(total=store.budget_total, source=store.budget_source,
                         dense=store.dense_bytes, kv=kv_bytes, slot_bytes=store.slot_bytes,
