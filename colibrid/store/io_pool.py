@@ -20,6 +20,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -144,6 +145,9 @@ class IOPool:
         self.threads = max(0, int(threads))
         self.max_background = max(1, int(max_background))
         self._background_running = 0
+        self._running = 0  # reads a worker is doing now
+        self._busy_since = 0.0
+        self._busy_s = 0.0  # wall time with at least one read running
         self.done: queue.SimpleQueue[tuple[int, int, BaseException | None]] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._heap: list[tuple[int, int, int]] = []  # (priority, seq, tag)
@@ -177,6 +181,9 @@ class IOPool:
                     heapq.heappop(self._heap)
                     del self._queued[tag]
                     self._background_running += prio == BACKGROUND
+                    if self._running == 0:
+                        self._busy_since = time.perf_counter()
+                    self._running += 1
                     return tag, job[2], job[3], prio
                 if self._closing:
                     return None
@@ -186,21 +193,33 @@ class IOPool:
         while (job := self._next()) is not None:
             tag, reads, target, prio = job
             self._run(tag, reads, target)
-            if prio == BACKGROUND:
-                with self._cv:
+            with self._cv:
+                self._running -= 1
+                if self._running == 0:
+                    self._busy_s += time.perf_counter() - self._busy_since
+                if prio == BACKGROUND:
                     self._background_running -= 1
                     self._cv.notify_all()
 
     def submit(self, tag: int, reads: Sequence[Read], target: memoryview,
                priority: int = DEMAND_READ) -> None:
         if not self.threads:
+            t0 = time.perf_counter()
             self._run(tag, reads, target)
+            self._busy_s += time.perf_counter() - t0
             return
         with self._cv:
             self._seq += 1
             self._queued[tag] = (priority, self._seq, reads, target)
             heapq.heappush(self._heap, (priority, self._seq, tag))
             self._cv.notify()
+
+    def busy_seconds(self) -> float:
+        """Total wall time during which at least one read was running: what achieved
+        GB/s divides by (demand and background reads alike)."""
+        with self._cv:
+            extra = time.perf_counter() - self._busy_since if self._running else 0.0
+            return self._busy_s + extra
 
     def cancel(self, tag: int) -> bool:
         """Withdraw a read no worker has started; True when its completion will never come."""

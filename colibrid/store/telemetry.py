@@ -20,7 +20,7 @@ class Counters:
     misses: int = 0
     bytes_read: int = 0  # demand + prefetch bytes from disk (aligned supersets)
     prefetch_bytes: int = 0
-    io_active_s: float = 0.0  # wall time with at least one demand read in flight
+    io_active_s: float = 0.0  # wall time with at least one read running (the pool's clock)
     io_wait_s: float = 0.0  # engine thread blocked on a read
     compute_s: float = 0.0  # engine thread inside expert compute (between yields)
     attention_s: float = 0.0  # engine thread inside attention (the model's clock)

@@ -378,14 +378,13 @@ class TieredStore:
         if not streaming and len(misses) > len(self.free):
             raise StoreError(f"layer {layer} needs {len(misses)} reads at once but only "
                              f"{len(self.free)} work slots are free; use iter_ready")
-        t_io = now()
         pending = list(reversed(misses))
         while pending and self.free:
             slot = self.free.pop()
             self._read(slot, layer, pending.pop(), DEMAND)
             waiting[slot] = self.slot_key[slot][1]  # type: ignore[index]
         owned = set(landed.values())
-        delivery = self._deliver(layer, hits, owned, waiting, pending, need, streaming, t_io)
+        delivery = self._deliver(layer, hits, owned, waiting, pending, need, streaming)
         self._delivery = (delivery, waiting, owned)
         return delivery
 
@@ -407,8 +406,8 @@ class TieredStore:
                 self._release(slot)
 
     def _deliver(self, layer: int, hits: list[tuple[int, int]], owned: set[int],
-                 waiting: dict[int, int], pending: list[int], need: set[int], streaming: bool,
-                 t_io: float) -> Iterator[tuple[int, ExpertWeights]]:
+                 waiting: dict[int, int], pending: list[int], need: set[int],
+                 streaming: bool) -> Iterator[tuple[int, ExpertWeights]]:
         """``owned``: hit slots that are not in a tier yet (landed prefetches): they are
         kept like the layer's own reads once used."""
         st = self.stats
@@ -425,8 +424,6 @@ class TieredStore:
                 if slot not in waiting:
                     continue
                 e = waiting.pop(slot)
-                if not waiting and not pending:
-                    st.io_active_s += now() - t_io
                 self.state[slot] = HELD
                 t0 = now()
                 yield e, self._view(slot)
@@ -498,6 +495,7 @@ class TieredStore:
     def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
         """A forward pass ended: admit held experts, count the token and its time."""
         self._finish_held()
+        self.stats.io_active_s = self.pool.busy_seconds()
         self.stats.tokens += 1
         self.stats.token_wall_s += wall_s
         self.stats.attention_s += attention_s
@@ -574,6 +572,7 @@ class TieredStore:
         return (self.arena.n_slots - len(self.parked)) * self.arena.slot_bytes
 
     def statistics(self, since: Counters | None = None) -> StoreStats:
+        self.stats.io_active_s = self.pool.busy_seconds()
         c = self.stats if since is None else self.stats.minus(since)
         cache_bytes = sum(len(x) for x in self.cache.values()) * self.slot_bytes \
             if self.arena is not None else 0
