@@ -56,12 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_prompt_file(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with # are skipped (the
+    warm.txt format, also what `colibri bench replay --prompts` reads)."""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def warm_prompts(name: str) -> list[str]:
     for folder in (home.colibri_home() / "profiles" / name, BUILTIN / name):
         path = folder / "warm.txt"
         if path.is_file():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+            return read_prompt_file(path)
     known = sorted(p.name for p in BUILTIN.iterdir() if (p / "warm.txt").is_file()) \
         if BUILTIN.is_dir() else []
     raise ClientError(f"no warm-up prompts for {name!r} (built-in: {', '.join(known)}; your "

@@ -65,12 +65,6 @@ def prompt_ids(model: Path, texts: list[str]) -> list[list[int]]:
     return [codec.encode(t, add_special_tokens=True) for t in texts]
 
 
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per line; blank lines and lines starting with # are skipped."""
-    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
-
-
 def record(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) -> None:
     """Greedy-generate each prompt as its own request with every expert resident; save
     the requests and the routing of every forward pass (prefill passes flagged)."""
@@ -89,8 +83,7 @@ def record(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) ->
     requests, prefill_steps = [], []
     try:
         for prompt in prompts:
-            tracer.steps = [s for s in tracer.steps if s] + [[]]
-            prefill_steps.append(len(tracer.steps) - 1)
+            prefill_steps.append(sum(1 for s in tracer.steps if s))  # index among passes
             session = engine.new_session()
             logits = session.prefill(prompt)
             generated: list[int] = []
@@ -175,7 +168,9 @@ def main(argv: list[str]) -> int:
     if args.record:
         if not args.model:
             p.error("--record needs --model")
-        texts = list(args.prompt) + (read_prompts(args.prompts) if args.prompts else [])
+        from colibri_cli.commands.profile import read_prompt_file
+
+        texts = list(args.prompt) + (read_prompt_file(args.prompts) if args.prompts else [])
         prompts = prompt_ids(args.model, texts) if texts else []
         ids = [int(x) for x in args.ids.split(",") if x]
         if ids or not prompts:

@@ -27,11 +27,9 @@ DOMAINS = ("code", "chat", "math", "prose")
 
 
 def profile_prompts(domain: str) -> list[str]:
-    from colibri_cli.commands.profile import BUILTIN
+    from colibri_cli.commands.profile import BUILTIN, read_prompt_file
 
-    path = BUILTIN / domain / "warm.txt"
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return read_prompt_file(BUILTIN / domain / "warm.txt")
 
 
 def count_selections(model: str | Path, domains: Sequence[str] = DOMAINS,

@@ -63,7 +63,7 @@ def _quantize_block(w: np.ndarray, qmax: int, qmin: int, group_size: int) -> tup
     return q.reshape(rows, groups * gs)[:, :cols].astype(np.int8), scales
 
 
-def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
     """int8 q in [-8, 7], [R, I] -> uint8 [R, ceil(I/2)], even element in the low nibble."""
     rows, cols = q.shape
     nib = np.full((rows, 2 * q4_row_bytes(cols)), 8, dtype=np.uint8)
@@ -98,7 +98,7 @@ def quantize(w: np.ndarray, fmt: WeightFormat, group_size: int = 64) -> QuantWei
         if not np.isfinite(block).all():
             raise ValueError(f"cannot quantise non-finite values (rows {r0}..{r0 + len(block)})")
         q, s = _quantize_block(block, qmax, qmin, group_size)
-        data[r0 : r0 + step] = q if fmt is WeightFormat.Q8 else _pack_nibbles(q)
+        data[r0 : r0 + step] = q if fmt is WeightFormat.Q8 else pack_nibbles(q)
         scales[r0 : r0 + step] = s
     if group_size == 0:
         scales = scales.reshape(rows)
@@ -113,7 +113,7 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _unpack_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
+def unpack_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
     """uint8 [R, ceil(I/2)] -> float32 q values [R, I]."""
     rows = packed.shape[0]
     q = np.empty((rows, 2 * packed.shape[1]), dtype=np.float32)
@@ -139,7 +139,7 @@ def _dequantize_rows_of(w: QuantWeight, data: np.ndarray, scales: np.ndarray | N
     if w.fmt is WeightFormat.Q8:
         q = data.astype(np.float32)
     elif w.fmt is WeightFormat.Q4:
-        q = _unpack_nibbles(data, w.in_features)
+        q = unpack_nibbles(data, w.in_features)
     else:
         raise ValueError(f"cannot dequantise {w.fmt}")
     return q * _expand_scales(w, scales)

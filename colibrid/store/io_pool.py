@@ -209,10 +209,15 @@ class IOPool:
             self._busy_s += time.perf_counter() - t0
             return
         with self._cv:
-            self._seq += 1
-            self._queued[tag] = (priority, self._seq, reads, target)
-            heapq.heappush(self._heap, (priority, self._seq, tag))
-            self._cv.notify()
+            self._enqueue(tag, priority, reads, target)
+
+    def _enqueue(self, tag: int, priority: int, reads: Sequence[Read],
+                 target: memoryview) -> None:
+        """Queue (or re-queue: the older heap entry goes stale) a read; holds the lock."""
+        self._seq += 1
+        self._queued[tag] = (priority, self._seq, reads, target)
+        heapq.heappush(self._heap, (priority, self._seq, tag))
+        self._cv.notify()
 
     def busy_seconds(self) -> float:
         """Total wall time during which at least one read was running: what achieved
@@ -227,16 +232,12 @@ class IOPool:
             return self._queued.pop(tag, None) is not None
 
     def promote(self, tag: int) -> None:
-        """Move a queued background read ahead of the other background reads (no-op once a
-        worker has taken it)."""
+        """Make a queued background read a demand read (the layer now waits for it);
+        no-op once a worker has taken it."""
         with self._cv:
             job = self._queued.get(tag)
-            if job is None or job[0] == DEMAND_READ:
-                return
-            self._seq += 1
-            self._queued[tag] = (DEMAND_READ, self._seq, job[2], job[3])
-            heapq.heappush(self._heap, (DEMAND_READ, self._seq, tag))
-            self._cv.notify()
+            if job is not None and job[0] != DEMAND_READ:
+                self._enqueue(tag, DEMAND_READ, job[2], job[3])
 
     def close(self) -> None:
         with self._cv:

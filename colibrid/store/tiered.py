@@ -77,7 +77,7 @@ class TieredStore:
         self.memwatch_note = "off"
         self.arena: SlabArena | None = None
         self._landed: list[int] = []  # slots whose prefetch read completed
-        self._delivery = None  # (generator, its waiting reads) of the layer being served
+        self._delivery = None  # (generator, waiting reads, owned slots) of the layer served
         self.pin_on_land: set[tuple[int, int]] = set()  # background REPIN reads in flight
         self._predictions: dict[int, set[int]] = {}  # PILOT's guess per layer, for recall
 
@@ -122,18 +122,14 @@ class TieredStore:
         """Load ``keys`` into pinned slots (parallel reads; waits for all)."""
         todo = [(int(la), int(e)) for la, e in keys if (la, e) not in self.pinned]
         for layer, expert in todo:
-            slot = self._cached_slot(layer, expert)
-            if slot is not None:  # already in the cache: move it, no read
-                del self.cache[layer][expert]
-                self.policies[layer].remove(expert)
-            else:
+            slot = self._uncache(layer, expert)  # already in the cache: move it, no read
+            if slot is None:
                 if len(self.free) <= self.work_slots + self.pilot_slots:
                     raise StoreError("no free slot to pin into (the rest are work slots)")
                 slot = self._take_slot()
                 self._read(slot, layer, expert, DEMAND)
                 self._wait_slot(slot)
-            self.state[slot] = PINNED
-            self.pinned[(layer, expert)] = slot
+            self._settle_pin((layer, expert), slot)
 
     def unpin(self, key: tuple[int, int]) -> None:
         """Move a pinned expert into its layer's cache (or free it when there is no room)."""
@@ -149,8 +145,13 @@ class TieredStore:
         self.slot_key[slot] = None
         self.free.append(slot)
 
-    def _cached_slot(self, layer: int, expert: int) -> int | None:
-        return self.cache[layer].get(expert)
+    def _uncache(self, layer: int, expert: int) -> int | None:
+        """Take ``expert`` out of its layer's cache; its slot, or None if not cached."""
+        slot = self.cache[layer].pop(expert, None)
+        if slot is not None:
+            self.policies[layer].remove(expert)
+            self.prefetched.discard((layer, expert))
+        return slot
 
     def _read(self, slot: int, layer: int, expert: int, kind: int) -> None:
         ext = self.extents[layer][expert]
@@ -242,10 +243,7 @@ class TieredStore:
         return True
 
     def _evict(self, layer: int, expert: int) -> None:
-        slot = self.cache[layer].pop(expert)
-        self.policies[layer].remove(expert)
-        self.prefetched.discard((layer, expert))
-        self._release(slot)
+        self._release(self._uncache(layer, expert))
 
     def _finish_held(self) -> None:
         held, self._held = self._held, []
@@ -396,7 +394,12 @@ class TieredStore:
         delivery, waiting, owned = self._delivery
         self._delivery = None
         delivery.close()  # runs its clean-up when it had started
-        for slot in owned:  # it never started: clean up here
+        self._drop_unused(waiting, owned)  # a no-op then; else it never started
+
+    def _drop_unused(self, waiting: dict[int, int], owned: set[int]) -> None:
+        """Free the slots of a delivery that ends early: unused landed guesses at once,
+        reads still in flight once they land (a slot must not be reused mid-read)."""
+        for slot in owned:
             self._release(slot)
         owned.clear()
         while waiting:
@@ -436,14 +439,7 @@ class TieredStore:
                 if pending and not waiting:
                     raise StoreError(f"layer {layer}: no slot free for {len(pending)} reads")
         finally:
-            for slot in owned:  # abandoned before use: those slots go back
-                self._release(slot)
-            owned.clear()
-            while waiting:  # abandoned (exception or early close): let reads land first
-                slot = self._pump_quiet()
-                if slot in waiting:
-                    waiting.pop(slot)
-                    self._release(slot)
+            self._drop_unused(waiting, owned)  # empty unless abandoned (exception, close)
 
     def _done_with(self, layer: int, e: int, slot: int, need: set[int], streaming: bool) -> None:
         """A slot this layer read (or PILOT read for it) has been used: keep it in a tier
@@ -522,10 +518,8 @@ class TieredStore:
         self.unpin(cold)
         layer, expert = hot
         log.info("colibri: repin layer %d: expert %d -> %d", layer, cold[1], expert)
-        slot = self.cache[layer].pop(expert, None)
+        slot = self._uncache(layer, expert)
         if slot is not None:
-            self.policies[layer].remove(expert)
-            self.prefetched.discard(hot)
             self._settle_pin(hot, slot)
             return
         self.pin_on_land.add(hot)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
-from colibrid.convert.quant import dequantize
+from colibrid.convert.quant import dequantize, pack_nibbles, unpack_nibbles
 from colibrid.models.base import Ops
 
 
@@ -69,35 +69,15 @@ def _take_rows(w: QuantWeight, rows: np.ndarray) -> QuantWeight:
 
 
 def _transpose_keys(wk: QuantWeight, heads: int, nope: int, c: int) -> KeyAbsorb:
-    if wk.fmt in (WeightFormat.F32, WeightFormat.BF16):
-        data = wk.data.reshape(heads, nope, c).transpose(0, 2, 1).reshape(heads * c, nope)
-        return KeyAbsorb(QuantWeight(wk.fmt, (heads * c, nope), np.ascontiguousarray(data)),
-                         None, heads, 1)
-    if wk.fmt == WeightFormat.Q8:
-        codes = wk.data
-        scales = wk.scales.reshape(heads, nope, 1)
-    else:  # Q4: stored codes are q + 8, even element in the low nibble
-        codes = _unpack_q4(wk.data, c)
-        scales = wk.scales.reshape(heads, nope, -1)
-    groups = scales.shape[2]
-    t = codes.reshape(heads, nope, c).transpose(0, 2, 1).reshape(heads * c, nope)
-    ones = np.ones(heads * c, dtype=np.float32)
-    if wk.fmt == WeightFormat.Q8:
-        weight = QuantWeight(WeightFormat.Q8, (heads * c, nope), np.ascontiguousarray(t), ones)
-    else:
-        weight = QuantWeight(WeightFormat.Q4, (heads * c, nope), _pack_q4(t), ones)
+    q4 = wk.fmt == WeightFormat.Q4
+    codes = unpack_nibbles(wk.data, c).astype(np.int8) if q4 else wk.data  # [H * N, C]
+    t = np.ascontiguousarray(codes.reshape(heads, nope, c).transpose(0, 2, 1)
+                             .reshape(heads * c, nope))
+    shape = (heads * c, nope)
+    if wk.scales is None:  # F32 / BF16: nothing to move onto the query
+        return KeyAbsorb(QuantWeight(wk.fmt, shape, t), None, heads, 1)
+    scales = wk.scales.reshape(heads, nope, -1)  # one group per row unless grouped Q4
+    weight = QuantWeight(wk.fmt, shape, pack_nibbles(t) if q4 else t,
+                         np.ones(heads * c, dtype=np.float32))
     block_scales = np.ascontiguousarray(scales.transpose(0, 2, 1), dtype=np.float32)
-    return KeyAbsorb(weight, block_scales, heads, groups)
-
-
-def _unpack_q4(data: np.ndarray, cols: int) -> np.ndarray:
-    out = np.empty((data.shape[0], data.shape[1] * 2), dtype=np.uint8)
-    out[:, 0::2] = data & 0x0F
-    out[:, 1::2] = data >> 4
-    return out[:, :cols]
-
-
-def _pack_q4(codes: np.ndarray) -> np.ndarray:
-    if codes.shape[1] % 2:  # pad with code 8 (the value zero)
-        codes = np.concatenate([codes, np.full((codes.shape[0], 1), 8, np.uint8)], axis=1)
-    return np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
+    return KeyAbsorb(weight, block_scales, heads, scales.shape[2])
