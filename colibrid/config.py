@@ -31,7 +31,8 @@ class Settings:
     socket: str | None = None  # socket path; default $COLIBRI_HOME/run/colibrid.sock
     max_queue: int = 16  # requests waiting beyond the active ones; more answers BUSY
     max_active: int = 4  # requests decoding at once (interleaved token by token)
-    max_conversations: int = 8  # conversations whose KV cache is kept for the next turn
+    max_conversations: int = 8  # sessions whose KV is kept for the next turn / prompt
+    prompt_cache: bool = True  # reuse the KV of earlier prompts for requests with no `conv`
     max_context: int | None = None  # context length (default: the engine's)
     shutdown_grace_s: float = 10.0  # how long `stop` lets running requests finish
     profile: str = "default"  # active usage profile at start

@@ -91,6 +91,7 @@ async def serve(settings: Settings, paths: Paths, model_dir: Path,
     engine, codec = await trio.to_thread.run_sync(load_model, model_dir, settings)
     book = make_profiles(paths, settings, engine, name)
     host = EngineHost(engine, codec, max_conversations=settings.max_conversations,
+                      prompt_cache=settings.prompt_cache,
                       layer_delay_s=settings.debug_layer_delay_s, usage=book)
     stopping = trio.Event()
     try:

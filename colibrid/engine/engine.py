@@ -26,6 +26,7 @@ from colibrid.store.experts import ExpertLayout
 from colibrid.store.options import StoreOptions, allocate_store, open_store
 
 DEFAULT_MAX_CONTEXT = 4096
+PROMPT_LOGITS_KEPT = 2  # prompt ends remembered per session (a vocabulary of floats each)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Engine:
         self.family = family
         self.max_context = max_context
         self.info = info
+        # The KV share of the memory budget (one sequence at the full context): what kept
+        # sessions may hold between requests (engine.sessions.SessionPool).
+        self.kv_budget_bytes: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -79,9 +83,9 @@ class Engine:
         model = module.build(args, checkpoint, experts, ops)
         limit = args.trunk.max_position_embeddings
         context = min(max_context or DEFAULT_MAX_CONTEXT, limit)
+        kv = sum(int(np.prod(shape)) * 4 * context
+                 for layout in model.cache_layouts() for shape in layout.values())
         if hasattr(experts, "allocate"):
-            kv = sum(int(np.prod(shape)) * 4 * context
-                     for layout in model.cache_layouts() for shape in layout.values())
             allocate_store(experts, store_opts, kv_bytes=kv)
             if pilot_wanted(store_opts.pilot, experts):
                 from colibrid.engine.pilot import attach
@@ -89,7 +93,9 @@ class Engine:
                 attach(model, experts)
         info = LoadInfo(str(model_type), args.trunk.num_hidden_layers,
                         time.perf_counter() - started)
-        return cls(checkpoint, model, args, experts, family, context, info)
+        engine = cls(checkpoint, model, args, experts, family, context, info)
+        engine.kv_budget_bytes = kv
+        return engine
 
     def new_session(self) -> Session:
         return Session(self)
@@ -130,10 +136,14 @@ def expert_layout(args: Any, checkpoint: Checkpoint) -> ExpertLayout:
 class Session:
     """One sequence: its KV cache and position. Not thread-safe; one engine thread uses it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, cache: KVCache | None = None,
+                 tokens: Sequence[int] = ()) -> None:
         self.engine = engine
-        self.cache = KVCache(engine.model.cache_layouts(), engine.max_context)
-        self.tokens: list[int] = []  # what the KV cache holds, for prefix reuse
+        self.cache = cache or KVCache(engine.model.cache_layouts(), engine.max_context)
+        self.tokens: list[int] = list(tokens)  # what the KV cache holds, for prefix reuse
+        # Logits at the end of recent prompts, by length: a repeated prompt is answered
+        # from them, so it samples from exactly the numbers its first run did.
+        self._prompt_logits: dict[int, np.ndarray] = {}
 
     @property
     def length(self) -> int:
@@ -159,6 +169,27 @@ class Session:
         """Forget everything after the first `length` tokens (prefix reuse, cancelled turns)."""
         self.cache.truncate(length)
         del self.tokens[length:]
+        self._prompt_logits = {n: v for n, v in self._prompt_logits.items() if n <= length}
+
+    def fork(self, length: int) -> Session:
+        """A new session holding a copy of this one's first `length` tokens (their KV);
+        this one is left as it is."""
+        return Session(self.engine, self.cache.copy_prefix(length), self.tokens[:length])
+
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes()
+
+    def remember_logits(self, length: int, logits: np.ndarray) -> None:
+        """Keep the logits after the first `length` tokens (the end of a prompt)."""
+        self._prompt_logits[length] = np.array(logits, copy=True)
+        while len(self._prompt_logits) > PROMPT_LOGITS_KEPT:
+            del self._prompt_logits[min(self._prompt_logits)]
+
+    def logits_at(self, length: int) -> np.ndarray | None:
+        """The remembered logits after exactly `length` held tokens, if any."""
+        if length > self.length:
+            return None
+        return self._prompt_logits.get(length)
 
     def common_prefix(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens of `token_ids` the cache already holds."""

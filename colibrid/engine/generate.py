@@ -31,6 +31,8 @@ class SessionLike(Protocol):
     def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray: ...
     def common_prefix(self, token_ids: Sequence[int]) -> int: ...
     def truncate(self, length: int) -> None: ...
+    def remember_logits(self, length: int, logits: np.ndarray) -> None: ...
+    def logits_at(self, length: int) -> np.ndarray | None: ...
 
 
 class EngineLike(Protocol):
@@ -160,7 +162,9 @@ def generate(
     """Yield a TokenEvent per generated token, then one DoneEvent.
 
     With `session` (a conversation kept by the caller), the KV cache of the longest common
-    prefix of its tokens and the prompt is reused and only the rest is prefilled.
+    prefix of its tokens and the prompt is reused and only the rest is prefilled; a prompt
+    the session has seen whole is answered from the logits remembered then, so a repeated
+    request (same seed) repeats its answer exactly.
 
     A stop token ends generation; it gets a TokenEvent whose text is only what was still
     held back (never the stop token's own text). Text cut by a stop string stops at the
@@ -176,6 +180,16 @@ def generate(
     matcher = StopStringMatcher(params.stop)
     return _run(engine, ids, budget, sampler, stop_token_ids, detokenizer, matcher, cancel,
                 session)
+
+
+def reusable_prefix(session: SessionLike, ids: Sequence[int]) -> int:
+    """How many leading tokens of the prompt `ids` need no prefill in `session`: the
+    common prefix, less the last prompt token unless the logits after the whole prompt
+    are remembered (a repeated prompt)."""
+    held = session.common_prefix(ids)
+    if held == len(ids) and session.logits_at(held) is not None:
+        return held
+    return min(held, len(ids) - 1)
 
 
 def _run(
@@ -202,14 +216,19 @@ def _run(
         return
     if session is None:
         session = engine.new_session()
-    reuse = min(session.common_prefix(ids), len(ids) - 1)  # recompute >= 1 token for logits
+    reuse = reusable_prefix(session, ids)
     session.truncate(reuse)
     t0 = time.perf_counter()
-    try:
-        logits = session.prefill(ids[reuse:], cancel=cancel)
-    except Cancelled:
-        yield done("cancelled")
-        return
+    if reuse == len(ids):  # the same prompt again: its logits are remembered
+        logits = session.logits_at(reuse)
+        assert logits is not None
+    else:
+        try:
+            logits = session.prefill(ids[reuse:], cancel=cancel)
+        except Cancelled:
+            yield done("cancelled")
+            return
+        session.remember_logits(len(ids), logits)
     prefill_s = time.perf_counter() - t0
     while True:
         token = sampler.sample(logits)

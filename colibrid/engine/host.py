@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from colibrid.engine.generate import DoneEvent, generate
+from colibrid.engine.generate import DoneEvent, generate, reusable_prefix
+from colibrid.engine.sessions import SessionKey, SessionPool
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
 from colibrid.errors import ColibriError, RequestError
 from colibrid.serve.events import Accepted, Done, Event, Failed, Token
@@ -55,7 +55,7 @@ class Job:
     stop: threading.Event = field(default_factory=threading.Event)
     on_finish: Callable[[], None] = lambda: None
     gen: Iterator[Any] | None = None
-    conv_key: tuple[int, str] | None = None
+    session_key: SessionKey | None = None
     cached: int = 0
 
 
@@ -76,14 +76,15 @@ class UsageSink:
 
 class EngineHost:
     def __init__(self, engine: Any, codec: TextCodec | None, *, max_conversations: int = 8,
-                 layer_delay_s: float = 0.0, usage: UsageSink | None = None) -> None:
+                 prompt_cache: bool = True, layer_delay_s: float = 0.0,
+                 usage: UsageSink | None = None) -> None:
         self.engine = engine
         self.codec = codec
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._active: list[Job] = []
-        self._sessions: OrderedDict[tuple[int, str], Any] = OrderedDict()
-        self._busy_convs: set[tuple[int, str]] = set()
-        self._max_conversations = max_conversations
+        self._sessions = SessionPool(engine.new_session, max_sessions=max_conversations,
+                                     max_kv_bytes=getattr(engine, "kv_budget_bytes", None),
+                                     prompt_cache=prompt_cache)
         self._layer_delay_s = layer_delay_s
         self._usage = usage or UsageSink()
         self._done = 0
@@ -144,9 +145,7 @@ class EngineHost:
         if isinstance(item, Job):
             self._begin(item)
         elif isinstance(item, tuple) and item[0] == "forget":
-            for key in [k for k in self._sessions if k[0] == item[1]]:
-                if key not in self._busy_convs:
-                    del self._sessions[key]
+            self._sessions.forget_client(item[1])
         else:
             try:
                 item()
@@ -168,8 +167,9 @@ class EngineHost:
         """Bookkeeping first, so a client that sees the end also sees the engine free."""
         if job in self._active:
             self._active.remove(job)
-        if job.conv_key is not None:
-            self._busy_convs.discard(job.conv_key)
+        if job.session_key is not None:
+            self._sessions.checkin(job.session_key)
+            job.session_key = None
         self._done += 1
         try:
             trio.from_thread.run_sync(job.on_finish)
@@ -180,13 +180,14 @@ class EngineHost:
     def _begin(self, job: Job) -> None:
         try:
             ids = self._tokenize(job.request)
-            session = self._session_for(job)
             if not ids:
                 raise RequestError("the prompt renders to no tokens", code="EMPTY_PROMPT")
             if len(ids) >= self.engine.max_context:
                 raise RequestError(f"{len(ids)} {self.engine.max_context}: the prompt leaves no "
                                    "room for a generated token", code="CONTEXT_EXCEEDED")
-            job.cached = min(session.common_prefix(ids), len(ids) - 1)
+            job.session_key, session = self._sessions.checkout(
+                job.request.client, job.request.conv, ids)
+            job.cached = reusable_prefix(session, ids)
             detok = StreamingDetokenizer(self.codec) if self.codec else None
             stops = self.codec.stop_token_ids if self.codec else frozenset()
             job.gen = generate(self.engine, ids, job.request.params, stop_token_ids=stops,
@@ -208,24 +209,6 @@ class EngineHost:
             return self.codec.encode_chat(list(req.messages), add_generation_prompt=True,
                                           tools=list(req.tools) if req.tools else None)
         return self.codec.encode(req.prompt or "", add_special_tokens=True)
-
-    def _session_for(self, job: Job) -> Any:
-        conv = job.request.conv
-        if conv is None:
-            return self.engine.new_session()
-        key = (job.request.client, conv)
-        if key in self._busy_convs:
-            raise RequestError(f"conversation {conv!r} has a request running", code="CONV_BUSY")
-        session = self._sessions.pop(key, None) or self.engine.new_session()
-        self._sessions[key] = session  # most recently used last
-        while len(self._sessions) > self._max_conversations:
-            oldest = next((k for k in self._sessions if k not in self._busy_convs), None)
-            if oldest is None or oldest == key:
-                break
-            del self._sessions[oldest]
-        self._busy_convs.add(key)
-        job.conv_key = key
-        return session
 
     def _step(self, job: Job) -> None:
         counts = getattr(self.engine.experts, "counts", None)

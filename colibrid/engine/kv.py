@@ -6,7 +6,8 @@ token per layer on GLM-5; DSA full layers add the indexer key). Storage grows by
 up to the context limit, so a short chat does not pay for a 200k-token reservation.
 
 A forward writes rows [length, length + S) in every layer and then `advance(S)` commits
-them; `truncate(n)` drops a suffix (prefix reuse, rejected drafts).
+them; `truncate(n)` drops a suffix (prefix reuse, rejected drafts); `copy_prefix(n)`
+starts another sequence from a shared prefix.
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         self.length = n
+
+    def copy_prefix(self, n: int) -> KVCache:
+        """A new cache holding a copy of the first ``n`` positions (a shared prompt prefix
+        reused by another sequence while this one stays as it is)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot copy {n} positions of a cache of {self.length}")
+        copy = KVCache(self.layouts, self.max_tokens, initial_tokens=max(n, 1))
+        for mine, theirs in zip(self._arrays, copy._arrays, strict=True):
+            for name, array in mine.items():
+                theirs[name][:n] = array[:n]
+        copy.length = n
+        return copy
 
     def nbytes(self) -> int:
         return sum(a.nbytes for layer in self._arrays for a in layer.values())

@@ -64,6 +64,13 @@ class FakeSession:
     def truncate(self, length: int) -> None:
         del self.ids[length:]
 
+    def remember_logits(self, length: int, logits: np.ndarray) -> None:
+        self.remembered = (length, logits)
+
+    def logits_at(self, length: int) -> np.ndarray | None:
+        kept = getattr(self, "remembered", None)
+        return kept[1] if kept is not None and kept[0] == length <= self.length else None
+
 
 class FakeEngine:
     """Next-token logits are a pure function of the context, so runs are reproducible."""

@@ -59,6 +59,23 @@ def test_chat_non_streaming_and_length(oai) -> None:
     assert isinstance(r.choices[0].message.content, str)
     r2 = chat(oai, max_completion_tokens=6)
     assert r2.choices[0].message.content == r.choices[0].message.content
+    # the same prompt again is answered from the prompt cache, nothing prefilled
+    assert r2.usage.prompt_tokens_details.cached_tokens == r2.usage.prompt_tokens
+
+
+def test_next_turn_reuses_the_conversation_kv(oai) -> None:
+    question = [{"role": "user", "content": "Name a large river."}]
+    first = oai.chat.completions.create(model=MODEL, messages=question, max_tokens=5,
+                                        temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    turn2 = question + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And another one?"}]
+    second = oai.chat.completions.create(model=MODEL, messages=turn2, max_tokens=5,
+                                         temperature=0)
+    # everything up to the first answer's start is reused (the template renders the
+    # answer's turn header differently from the generation prompt's)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens - 4 <= cached < second.usage.prompt_tokens
 
 
 def test_chat_streaming_equals_non_streaming(oai) -> None:

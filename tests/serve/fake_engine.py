@@ -93,6 +93,17 @@ class FakeSession:
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
 
+    def fork(self, length: int) -> FakeSession:
+        copy = FakeSession(self.engine)
+        copy.tokens = self.tokens[:length]
+        return copy
+
+    def remember_logits(self, length: int, logits: np.ndarray) -> None:
+        pass  # every logits vector here is a function of the last token: nothing to keep
+
+    def logits_at(self, length: int) -> np.ndarray | None:
+        return None
+
 
 class FakeEngine:
     def __init__(self, *, max_context: int = 512, layer_delay_s: float = 0.0) -> None:

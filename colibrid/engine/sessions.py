@@ -1,0 +1,116 @@
+"""Kept KV sessions: named conversations and the anonymous prompt cache, within a budget.
+
+Why: chat clients (the HTTP API, `colibri repl`) resend the whole conversation every
+turn, and agents resend the same long system prompt with every request. On a model whose
+experts stream from disk, prefilling that again costs far more than the answer, so the KV
+of finished requests is kept and the next request prefills only what is new.
+
+- A named conversation (the SERVE `conv` field) gets its own session back; its first turn
+  starts from the prompt cache like an anonymous request.
+- A request without one takes the idle anonymous session that shares the longest prefix
+  with its prompt. When the prompt continues that session (it shares all but at most
+  `TAKEOVER_SLACK` of its tokens: the next turn of a chat), the request takes it over;
+  when it shares only a beginning (the same system prompt, another question) it gets a
+  copy of that beginning's KV, and the other session stays cached for its own next turn.
+- Idle sessions are dropped least recently used first beyond `max_sessions`, and while
+  their KV exceeds `max_kv_bytes` (the KV share of the memory budget), so kept KV never
+  takes memory the budget gave to something else.
+
+Reused KV is the same cache a cold run would have built, computed in other batches, so a
+continued prompt can differ from a cold run in the last bits of its logits; a prompt seen
+whole before is answered from its remembered logits and repeats exactly (`generate`).
+`prompt_cache=False` keeps only named conversations (every other request starts cold).
+Engine thread only: nothing here locks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from colibrid.errors import RequestError
+
+TAKEOVER_SLACK = 64  # tokens a continuing prompt may drop from the end of a kept session
+
+# (client, conversation name) for a named conversation, (None, serial) for the prompt cache
+SessionKey = tuple[int | None, str | int]
+
+
+class SessionPool:
+    def __init__(self, new_session: Callable[[], Any], *, max_sessions: int,
+                 max_kv_bytes: int | None = None, prompt_cache: bool = True) -> None:
+        self._new = new_session
+        self.max_sessions = max(0, max_sessions)
+        self.max_kv_bytes = max_kv_bytes
+        self.prompt_cache = prompt_cache
+        self._idle: OrderedDict[SessionKey, Any] = OrderedDict()  # least recently used first
+        self._busy: dict[SessionKey, Any] = {}
+        self._dropped: set[SessionKey] = set()  # busy sessions of clients that left
+        self._serial = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._idle) + len(self._busy)
+
+    def kept_kv_bytes(self) -> int:
+        return sum(_kv_bytes(s) for s in self._idle.values())
+
+    def checkout(self, client: int, conv: str | None, ids: Sequence[int]
+                 ) -> tuple[SessionKey, Any]:
+        """The session a request runs in (busy until `checkin`)."""
+        if conv is not None:
+            key: SessionKey = (client, conv)
+            if key in self._busy:
+                raise RequestError(f"conversation {conv!r} has a request running",
+                                   code="CONV_BUSY")
+            session = self._idle.pop(key, None) or self._from_prompt_cache(ids)
+        else:
+            key = (None, next(self._serial))
+            session = self._from_prompt_cache(ids)
+        self._busy[key] = session
+        return key, session
+
+    def _from_prompt_cache(self, ids: Sequence[int]) -> Any:
+        """A session for `ids` starting from the anonymous one sharing the longest prefix:
+        taken over when `ids` continues it, else a copy of the shared beginning."""
+        best, shared = None, 0
+        if self.prompt_cache:
+            for key, session in self._idle.items():
+                if key[0] is None and (n := session.common_prefix(ids)) > shared:
+                    best, shared = key, n
+        if best is None:
+            return self._new()
+        session = self._idle[best]
+        if len(session.tokens) - shared <= TAKEOVER_SLACK:
+            del self._idle[best]
+            return session
+        return session.fork(shared)
+
+    def checkin(self, key: SessionKey) -> None:
+        """The request ended: keep its session for the next one (or drop it)."""
+        session = self._busy.pop(key, None)
+        if session is None:
+            return
+        if key in self._dropped:
+            self._dropped.discard(key)
+            return
+        if (key[0] is not None or self.prompt_cache) and session.tokens:
+            self._idle[key] = session
+            self._trim()
+
+    def forget_client(self, client: int) -> None:
+        """A connection closed: its conversations are not coming back."""
+        for key in [k for k in self._idle if k[0] == client]:
+            del self._idle[key]
+        self._dropped.update(k for k in self._busy if k[0] == client)
+
+    def _trim(self) -> None:
+        while self._idle and (len(self) > self.max_sessions or (
+                self.max_kv_bytes is not None and self.kept_kv_bytes() > self.max_kv_bytes)):
+            self._idle.popitem(last=False)
+
+
+def _kv_bytes(session: Any) -> int:
+    measure = getattr(session, "kv_bytes", None)
+    return int(measure()) if measure is not None else 0

@@ -1,0 +1,120 @@
+"""Kept sessions on a real tiny engine: the prompt cache reuses exactly the KV a request
+shares with an earlier one, a copied prefix computes what the original would, a repeated
+prompt repeats its answer bit for bit, and kept KV stays within its budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibrid.engine.engine import Engine
+from colibrid.engine.generate import DoneEvent, TokenEvent, generate, reusable_prefix
+from colibrid.engine.sampling import SamplingParams
+from colibrid.engine.sessions import TAKEOVER_SLACK, SessionPool
+from colibrid.errors import RequestError
+
+SYSTEM = list(range(5, 45))  # a shared "system prompt"
+
+
+@pytest.fixture(scope="module", params=["glm4_moe", "glm_moe_dsa"])
+def engine(request, oracle_checkpoint) -> Engine:
+    eng = Engine.load(oracle_checkpoint(request.param).out_dir, max_context=512)
+    yield eng
+    eng.close()
+
+
+def run(engine: Engine, session, ids: list[int], **params) -> tuple[list[int], DoneEvent]:
+    events = list(generate(engine, ids, SamplingParams(**{"max_tokens": 6, **params}),
+                           session=session))
+    return [e.token_id for e in events if isinstance(e, TokenEvent)], events[-1]
+
+
+def test_fork_copies_exactly_the_shared_kv(engine: Engine) -> None:
+    original = engine.new_session()
+    original.prefill(SYSTEM + [50, 51, 52])
+    copy = original.fork(len(SYSTEM))
+    assert copy.tokens == SYSTEM and copy.length == len(SYSTEM)
+    assert original.length == len(SYSTEM) + 3  # the original is left as it was
+    # the same continuation from the copy and from the original (cut back) is bit-identical
+    from_copy = copy.prefill([60, 61])
+    original.truncate(len(SYSTEM))
+    assert np.array_equal(from_copy, original.prefill([60, 61]))
+
+
+def test_repeated_prompt_repeats_exactly_without_prefill(engine: Engine) -> None:
+    pool = SessionPool(engine.new_session, max_sessions=4)
+    ids = SYSTEM + [70, 71]
+    key, session = pool.checkout(1, None, ids)
+    first, _ = run(engine, session, ids, temperature=1.0, seed=7)
+    pool.checkin(key)
+    key, session = pool.checkout(1, None, ids)
+    assert reusable_prefix(session, ids) == len(ids)  # nothing to prefill
+    held = session.length
+    again, done = run(engine, session, ids, temperature=1.0, seed=7)
+    assert again == first
+    assert done.stats.prefill_s < 0.01 and session.length == held - len(first) + len(again)
+
+
+def test_next_turn_takes_the_session_over(engine: Engine) -> None:
+    pool = SessionPool(engine.new_session, max_sessions=4)
+    turn1 = SYSTEM + [80, 81]
+    key1, s1 = pool.checkout(1, None, turn1)
+    answer, _ = run(engine, s1, turn1)
+    pool.checkin(key1)
+    # the next turn resends turn 1 and its answer: it continues the same session
+    turn2 = turn1 + answer + [90]
+    key2, s2 = pool.checkout(2, None, turn2)
+    assert s2 is s1 and reusable_prefix(s2, turn2) == len(turn1) + len(answer) - 1
+    again, _ = run(engine, s2, turn2)
+    pool.checkin(key2)
+    assert len(pool) == 1 and s1.tokens[:len(turn2)] == turn2
+
+
+def test_long_tail_is_copied_not_taken_over(engine: Engine) -> None:
+    pool = SessionPool(engine.new_session, max_sessions=4)
+    long = SYSTEM + list(range(100, 100 + TAKEOVER_SLACK + 10))
+    key, s = pool.checkout(1, None, long)
+    s.prefill(long)
+    pool.checkin(key)
+    key2, s2 = pool.checkout(1, None, SYSTEM + [7])
+    assert s2 is not s and s2.tokens == SYSTEM and s.tokens == long
+    pool.checkin(key2)
+    assert len(pool) == 2
+
+
+def test_named_conversations_busy_and_forgotten(engine: Engine) -> None:
+    pool = SessionPool(engine.new_session, max_sessions=4)
+    key, s = pool.checkout(1, "chat", [5, 6])
+    with pytest.raises(RequestError) as err:
+        pool.checkout(1, "chat", [5, 6])
+    assert err.value.code == "CONV_BUSY"
+    s.prefill([5, 6])
+    pool.forget_client(1)  # the connection closed while its request ran
+    pool.checkin(key)
+    assert len(pool) == 0
+    key, s = pool.checkout(2, "chat", [5, 6])
+    assert s.length == 0  # a new client's conversation of the same name starts afresh
+
+
+def test_kept_kv_stays_within_budget_and_can_be_off(engine: Engine) -> None:
+    one = engine.new_session()
+    one.prefill([5, 6])
+    budget = one.kv_bytes()  # room for one kept session
+    pool = SessionPool(engine.new_session, max_sessions=8, max_kv_bytes=budget)
+    for i in range(3):
+        key, s = pool.checkout(1, None, [200 + i, 7])
+        s.prefill([200 + i, 7])
+        pool.checkin(key)
+        assert pool.kept_kv_bytes() <= budget and len(pool) == 1
+    key, s = pool.checkout(1, None, [202, 7, 8])  # the newest is the one kept
+    assert reusable_prefix(s, [202, 7, 8]) == 2
+    pool.checkin(key)
+    off = SessionPool(engine.new_session, max_sessions=8, prompt_cache=False)
+    key, s = off.checkout(1, None, [5, 6])
+    s.prefill([5, 6])
+    off.checkin(key)
+    assert len(off) == 0
+    key, s = off.checkout(1, "named", [5, 6])
+    s.prefill([5, 6])
+    off.checkin(key)
+    assert len(off) == 1  # named conversations are kept either way
