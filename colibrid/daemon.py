@@ -31,7 +31,7 @@ from colibrid.config import Settings, store_options
 from colibrid.engine.host import EngineHost
 from colibrid.http.app import parse_bind, serve_http
 from colibrid.paths import Paths
-from colibrid.serve.profiles import ProfileBook, engine_id, pin_target
+from colibrid.serve.profiles import ProfileBook, pin_target
 from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
 from colibrid.serve.socket_server import serve_socket
@@ -55,7 +55,7 @@ def make_profiles(paths: Paths, settings: Settings, engine: object, name: str) -
     store = engine.experts  # type: ignore[attr-defined]
     total = len(store.layers) * store.layout.n_experts
     model_type = engine.info.model_type  # type: ignore[attr-defined]
-    return ProfileBook(paths.profiles / name, tuple(store.counts.shape), engine_id(model_type),
+    return ProfileBook(paths.profiles / name, tuple(store.counts.shape), model_type,
                        settings.profile, pin_target(store), int(total * settings.pin_fraction))
 
 

@@ -20,11 +20,9 @@ import numpy as np
 
 from colibrid.errors import ColibriError
 from colibrid.paths import atomic_write
-from colibrid.store.usage import engine_id_hash
+from colibrid.store.usage import parse_counts, usage_text
 
 log = logging.getLogger("colibrid.profiles")
-
-FORMAT_VERSION = 1
 
 
 class ProfileError(ColibriError):
@@ -92,40 +90,18 @@ def choose_pins(counts: np.ndarray, budget: int) -> list[tuple[int, int]]:
     return [(int(i) // n_experts, int(i) % n_experts) for i in order if flat[i] > 0]
 
 
-def engine_id(model_type: str) -> str:
-    """Upstream's `-2` header value (FNV-1a of the model type), so histories interchange."""
-    return str(engine_id_hash(model_type))
-
-
-def write_usage(path: Path, counts: np.ndarray, ident: str) -> None:
-    lines = [f"-1 {counts.shape[0]} {counts.shape[1]}", f"-2 {FORMAT_VERSION} {ident}"]
-    lines += [f"{layer} {expert} {int(counts[layer, expert])}"
-              for layer, expert in zip(*np.nonzero(counts), strict=True)]
-    atomic_write(path, "\n".join(lines) + "\n")
-
-
-def read_usage(path: Path, shape: tuple[int, int]) -> np.ndarray:
-    """Counts from a `.coli_usage` file; lines outside `shape` or malformed are skipped."""
-    counts = np.zeros(shape, dtype=np.int64)
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        fields = line.split()
-        if len(fields) != 3:
-            continue
-        try:
-            layer, expert, count = (int(f) for f in fields)
-        except ValueError:
-            continue
-        if 0 <= layer < shape[0] and 0 <= expert < shape[1] and count > 0:
-            counts[layer, expert] = count
-    return counts
+def read_profile(path: Path, shape: tuple[int, int], model_type: str) -> np.ndarray:
+    """Counts of a saved profile; unreadable lines are skipped (logged), never fatal."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    return parse_counts(text, path, shape, model_type, lenient=True)
 
 
 class ProfileBook:
-    def __init__(self, directory: Path, shape: tuple[int, int], ident: str, active: str,
-                 pins: PinTarget, pin_budget: int) -> None:
+    def __init__(self, directory: Path, shape: tuple[int, int], model_type: str,
+                 active: str, pins: PinTarget, pin_budget: int) -> None:
         self.directory = directory
         self.shape = shape
-        self.ident = ident
+        self.model_type = model_type
         self.active = active
         self.pins = pins
         self.pin_budget = pin_budget
@@ -136,8 +112,8 @@ class ProfileBook:
         counts = self._counts.get(name)
         if counts is None:
             path = self.path(name)
-            counts = read_usage(path, self.shape) if path.is_file() else np.zeros(
-                self.shape, dtype=np.int64)
+            counts = (read_profile(path, self.shape, self.model_type) if path.is_file()
+                      else np.zeros(self.shape, dtype=np.int64))
             self._counts[name] = counts
         return counts
 
@@ -173,7 +149,7 @@ class ProfileBook:
             if source is not None and source != name:
                 self._counts[name] = self._get(source).copy()
             counts = self._get(name).copy()
-        write_usage(self.path(name), counts, self.ident)
+        atomic_write(self.path(name), usage_text(counts, self.model_type))
         return self.path(name)
 
     def save_all(self) -> None:

@@ -15,6 +15,7 @@ leaves either the old or the new file, never a torn one.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ import numpy as np
 
 from colibrid.errors import ColibriError
 from colibrid.paths import atomic_write
+
+log = logging.getLogger("colibri.store")
 
 FORMAT_VERSION = 1
 MAX_LINES = 10_000_000
@@ -117,29 +120,8 @@ class UsageProfile:
             return 0
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{path}: cannot read usage profile ({exc})") from None
-        added = np.zeros_like(self.counts)
-        for n, line in enumerate(text.splitlines()[:MAX_LINES], 1):
-            if not line.strip():
-                continue
-            parts = line.split()
-            try:
-                a, b, c = (int(p) for p in parts)
-            except ValueError:
-                raise UsageError(f"{path}:{n}: expected three integers, got {line[:60]!r}") \
-                    from None
-            if a == -1 and not trusted and (b, c) != (self.n_layers, self.n_experts):
-                raise UsageError(f"{path}: history is for {b} layers x {c} experts, this model "
-                                 f"has {self.n_layers} x {self.n_experts}")
-            if a == -2 and not trusted and self.model_type and \
-                    c != engine_id_hash(self.model_type):
-                raise UsageError(f"{path}: history belongs to another engine/model "
-                                 f"(id {c}, expected {engine_id_hash(self.model_type)} for "
-                                 f"{self.model_type})")
-            if a < 0:
-                continue
-            if not (a < self.n_layers and 0 <= b < self.n_experts and c >= 0):
-                raise UsageError(f"{path}:{n}: record {a} {b} {c} is outside this model")
-            added[a, b] += c
+        added = parse_counts(text, path, self.counts.shape, self.model_type,
+                             trusted=trusted)
         self.counts += added
         side = cooc_path(path)
         if self.cooc and side.is_file():
@@ -151,6 +133,48 @@ class UsageProfile:
             except (OSError, ValueError, KeyError):
                 pass  # the sidecar is a cache of nice-to-have statistics
         return int(added.sum())
+
+
+def parse_counts(text: str, where: Path, shape: tuple[int, ...], model_type: str = "", *,
+                 trusted: bool = False, lenient: bool = False) -> np.ndarray:
+    """Selection counts [layers, experts] from `.coli_usage` text (ours or upstream's).
+
+    Strict (the default): a malformed line, a record outside ``shape`` or, unless
+    ``trusted``, a header for another model raises UsageError naming the file and line.
+    Lenient (the daemon's own profiles, which must never stop a start): such lines are
+    skipped, and how many is logged.
+    """
+    n_layers, n_experts = shape
+    counts = np.zeros(shape, dtype=np.int64)
+    skipped = 0
+    for n, line in enumerate(text.splitlines()[:MAX_LINES], 1):
+        if not line.strip():
+            continue
+        try:
+            try:
+                a, b, c = (int(p) for p in line.split())
+            except ValueError:
+                raise UsageError(f"{where}:{n}: expected three integers, got "
+                                 f"{line[:60]!r}") from None
+            if a == -1 and not trusted and (b, c) != (n_layers, n_experts):
+                raise UsageError(f"{where}: history is for {b} layers x {c} experts, this "
+                                 f"model has {n_layers} x {n_experts}")
+            if a == -2 and not trusted and model_type and c != engine_id_hash(model_type):
+                raise UsageError(f"{where}: history belongs to another engine/model (id {c}, "
+                                 f"expected {engine_id_hash(model_type)} for {model_type})")
+            if a < 0:
+                continue
+            if not (a < n_layers and 0 <= b < n_experts and c >= 0):
+                raise UsageError(f"{where}:{n}: record {a} {b} {c} is outside this model")
+        except UsageError:
+            if not lenient:
+                raise
+            skipped += 1
+            continue
+        counts[a, b] += c
+    if skipped:
+        log.warning("%s: skipped %d unreadable or foreign line(s)", where, skipped)
+    return counts
 
 
 def cooc_path(path: Path) -> Path:

@@ -7,27 +7,26 @@ from pathlib import Path
 import numpy as np
 
 from colibrid.errors import ColibriError
+from colibrid.paths import atomic_write
 from colibrid.serve.profiles import (
     ProfileBook,
     RecordedPins,
     choose_pins,
-    engine_id,
     pin_target,
-    read_usage,
-    write_usage,
+    read_profile,
 )
-from colibrid.store.usage import UsageProfile
+from colibrid.store.usage import UsageProfile, engine_id_hash, usage_text
 
 
 def test_usage_file_round_trip_and_tolerance(tmp_path: Path) -> None:
     counts = np.zeros((3, 4), dtype=np.int64)
     counts[1, 2], counts[2, 0] = 7, 1
     path = tmp_path / "p.coli_usage"
-    write_usage(path, counts, "abc")
+    atomic_write(path, usage_text(counts, "glm4_moe"))
     lines = path.read_text().splitlines()
-    assert lines[:2] == ["-1 3 4", "-2 1 abc"] and "1 2 7" in lines
+    assert lines[:2] == ["-1 3 4", f"-2 1 {engine_id_hash('glm4_moe')}"] and "1 2 7" in lines
     path.write_text(path.read_text() + "9 9 9\ngarbage\n1 1\n")
-    assert (read_usage(path, (3, 4)) == counts).all()
+    assert (read_profile(path, (3, 4), "glm4_moe") == counts).all()  # bad lines skipped
 
 
 def test_choose_pins_top_counts_ties_to_lowest_index() -> None:
@@ -38,7 +37,7 @@ def test_choose_pins_top_counts_ties_to_lowest_index() -> None:
 
 def test_requests_count_into_their_profile(tmp_path: Path) -> None:
     pins = RecordedPins()
-    book = ProfileBook(tmp_path, (2, 3), "id", "default", pins, pin_budget=1)
+    book = ProfileBook(tmp_path, (2, 3), "glm4_moe", "default", pins, pin_budget=1)
     book.add(None, np.array([[1, 0, 0], [0, 0, 0]]))
     book.add("code", np.array([[0, 0, 0], [0, 4, 0]]))
     assert book.counts("default").sum() == 1 and book.counts("code")[1, 1] == 4
@@ -78,7 +77,7 @@ def test_store_pins_swap_within_the_store_budget() -> None:
 
 def test_usage_files_interchange_with_the_store(tmp_path: Path) -> None:
     """What the daemon writes, the tiered store's UsageProfile reads (same model hash)."""
-    book = ProfileBook(tmp_path, (2, 3), engine_id("glm4_moe"), "default", RecordedPins(), 1)
+    book = ProfileBook(tmp_path, (2, 3), "glm4_moe", "default", RecordedPins(), 1)
     book.add(None, np.array([[0, 2, 0], [1, 0, 0]]))
     path = book.save()
     profile = UsageProfile(2, 3, model_type="glm4_moe", cooc=False)
