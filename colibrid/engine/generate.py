@@ -95,6 +95,7 @@ class DoneEvent:
 
     finish_reason: str
     stats: GenStats
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
 
 
 GenEvent = TokenEvent | DoneEvent
@@ -112,14 +113,16 @@ class StopStringMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(stops)
         self._held = ""
+        self.matched: str | None = None  # the stop string found, once one is
 
     def feed(self, text: str, *, final: bool = False) -> tuple[str, bool]:
         """Returns (text to release, whether a stop string was found)."""
         buf = self._held + text
-        hits = [(i + len(s), i) for s in self._stops if (i := buf.find(s)) >= 0]
+        hits = [(i + len(s), i, s) for s in self._stops if (i := buf.find(s)) >= 0]
         if hits:
             self._held = ""
-            return buf[: min(hits)[1]], True
+            _, start, self.matched = min(hits)
+            return buf[:start], True
         keep = 0 if final else self._longest_stop_prefix_suffix(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
@@ -209,7 +212,8 @@ def _run(
         finished = getattr(engine, "request_finished", None)  # store: save profile, re-pin
         if finished is not None:
             finished()
-        return DoneEvent(reason, GenStats.measure(len(ids), generated, prefill_s, decode_s))
+        return DoneEvent(reason, GenStats.measure(len(ids), generated, prefill_s, decode_s),
+                         matcher.matched)
 
     if cancel is not None and cancel.is_set():
         yield done("cancelled")

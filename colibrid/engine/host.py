@@ -239,4 +239,4 @@ class EngineHost:
         finish = "stopped" if event.finish_reason == "cancelled" else event.finish_reason
         self._finish(job, Done(finish, stats.prompt_tokens, stats.generated_tokens, job.cached,
                                stats.prefill_s, stats.decode_s, stats.prefill_tok_s,
-                               stats.decode_tok_s))
+                               stats.decode_tok_s, event.stop_string))

@@ -105,6 +105,8 @@ def messages_plan(body: Any, *, served: str, client: int, max_context: int,
 def stop_reason(done: Done, calls: list[ToolCall]) -> str:
     if calls:
         return "tool_use"
+    if done.stop_string is not None:
+        return "stop_sequence"
     return "max_tokens" if done.finish == "length" else "end_turn"
 
 
@@ -128,7 +130,7 @@ class MessageStream:
         return {"id": self.id, "type": "message", "role": "assistant",
                 "model": self.plan.model, "content": self.blocks,
                 "stop_reason": stop_reason(done, calls) if done else None,
-                "stop_sequence": None,
+                "stop_sequence": done.stop_string if done else None,
                 "usage": {"input_tokens": done.prompt_tokens if done else self.prompt_tokens,
                           "output_tokens": done.generated_tokens if done else 0}}
 
@@ -176,7 +178,7 @@ class MessageStream:
                         "type": "input_json_delta", "partial_json": json.dumps(call.arguments)}}),
                     ("content_block_stop", {"index": index})]
         out.append(("message_delta", {"delta": {"stop_reason": stop_reason(done, self.calls),
-                                                "stop_sequence": None},
+                                                "stop_sequence": done.stop_string},
                                       "usage": {"output_tokens": done.generated_tokens}}))
         out.append(("message_stop", {}))
         return out

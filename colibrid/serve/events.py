@@ -33,6 +33,7 @@ class Done:
     decode_s: float
     prefill_tok_s: float
     decode_tok_s: float
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
 
 
 @dataclass(frozen=True)

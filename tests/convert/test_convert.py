@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import EXACT_FLAGS, ref_quant  # tests/convert/conftest.py
+from quant_reference import EXACT_FLAGS, ref_quant
 from safetensors import safe_open
 
 from colibri_cli.main import main

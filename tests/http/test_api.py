@@ -14,8 +14,7 @@ import httpx
 import openai
 import pytest
 from colibri_protocol.messages import Data, Submit
-from conftest import free_port
-from daemon_helpers import Home
+from daemon_helpers import Home, free_port
 
 from colibri_cli.client import Client
 
@@ -185,6 +184,20 @@ def test_anthropic_messages(home, oai) -> None:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == m.content[0].text and final.stop_reason == "max_tokens"
+    # a stop sequence names itself; with several, the one that ended the text
+    whole = m.content[0].text
+    cut = whole[len(whole) // 2:][:2]
+    assert cut
+    for kw in ({}, {"stream": True}):
+        ask = dict(model=MODEL, max_tokens=6, messages=HI, extra_body={"temperature": 0},
+                   stop_sequences=["never appears", cut])
+        if kw:
+            with client.messages.stream(**ask) as stream:
+                s = stream.get_final_message()
+        else:
+            s = client.messages.create(**ask)
+        assert s.stop_reason == "stop_sequence" and s.stop_sequence == cut
+        assert s.content[0].text == whole[:whole.index(cut)]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=0, messages=HI)
 

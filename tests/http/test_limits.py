@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port
-from daemon_helpers import Home, wait_for
+from daemon_helpers import Home, free_port, wait_for
 
 MODEL = "model"
 KEY = "sekret"

@@ -8,8 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
-from conftest import free_port
-from daemon_helpers import Home
+from daemon_helpers import Home, free_port
 from hypothesis import HealthCheck, given, settings
 
 
