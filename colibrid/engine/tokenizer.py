@@ -243,6 +243,12 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(self._templates)
 
+    @property
+    def chat_templates(self) -> str | dict[str, str] | None:
+        """The template source(s) as the checkpoint gives them (what the HTTP layer reads to
+        see whether the model takes tools or thinks)."""
+        return self._templates
+
     def _template(self, tools: Any) -> Any:
         templates = self._templates
         if not templates:

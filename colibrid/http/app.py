@@ -69,7 +69,7 @@ class HttpApp:
         self.state = state
         self.settings = settings
         self.metrics = HttpMetrics(state)
-        self.features = Features.of_template(getattr(state.host.codec, "_templates", None))
+        self.features = Features.of_template(getattr(state.host.codec, "chat_templates", None))
         origins = [o.strip() for o in (settings.http_cors or "").split(",") if o.strip()]
         self.cors = origins
         self._clients = itertools.count(1 << 40)  # never collides with SERVE connection ids
