@@ -35,6 +35,17 @@ typedef struct mm_job {
     const int32_t *gsum; /* [S, G] sums of qx over each group */
 } mm_job;
 
+/* Prefill blocking: activation rows are taken in blocks that stay in L1 while every
+ * weight row of a chunk passes over them (looping over all S rows per weight row
+ * streamed a prefill's whole activation matrix from L2/L3 once per output).  Rows per
+ * block: a multiple of `step` (the kernel's row batch), at least one step.  Each output
+ * is computed exactly as without blocking, so the block size changes no bit. */
+#define COLIBRI_X_BLOCK_BYTES (16 * 1024)
+static inline int colibri_x_block_rows(const mm_job *j, size_t elem, int step) {
+    const int rows = (int)(COLIBRI_X_BLOCK_BYTES / (j->ldx * elem)) / step * step;
+    return rows < step ? step : rows;
+}
+
 typedef void (*rows_fn)(const mm_job *j, int o0, int o1);
 /* Write an ISA-specific layout of one activation row into out[n] (n = ldx, zero
  * padded past I); return 0 when this ISA wants the plain layout for that format. */

@@ -12,14 +12,16 @@ from colibrid.backends.base import KernelFamily, WeightFormat
 
 @pytest.mark.parametrize("family", [KernelFamily.F32, KernelFamily.I8])
 @pytest.mark.parametrize("nthreads", [1, 2])
-@pytest.mark.parametrize("o,i", [(37, 100), (300, 1024)])
-def test_rows_equal_single_calls(kit, isa, fmt_gs, family, nthreads, o, i):
+# S spans several of the kernels' activation blocks (16 KB of rows: 32 f32 or 128 int8
+# rows at I=100, 4 or 16 at I=1024), so block edges are crossed in both families.
+@pytest.mark.parametrize("o,i,s", [(37, 100, 150), (300, 1024, 17)])
+def test_rows_equal_single_calls(kit, isa, fmt_gs, family, nthreads, o, i, s):
     kit.isa_or_skip(isa)
     fmt, gs = fmt_gs
     kit.native.set_isa(isa)
     kit.native.set_threads(nthreads)
     w = kit.make_weight(fmt, o, i, gs, seed=o + i)
-    x = np.random.default_rng(5).standard_normal((17, i), dtype=np.float32)
+    x = np.random.default_rng(5).standard_normal((s, i), dtype=np.float32)
     batch = kit.native.matmul(w, x, family)
     singles = np.stack([kit.native.matmul(w, x[s], family) for s in range(x.shape[0])])
     assert np.array_equal(batch.view(np.uint32), singles.view(np.uint32))

@@ -68,7 +68,8 @@ class GQAAttention:
         group = s.heads // s.kv_heads
         keys_h = np.repeat(keys.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
         values_h = np.repeat(values.transpose(1, 0, 2), group, axis=0)  # [H, T, d]
-        scores = np.matmul(q.transpose(1, 0, 2), keys_h.transpose(0, 2, 1)) * self.scale
+        scores = np.matmul(q.transpose(1, 0, 2), keys_h.transpose(0, 2, 1))
+        scores *= self.scale
         probs = masked_softmax(scores, causal_mask(step.start, rows, keys.shape[0]))  # [H,S,T]
         out = np.matmul(probs, values_h)  # [H, S, d]
         out = np.ascontiguousarray(out.transpose(1, 0, 2).reshape(rows, s.heads * s.head_dim))

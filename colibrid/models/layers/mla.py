@@ -121,7 +121,8 @@ class MLAAttention:
         q_latent = self.absorb_k(self.ops, q_nope, family).transpose(1, 0, 2)  # [H, S, C]
         scores = np.matmul(q_latent, latents.T)  # [H, S, T]
         scores += np.matmul(q_rope.transpose(1, 0, 2), rope_keys.T)
-        probs = masked_softmax(scores * self.scale, allowed)  # [H, S, T]
+        scores *= self.scale
+        probs = masked_softmax(scores, allowed)  # [H, S, T]
         o_latent = np.matmul(probs, latents)  # [H, S, C]
         out = self.ops.matmul_blocks(self.w_v, np.ascontiguousarray(o_latent.transpose(1, 0, 2)),
                                      family)  # [S, H * V]

@@ -485,25 +485,29 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
         }
         qp.lane_g = lane_g;
     }
-    for (int o = o0; o < o1; o++) {
-        const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
-        uint8_t tail[32];
-        const uint8_t *last = q4 ? last_block(j, row, tail) : NULL;
-        for (int s = 0; s < j->S; s++) {
-            const float *x = j->xp + (size_t)s * j->ldx;
-            float r;
-            switch (w->fmt) {
-            case COLIBRI_FMT_F32: r = plain_row(COLIBRI_FMT_F32, row, w->I, x); break;
-            case COLIBRI_FMT_BF16: r = plain_row(COLIBRI_FMT_BF16, row, w->I, x); break;
-            case COLIBRI_FMT_Q8: r = w->scales[o] * plain_row(COLIBRI_FMT_Q8, row, w->I, x); break;
-            default: {
-                const float *sc = w->scales + (size_t)o * j->G;
-                if (qp.mode == Q4_WHOLE) r = q4_row(j, Q4_WHOLE, row, last, sc, x, &qp);
-                else if (qp.mode == Q4_SPREAD) r = q4_row(j, Q4_SPREAD, row, last, sc, x, &qp);
-                else r = q4_row(j, Q4_GATHER, row, last, sc, x, &qp);
+    const int sb = colibri_x_block_rows(j, sizeof(float), 1);
+    for (int s0 = 0; s0 < j->S; s0 += sb) {
+        const int s1 = j->S - s0 < sb ? j->S : s0 + sb;
+        for (int o = o0; o < o1; o++) {
+            const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
+            uint8_t tail[32];
+            const uint8_t *last = q4 ? last_block(j, row, tail) : NULL;
+            for (int s = s0; s < s1; s++) {
+                const float *x = j->xp + (size_t)s * j->ldx;
+                float r;
+                switch (w->fmt) {
+                case COLIBRI_FMT_F32: r = plain_row(COLIBRI_FMT_F32, row, w->I, x); break;
+                case COLIBRI_FMT_BF16: r = plain_row(COLIBRI_FMT_BF16, row, w->I, x); break;
+                case COLIBRI_FMT_Q8: r = w->scales[o] * plain_row(COLIBRI_FMT_Q8, row, w->I, x); break;
+                default: {
+                    const float *sc = w->scales + (size_t)o * j->G;
+                    if (qp.mode == Q4_WHOLE) r = q4_row(j, Q4_WHOLE, row, last, sc, x, &qp);
+                    else if (qp.mode == Q4_SPREAD) r = q4_row(j, Q4_SPREAD, row, last, sc, x, &qp);
+                    else r = q4_row(j, Q4_GATHER, row, last, sc, x, &qp);
+                }
+                }
+                j->y[(size_t)s * w->O + o] = r;
             }
-            }
-            j->y[(size_t)s * w->O + o] = r;
         }
     }
 }

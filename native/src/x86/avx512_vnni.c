@@ -222,20 +222,25 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
     }
     int32_t isum[16 * ISUM_LD]; /* 16 rows of group sums (stack: ~66 KB) */
     const int shift = q4 ? 3 : 7; /* the unsigned offset: 8 or 128 */
-    for (int o = o0; o < o1; o += 16) {
-        const int n = o1 - o < 16 ? o1 - o : 16;
-        const float *ws[16];
-        for (int r = 0; r < 16; r++) ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
-        for (int s = 0; s < j->S; s++) {
-            const int8_t *x = (q4 ? j->qxp : j->qx) + (size_t)s * j->ldx;
-            for (int r = 0; r < n; r++) { /* one whole row at a time: sequential streams */
-                const uint8_t *row = (const uint8_t *)w->data + (size_t)(o + r) * j->wrow;
-                if (j->G == 1) isum[r * ISUM_LD] = row_sum(j, row, x, q4);
-                else q4_group_sums(j, row, x, isum + r * ISUM_LD);
+    const int sb = colibri_x_block_rows(j, 1, 1);
+    for (int s0 = 0; s0 < j->S; s0 += sb) {
+        const int s1 = j->S - s0 < sb ? j->S : s0 + sb;
+        for (int o = o0; o < o1; o += 16) {
+            const int n = o1 - o < 16 ? o1 - o : 16;
+            const float *ws[16];
+            for (int r = 0; r < 16; r++) ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
+            for (int s = s0; s < s1; s++) {
+                const int8_t *x = (q4 ? j->qxp : j->qx) + (size_t)s * j->ldx;
+                for (int r = 0; r < n; r++) { /* one whole row at a time: sequential streams */
+                    const uint8_t *row = (const uint8_t *)w->data + (size_t)(o + r) * j->wrow;
+                    if (j->G == 1) isum[r * ISUM_LD] = row_sum(j, row, x, q4);
+                    else q4_group_sums(j, row, x, isum + r * ISUM_LD);
+                }
+                for (int r = n; r < 16; r++) memset(isum + r * ISUM_LD, 0, (size_t)j->G * sizeof(int32_t));
+                const __m512 acc =
+                    group_step16(isum, ISUM_LD, j->gsum + (size_t)s * j->G, ws, j->G, shift, j->xs[s]);
+                _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, (__mmask16)((1u << n) - 1), acc);
             }
-            for (int r = n; r < 16; r++) memset(isum + r * ISUM_LD, 0, (size_t)j->G * sizeof(int32_t));
-            const __m512 acc = group_step16(isum, ISUM_LD, j->gsum + (size_t)s * j->G, ws, j->G, shift, j->xs[s]);
-            _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, (__mmask16)((1u << n) - 1), acc);
         }
     }
 }
@@ -373,17 +378,20 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
         colibri_ref_f32_rows(j, o0, o1);
         return;
     }
-    for (int o = o0; o < o1; o++) {
-        int s = 0;
-        for (; s < j->S; s += NS) {
-            const float *x[NS];
-            float r[NS];
-            const int n = j->S - s < NS ? j->S - s : NS;
-            for (int k = 0; k < n; k++) x[k] = j->xp + (size_t)(s + k) * j->ldx;
-            if (n == NS) dot_rows_4(j, o, x, r);
-            else
-                for (int k = 0; k < n; k++) dot_rows_1(j, o, x + k, r + k);
-            for (int k = 0; k < n; k++) j->y[(size_t)(s + k) * w->O + o] = r[k];
+    const int sb = colibri_x_block_rows(j, sizeof(float), NS);
+    for (int s0 = 0; s0 < j->S; s0 += sb) {
+        const int s1 = j->S - s0 < sb ? j->S : s0 + sb;
+        for (int o = o0; o < o1; o++) {
+            for (int s = s0; s < s1; s += NS) {
+                const float *x[NS];
+                float r[NS];
+                const int n = s1 - s < NS ? s1 - s : NS;
+                for (int k = 0; k < n; k++) x[k] = j->xp + (size_t)(s + k) * j->ldx;
+                if (n == NS) dot_rows_4(j, o, x, r);
+                else
+                    for (int k = 0; k < n; k++) dot_rows_1(j, o, x + k, r + k);
+                for (int k = 0; k < n; k++) j->y[(size_t)(s + k) * w->O + o] = r[k];
+            }
         }
     }
 }
