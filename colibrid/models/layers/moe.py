@@ -54,15 +54,19 @@ class MoE:
                 family: KernelFamily) -> np.ndarray:
         """Apply each expert as it arrives; sum per row in ascending expert order."""
         rows, top_k = route.experts.shape
-        contributions = np.zeros((rows, top_k, x.shape[1]), dtype=np.float32)  # [S, K, D]
+        # Each (row, slot) writes straight to its expert's rank within the row, so summing
+        # the ranks in turn adds in ascending expert order with no reordering copy.
+        order = np.argsort(route.experts, axis=1, kind="stable")  # ascending expert per row
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(top_k)[None, :], axis=1)
+        ordered = np.zeros((rows, top_k, x.shape[1]), dtype=np.float32)  # [S, rank, D]
         for expert, w in pairs:
             row_idx, slot_idx = np.nonzero(route.experts == expert)
             y = self.ops.expert_swiglu(w.gate, w.up, w.down, np.ascontiguousarray(x[row_idx]),
                                        family)  # [n, D]
-            contributions[row_idx, slot_idx] = y * route.gates[row_idx, slot_idx][:, None]
-        order = np.argsort(route.experts, axis=1, kind="stable")  # ascending expert per row
-        ordered = np.take_along_axis(contributions, order[:, :, None], axis=1)
+            y *= route.gates[row_idx, slot_idx][:, None]
+            ordered[row_idx, rank[row_idx, slot_idx]] = y
         out = np.zeros((rows, x.shape[1]), dtype=np.float32)
-        for slot in range(top_k):
-            out += ordered[:, slot]
+        for k in range(top_k):
+            out += ordered[:, k]
         return out
