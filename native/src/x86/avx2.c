@@ -420,6 +420,51 @@ ALWAYS_INLINE float q4_row(const mm_job *j, const int MODE, const uint8_t *row, 
     return hsum_ps(tot);
 }
 
+/* The 64 weights of the block at p as (q - 8) * 2^24-scaled f32 in q4_block_f32's order:
+ * w[2m] pairs with xb + 16m, w[2m + 1] with xb + 16m + 8. */
+ALWAYS_INLINE void q4_widen(const uint8_t *p, __m256 w[8]) {
+    const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x88));
+    const __m256i mf0 = _mm256_set1_epi8((char)0xf0);
+    const __m256i hi = _mm256_and_si256(v, mf0);
+    const __m256i lo = _mm256_and_si256(_mm256_slli_epi16(v, 4), mf0);
+    for (int m = 0; m < 4; m++) {
+        const __m256i sel = _mm256_loadu_si256((const __m256i *)q4_top_byte[m]);
+        w[2 * m] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, sel));
+        w[2 * m + 1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, sel));
+    }
+}
+
+/* q4_row for QN activation rows at once (prefill): each block's weights are widened once
+ * and applied to every row, and each row keeps its own accumulators through exactly
+ * q4_block_f32's and q4_scale_block's operations in q4_row's order, so every output is
+ * bit-identical to a one-row call. */
+#define QN 4
+ALWAYS_INLINE void q4_rows_n(const mm_job *j, const int MODE, const uint8_t *row, const uint8_t *last,
+                             const float *sc, const float *const *x, const q4_plan *qp, float *r) {
+    const int nblk = (int)((j->wrow + 31) / 32);
+    __m256 tot[QN], gacc[QN];
+    int cnt[QN];
+    for (int n = 0; n < QN; n++) {
+        tot[n] = gacc[n] = _mm256_setzero_ps();
+        cnt[n] = 0;
+    }
+    for (int b = 0; b < nblk; b++) {
+        if ((b & 1) == 0) _mm_prefetch((const char *)row + 32 * (size_t)b + PF_AHEAD, _MM_HINT_T0);
+        __m256 w[8];
+        q4_widen(b + 1 < nblk ? row + 32 * (size_t)b : last, w);
+        for (int n = 0; n < QN; n++) {
+            const float *xb = x[n] + 64 * (size_t)b;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+            for (int m = 0; m < 4; m++) {
+                a0 = _mm256_fmadd_ps(w[2 * m], _mm256_loadu_ps(xb + 16 * m), a0);
+                a1 = _mm256_fmadd_ps(w[2 * m + 1], _mm256_loadu_ps(xb + 16 * m + 8), a1);
+            }
+            tot[n] = q4_scale_block(j, MODE, qp, sc, b, nblk, _mm256_add_ps(a0, a1), tot[n], &gacc[n], &cnt[n]);
+        }
+    }
+    for (int n = 0; n < QN; n++) r[n] = hsum_ps(tot[n]);
+}
+
 /* 8 weights of an F32/BF16/Q8 row at element i as f32. */
 ALWAYS_INLINE __m256 load_w8(int fmt, const uint8_t *row, int i) {
     if (fmt == COLIBRI_FMT_Q8)
@@ -485,14 +530,26 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
         }
         qp.lane_g = lane_g;
     }
-    const int sb = colibri_x_block_rows(j, sizeof(float), 1);
+    const int sb = colibri_x_block_rows(j, sizeof(float), QN);
     for (int s0 = 0; s0 < j->S; s0 += sb) {
         const int s1 = j->S - s0 < sb ? j->S : s0 + sb;
         for (int o = o0; o < o1; o++) {
             const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
             uint8_t tail[32];
             const uint8_t *last = q4 ? last_block(j, row, tail) : NULL;
-            for (int s = s0; s < s1; s++) {
+            int s = s0;
+            if (q4)
+                for (; s + QN <= s1; s += QN) {
+                    const float *xs[QN];
+                    float rs[QN];
+                    for (int n = 0; n < QN; n++) xs[n] = j->xp + (size_t)(s + n) * j->ldx;
+                    const float *sc = w->scales + (size_t)o * j->G;
+                    if (qp.mode == Q4_WHOLE) q4_rows_n(j, Q4_WHOLE, row, last, sc, xs, &qp, rs);
+                    else if (qp.mode == Q4_SPREAD) q4_rows_n(j, Q4_SPREAD, row, last, sc, xs, &qp, rs);
+                    else q4_rows_n(j, Q4_GATHER, row, last, sc, xs, &qp, rs);
+                    for (int n = 0; n < QN; n++) j->y[(size_t)(s + n) * w->O + o] = rs[n];
+                }
+            for (; s < s1; s++) {
                 const float *x = j->xp + (size_t)s * j->ldx;
                 float r;
                 switch (w->fmt) {
