@@ -27,6 +27,7 @@ from colibri_protocol.messages import (
     Done,
     ErrorReply,
     Line,
+    Progress,
     Reply,
     Response,
     Submit,
@@ -116,14 +117,15 @@ class Client:
     def query(self, kind: str) -> Any:
         return self.call(encode_line(kind), want=(kind,))
 
-    def generate(self, submit: Submit) -> Iterator[Accept | Data | Done]:
-        """Send `submit` and yield its ACCEPT, DATA and DONE; an ERROR raises ClientError."""
+    def generate(self, submit: Submit) -> Iterator[Accept | Progress | Data | Done]:
+        """Send `submit` and yield its ACCEPT, PROGRESS, DATA and DONE; an ERROR raises
+        ClientError."""
         self.send(encode_submit(submit))
         yield from self.follow(submit.id)
 
-    def follow(self, rid: str) -> Iterator[Accept | Data | Done]:
+    def follow(self, rid: str) -> Iterator[Accept | Progress | Data | Done]:
         for response in self.responses():
-            if isinstance(response, (Accept, Data, Done)) and response.id == rid:
+            if isinstance(response, (Accept, Progress, Data, Done)) and response.id == rid:
                 yield response
                 if isinstance(response, Done):
                     return

@@ -1,8 +1,9 @@
-"""Small text helpers for the client: aligned tables, human durations."""
+"""Small text helpers for the client: aligned tables, human durations, a progress line."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TextIO
 
 
 def table(rows: Sequence[Sequence[object]]) -> str:
@@ -19,3 +20,31 @@ def duration(seconds: float) -> str:
     if seconds < 3600:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class ProgressLine:
+    """One status line on a terminal, rewritten in place (a long prefill's progress) and
+    erased before the answer is written; nothing at all when the stream is not a TTY, so
+    pipes and logs only ever see the answer."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.enabled = bool(getattr(stream, "isatty", lambda: False)())
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write("\r\x1b[K" + text)
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.shown = False
+
+
+def prefill_text(done: int, total: int, elapsed_s: float) -> str:
+    share = done / total if total > 0 else 0.0
+    return f"(reading the prompt: {100 * share:.0f}%, {duration(elapsed_s)})"

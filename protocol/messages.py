@@ -237,6 +237,20 @@ class Accept:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """``PROGRESS <id> prefill <done> <total>``: a long prefill has computed `done` of
+    `total` layers."""
+
+    id: str
+    done: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total > 0 else 0.0
+
+
+@dataclass(frozen=True)
 class Data:
     id: str
     text: str
@@ -284,11 +298,15 @@ class Line:
     args: tuple[str, ...]
 
 
-Response = Accept | Data | Done | ErrorReply | Reply | Line
+Response = Accept | Progress | Data | Done | ErrorReply | Reply | Line
 
 
 def encode_accept(rid: str, prompt_tokens: int) -> bytes:
     return encode_line("ACCEPT", rid, prompt_tokens)
+
+
+def encode_progress(rid: str, done: int, total: int) -> bytes:
+    return encode_line("PROGRESS", rid, "prefill", done, total)
 
 
 def encode_data(rid: str, text: str) -> bytes:
@@ -316,6 +334,8 @@ def parse_response(frame: Frame) -> Response:
     try:
         if kind == "ACCEPT":
             return Accept(args[0], int(args[1]))
+        if kind == "PROGRESS" and len(args) >= 4 and args[1] == "prefill":
+            return Progress(args[0], int(args[2]), int(args[3]))
         if kind == "DATA":
             return Data(args[0], (frame.payload or b"").decode("utf-8", errors="replace"))
         if kind == "DONE":

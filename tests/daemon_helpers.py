@@ -18,6 +18,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
 class Home:
     """A $COLIBRI_HOME with its own config; every daemon started here is stopped on close."""
 
@@ -25,9 +31,7 @@ class Home:
         self.path = path
         self.model = model
         path.mkdir(parents=True, exist_ok=True)
-        lines = [f'default_model = "{model}"'] + [
-            f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"'
-            for k, v in settings.items()]
+        lines = [f'default_model = "{model}"'] + [f"{k} = {_toml(v)}" for k, v in settings.items()]
         (path / "config.toml").write_text("\n".join(lines) + "\n")
         self.env = {**os.environ, "COLIBRI_HOME": str(path)}
         self.env.pop("COLIBRI_SOCKET", None)

@@ -203,6 +203,47 @@ def test_cancel_during_prefill(chat_model: Path, tmp_path_factory) -> None:
         slow.close()
 
 
+def test_long_prefill_reports_progress_to_every_front_end(chat_model: Path,
+                                                          tmp_path_factory) -> None:
+    """A prefill longer than a second sends PROGRESS over SERVE, an SSE comment in an
+    OpenAI stream and a ping in an Anthropic one; the clients read through them."""
+    import anthropic
+    import httpx
+    import openai
+    from colibri_protocol.messages import Progress
+    from daemon_helpers import free_port
+
+    port = free_port()
+    slow = Home(tmp_path_factory.mktemp("g"), chat_model, debug_layer_delay_s=0.6,
+                http=f"127.0.0.1:{port}", prompt_cache=False)  # 3 layers: ~1.8 s each pass
+    slow.start()
+    try:
+        with Client.connect(slow.socket, timeout_s=30) as client:
+            got = list(client.generate(Submit("g1", prompt="a prompt", max_tokens=1)))
+        kinds = [type(e).__name__ for e in got]
+        assert kinds[:2] == ["Accept", "Progress"] and kinds[-1] == "Done"  # in the prefill
+        progress = [e for e in got if isinstance(e, Progress)]
+        assert all(0 < p.done < p.total == 3 for p in progress), progress
+        body = {"model": "model", "stream": True, "max_tokens": 1, "temperature": 0,
+                "messages": [{"role": "user", "content": "hi"}]}
+        raw = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                         timeout=60).text
+        assert raw.index(": prefill ") < raw.index('"finish_reason": "length"')
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                            max_retries=0, timeout=60)
+        chunks = list(oai.chat.completions.create(**{**body, "model": "model"}))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x",
+                                     max_retries=0)
+        with claude.messages.stream(model="model", max_tokens=1, messages=body["messages"],
+                                    extra_body={"temperature": 0}) as stream:
+            assert stream.get_final_message().stop_reason == "max_tokens"
+        raw = httpx.post(f"http://127.0.0.1:{port}/v1/messages", json=body, timeout=60).text
+        assert raw.index("event: ping") < raw.index("event: message_stop")
+    finally:
+        slow.close()
+
+
 def test_ask_starts_a_daemon_or_says_how(chat_model: Path, tmp_path_factory) -> None:
     fresh = Home(tmp_path_factory.mktemp("a"), chat_model)
     (fresh.path / "config.toml").write_text("")

@@ -3,6 +3,7 @@
 The prompt is the arguments, then a blank line, then standard input when it is piped
 (`cat notes.md | colibri ask "summarise this"`). Without `--raw` the text becomes one
 user message (after `--system`) rendered by the daemon with the model's chat template.
+While a long prompt is read, a progress line shows on stderr (a terminal only).
 Ctrl-C cancels the request on the daemon and exits 130; a daemon error exits 1.
 """
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 
-from colibri_protocol.messages import Accept, Data, Done, Submit
+from colibri_protocol.messages import Accept, Data, Done, Progress, Submit
 
 from colibri_cli.client import ClientError, ensure_daemon, model_name
+from colibri_cli.render import ProgressLine, prefill_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,8 +93,14 @@ def main(argv: Sequence[str]) -> int:
         return 1
     rid = client.next_id()
     submit = make_submit(args, rid, text)
+    status = ProgressLine(sys.stderr)
+    started = time.monotonic()
     try:
         for event in client.generate(submit):
+            if isinstance(event, Progress):
+                status.show(prefill_text(event.done, event.total, time.monotonic() - started))
+                continue
+            status.clear()
             if isinstance(event, Data):
                 out.write(json.dumps({"text": event.text}) + "\n" if args.json else event.text)
                 out.flush()
@@ -102,6 +111,7 @@ def main(argv: Sequence[str]) -> int:
             elif isinstance(event, Accept) and args.verbose:
                 print(f"colibri: accepted, {event.prompt_tokens} prompt tokens", file=sys.stderr)
     except KeyboardInterrupt:
+        status.clear()
         client.cancel(rid)
         out.write("\n")
         print("colibri: cancelled", file=sys.stderr)

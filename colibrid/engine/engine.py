@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,14 +150,16 @@ class Session:
         return self.cache.length
 
     def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel: threading.Event | None = None) -> np.ndarray:
+                cancel: threading.Event | None = None,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Run the new tokens as one batch; logits of the last one [V] (or all: [S, V]).
 
         With `cancel`, a set event abandons the pass between layers with `Cancelled`; the
-        session then holds exactly the tokens it held before the call.
+        session then holds exactly the tokens it held before the call. `progress(done,
+        total)` is called before each layer with the layers done so far.
         """
         tokens = self._check(token_ids)
-        hidden = self._forward(tokens, cancel)
+        hidden = self._forward(tokens, cancel, progress)
         rows = hidden if all_logits else hidden[-1:]
         logits = self.engine.model.logits(rows, self.engine.family)
         return logits if all_logits else logits[0]
@@ -200,12 +202,17 @@ class Session:
             n += 1
         return n
 
-    def _forward(self, tokens: np.ndarray, cancel: threading.Event | None) -> np.ndarray:
+    def _forward(self, tokens: np.ndarray, cancel: threading.Event | None,
+                 progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         hook = None
-        if cancel is not None:
-            def hook() -> None:
-                if cancel.is_set():
+        if cancel is not None or progress is not None:
+            layers = self.engine.info.n_layers
+
+            def hook(index: int) -> None:
+                if cancel is not None and cancel.is_set():
                     raise Cancelled("request cancelled")
+                if progress is not None:
+                    progress(index, layers)
         clock = PassClock()
         step = Step(start=self.cache.length, family=self.engine.family, between_layers=hook,
                     clock=clock)

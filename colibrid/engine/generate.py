@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +27,8 @@ from colibrid.errors import Cancelled, RequestError
 
 class SessionLike(Protocol):
     def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel: threading.Event | None = None) -> np.ndarray: ...
+                cancel: threading.Event | None = None,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray: ...
     def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray: ...
     def common_prefix(self, token_ids: Sequence[int]) -> int: ...
     def truncate(self, length: int) -> None: ...
@@ -161,6 +162,7 @@ def generate(
     detokenizer: StreamingDetokenizer | None = None,
     cancel: threading.Event | None = None,
     session: SessionLike | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenEvent]:
     """Yield a TokenEvent per generated token, then one DoneEvent.
 
@@ -173,6 +175,7 @@ def generate(
     held back (never the stop token's own text). Text cut by a stop string stops at the
     string. `cancel` is checked before the prefill and between tokens; text held back at
     that moment (part of a character or a possible stop-string start) is dropped.
+    `progress(layers_done, layers)` follows the prompt's prefill (see Session.prefill).
     Bad requests raise RequestError from this call itself, before any engine work.
     """
     ids = _check_prompt(engine, prompt_ids)
@@ -182,7 +185,7 @@ def generate(
     sampler = Sampler(params)
     matcher = StopStringMatcher(params.stop)
     return _run(engine, ids, budget, sampler, stop_token_ids, detokenizer, matcher, cancel,
-                session)
+                session, progress)
 
 
 def reusable_prefix(session: SessionLike, ids: Sequence[int]) -> int:
@@ -205,6 +208,7 @@ def _run(
     matcher: StopStringMatcher,
     cancel: threading.Event | None,
     session: SessionLike | None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenEvent]:
     generated, prefill_s, decode_s = 0, 0.0, 0.0
 
@@ -228,7 +232,7 @@ def _run(
         assert logits is not None
     else:
         try:
-            logits = session.prefill(ids[reuse:], cancel=cancel)
+            logits = session.prefill(ids[reuse:], cancel=cancel, progress=progress)
         except Cancelled:
             yield done("cancelled")
             return

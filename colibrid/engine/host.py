@@ -26,10 +26,12 @@ from colibrid.engine.generate import DoneEvent, generate, reusable_prefix
 from colibrid.engine.sessions import SessionKey, SessionPool
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
 from colibrid.errors import ColibriError, RequestError
-from colibrid.serve.events import Accepted, Done, Event, Failed, Token
+from colibrid.serve.events import Accepted, Done, Event, Failed, Progress, Token
 from colibrid.serve.requests import GenerateRequest
 
 log = logging.getLogger("colibrid.host")
+
+PROGRESS_EVERY_S = 1.0  # how often a long prefill reports its progress
 
 
 class SlowEvent(threading.Event):
@@ -191,7 +193,8 @@ class EngineHost:
             detok = StreamingDetokenizer(self.codec) if self.codec else None
             stops = self.codec.stop_token_ids if self.codec else frozenset()
             job.gen = generate(self.engine, ids, job.request.params, stop_token_ids=stops,
-                               detokenizer=detok, cancel=job.cancel, session=session)
+                               detokenizer=detok, cancel=job.cancel, session=session,
+                               progress=self._progress_reporter(job))
         except ColibriError as exc:
             self._finish(job, Failed(exc.code, str(exc)))
             return
@@ -201,6 +204,23 @@ class EngineHost:
             return
         self._active.append(job)
         self._emit(job, Accepted(len(ids), job.cached))
+
+    def _progress_reporter(self, job: Job) -> Callable[[int, int], None]:
+        """Sends `Progress` during a prefill, first PROGRESS_EVERY_S after it starts and
+        then at most that often: a short prefill says nothing, a long one keeps its client
+        informed."""
+        last: float | None = None
+
+        def report(done: int, total: int) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            if last is None:  # the first layer starts
+                last = now
+            elif now - last >= PROGRESS_EVERY_S:
+                last = now
+                self._emit(job, Progress(done, total))
+
+        return report
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if self.codec is None:

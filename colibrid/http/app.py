@@ -27,7 +27,7 @@ from colibrid.http.errors import ApiError
 from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
 from colibrid.http.openapi import describe
 from colibrid.http.parsing import Features
-from colibrid.serve.events import Accepted, Done, Failed, Token
+from colibrid.serve.events import Accepted, Done, Failed, Progress, Token
 
 log = logging.getLogger("colibrid.http")
 JSON = (b"content-type", b"application/json")
@@ -251,7 +251,11 @@ class HttpApp:
             if head:
                 await responder.body(encode(head))
         async for event in events:
-            if isinstance(event, Token):
+            if isinstance(event, Progress):
+                if plan.stream:  # a long prefill: show life (Anthropic's own keep-alive is ping)
+                    await responder.body(sse.named("ping", {}) if anthropic_api else
+                                         sse.comment(f"prefill {event.done}/{event.total}"))
+            elif isinstance(event, Token):
                 items = translator.token(event.text)
                 if plan.stream and items:
                     await responder.body(encode(items))

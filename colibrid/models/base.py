@@ -76,11 +76,12 @@ class PassClock:
 @dataclass(frozen=True)
 class Step:
     """One forward pass: where the new rows start, which arithmetic to use, and a hook
-    called between layers (the engine uses it to abandon a cancelled prefill)."""
+    called before each layer with its index (the engine uses it to abandon a cancelled
+    prefill and to report a long prefill's progress)."""
 
     start: int  # absolute position of the first new token
     family: KernelFamily
-    between_layers: Callable[[], None] | None = None
+    between_layers: Callable[[int], None] | None = None
     clock: PassClock | None = None
 
 

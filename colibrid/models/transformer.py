@@ -124,7 +124,7 @@ class Transformer:
         selection = None
         for index, layer in enumerate(self.layers):
             if step.between_layers is not None:
-                step.between_layers()
+                step.between_layers(index)
             h, selection = layer(h, index, cache, step, rope, selection)
         return rms_norm(h, self.norm, self.eps)
 

@@ -1,5 +1,6 @@
-"""What a running request reports, in order: `Accepted`, any number of `Token`, then one
-`Done` or `Failed`. Plain frozen records shared by every front end (SERVE, later HTTP)."""
+"""What a running request reports, in order: `Accepted`, any number of `Progress` (during
+a long prefill) and `Token`, then one `Done` or `Failed`. Plain frozen records shared by
+every front end (SERVE and HTTP)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,15 @@ class Accepted:
 
     prompt_tokens: int
     cached_tokens: int  # prefix reused from the conversation's KV cache
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A long prefill is under way: `done` of `total` layers computed (sent at most about
+    once a second, so a client can show it and an HTTP stream can keep its connection)."""
+
+    done: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -44,5 +54,5 @@ class Failed:
     message: str
 
 
-Event = Accepted | Token | Done | Failed
+Event = Accepted | Progress | Token | Done | Failed
 TERMINAL = (Done, Failed)

@@ -30,6 +30,7 @@ from colibri_protocol.messages import (
     encode_data,
     encode_done,
     encode_error,
+    encode_progress,
     encode_reply,
     parse_request,
 )
@@ -161,6 +162,8 @@ def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
         return encode_data(rid, event.text)
     if isinstance(event, events.Accepted):
         return encode_accept(rid, event.prompt_tokens)
+    if isinstance(event, events.Progress):
+        return encode_progress(rid, event.done, event.total)
     if isinstance(event, events.Failed):
         return encode_error(rid, event.code, event.message)
     hit_rate = state.tiers().get("hit_rate") or 0.0

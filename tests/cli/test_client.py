@@ -4,6 +4,7 @@ assemble exactly the answer text the vector names."""
 
 from __future__ import annotations
 
+import io
 import socket
 
 import pytest
@@ -42,3 +43,26 @@ def test_generate_raises_on_error_for_its_id() -> None:
     with pytest.raises(ClientError) as info:
         list(client.follow("x"))
     assert info.value.code == "BUSY"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_line_shows_on_a_terminal_only_and_erases_itself() -> None:
+    from colibri_cli.render import ProgressLine, prefill_text
+
+    term = _Terminal()
+    line = ProgressLine(term)
+    line.show(prefill_text(39, 78, 75.0))
+    line.show(prefill_text(52, 78, 90.0))
+    line.clear()
+    line.clear()  # a second clear writes nothing
+    assert term.getvalue() == ("\r\x1b[K(reading the prompt: 50%, 1m15s)"
+                               "\r\x1b[K(reading the prompt: 67%, 1m30s)\r\x1b[K")
+    piped = io.StringIO()
+    quiet = ProgressLine(piped)
+    quiet.show("anything")
+    quiet.clear()
+    assert piped.getvalue() == ""

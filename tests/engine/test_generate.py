@@ -34,7 +34,7 @@ class FakeSession:
         return self.engine.logits_for(self.ids)
 
     def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel=None) -> np.ndarray:
+                cancel=None, progress=None) -> np.ndarray:
         self.engine.prefills += 1
         rows = []
         for t in token_ids:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,11 +66,14 @@ class FakeSession:
         self.prefilled = 0  # tokens computed, for KV-reuse tests
 
     def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel: threading.Event | None = None) -> np.ndarray:
+                cancel: threading.Event | None = None,
+                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         for layer in range(N_LAYERS):
             time.sleep(self.engine.layer_delay_s)
             if cancel is not None and cancel.is_set():
                 raise Cancelled("request cancelled")
+            if progress is not None:
+                progress(layer, N_LAYERS)
             self.engine.experts.counts[layer, int(token_ids[-1]) % 4] += 1
         self.tokens.extend(int(t) for t in token_ids)
         self.prefilled += len(token_ids)
