@@ -59,6 +59,15 @@ def make_profiles(paths: Paths, settings: Settings, engine: object, name: str) -
                        settings.profile, pin_target(store), int(total * settings.pin_fraction))
 
 
+def _save_prompt_cache(host: EngineHost, directory: Path) -> int:
+    """A prompt cache that cannot be written (a full disk) is logged; the stop goes on."""
+    try:
+        return host.save_prompt_cache(directory)
+    except OSError as exc:
+        log.warning("prompt cache not saved to %s: %s", directory, exc)
+        return 0
+
+
 async def watch_signals(stopping: trio.Event) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
@@ -93,6 +102,10 @@ async def serve(settings: Settings, paths: Paths, model_dir: Path,
     host = EngineHost(engine, codec, max_conversations=settings.max_conversations,
                       prompt_cache=settings.prompt_cache,
                       layer_delay_s=settings.debug_layer_delay_s, usage=book)
+    kv_dir = paths.kv / name
+    restored = await trio.to_thread.run_sync(host.restore_prompt_cache, kv_dir)
+    if restored:
+        log.info("prompt cache: %d kept session(s) restored from %s", restored, kv_dir)
     stopping = trio.Event()
     try:
         async with trio.open_nursery() as daemon:
@@ -123,4 +136,5 @@ async def serve(settings: Settings, paths: Paths, model_dir: Path,
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(book.save_all)
-        log.info("stopped; profiles saved")
+            kept = await trio.to_thread.run_sync(_save_prompt_cache, host, kv_dir)
+        log.info("stopped; profiles saved; prompt cache: %d session(s) kept", kept)

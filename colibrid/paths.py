@@ -6,6 +6,7 @@
       config.toml             settings (colibrid/config.py)
       models/NAME/            checkpoints addressed by name
       profiles/MODEL/NAME.coli_usage   usage histories (upstream's text format)
+      kv/MODEL/N.npz          the prompt cache kept across restarts (engine/kv_files.py)
       colibrid.log            the detached daemon's log
       run/                    0700: colibrid.sock (0600), colibrid.pid, colibrid.lock
 """
@@ -14,8 +15,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from colibri_protocol import home as protocol_home
 
@@ -42,6 +46,10 @@ class Paths:
     @property
     def profiles(self) -> Path:
         return self.home / "profiles"
+
+    @property
+    def kv(self) -> Path:
+        return self.home / "kv"
 
     @property
     def log(self) -> Path:
@@ -82,11 +90,19 @@ def atomic_write(path: Path, data: bytes | str) -> None:
     """Write via temp file + fsync + rename so a crash never leaves a half-written file."""
     if isinstance(data, str):
         data = data.encode("utf-8")
+    with atomic_file(path) as handle:
+        handle.write(data)
+
+
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A binary file that appears at `path` whole, or not at all: written to a temp file
+    beside it, fsynced, renamed over `path` when the block ends without an exception."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -244,6 +244,37 @@ def test_long_prefill_reports_progress_to_every_front_end(chat_model: Path,
         slow.close()
 
 
+def test_prompt_cache_survives_a_restart(chat_model: Path, tmp_path_factory) -> None:
+    home = Home(tmp_path_factory.mktemp("k"), chat_model, shutdown_grace_s=1.0)
+    home.start()
+    try:
+        ask = ("ask", "--json", "--temperature", "0.8", "--seed", "5", "--max-tokens", "4",
+               "Tell me about rivers")
+
+        def answer() -> tuple[str, dict]:
+            result = home.colibri(*ask)
+            assert result.returncode == 0, result.stderr
+            lines = [json.loads(x) for x in result.stdout.splitlines()]
+            return "".join(x.get("text", "") for x in lines), lines[-1]
+
+        first, done = answer()
+        assert done["cached"] == "0"
+        assert home.colibrid("stop").returncode == 0
+        assert "prompt cache: 1 session(s) kept" in home.log()
+        home.start()
+        again, done = answer()
+        assert (again, done["cached"]) == (first, str(done["prompt_tokens"]))
+        # a damaged file costs a warning and nothing else
+        saved = next((home.path / "kv").rglob("0.npz"))
+        assert home.colibrid("stop").returncode == 0
+        saved.write_bytes(b"damaged")
+        home.start()
+        assert answer()[0] == first
+        assert "kept KV" in home.log() and "not used" in home.log()
+    finally:
+        home.close()
+
+
 def test_ask_starts_a_daemon_or_says_how(chat_model: Path, tmp_path_factory) -> None:
     fresh = Home(tmp_path_factory.mktemp("a"), chat_model)
     (fresh.path / "config.toml").write_text("")

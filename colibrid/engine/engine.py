@@ -187,6 +187,10 @@ class Session:
         while len(self._prompt_logits) > PROMPT_LOGITS_KEPT:
             del self._prompt_logits[min(self._prompt_logits)]
 
+    def remembered_logits(self) -> dict[int, np.ndarray]:
+        """Every remembered prompt end, by length (what a saved prompt cache keeps)."""
+        return dict(self._prompt_logits)
+
     def logits_at(self, length: int) -> np.ndarray | None:
         """The remembered logits after exactly `length` held tokens, if any."""
         if length > self.length:

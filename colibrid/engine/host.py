@@ -17,11 +17,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
 
+from colibrid.engine import kv_files
 from colibrid.engine.generate import DoneEvent, generate, reusable_prefix
 from colibrid.engine.sessions import SessionKey, SessionPool
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
@@ -116,6 +118,21 @@ class EngineHost:
     def close(self) -> None:
         """Cancel whatever still runs and end the thread."""
         self._inbox.put(None)
+
+    def restore_prompt_cache(self, directory: Path) -> int:
+        """Take in the prompt cache saved by the last stop (before `serve` starts the
+        engine thread); returns how many sessions were usable."""
+        if not self._sessions.prompt_cache:
+            return 0
+        sessions = kv_files.load(directory, self.engine)
+        self._sessions.adopt(sessions)
+        return len(sessions)
+
+    def save_prompt_cache(self, directory: Path) -> int:
+        """Write the prompt cache for the next start (after the engine thread ended)."""
+        if not self._sessions.prompt_cache:
+            return 0
+        return kv_files.save(self._sessions.cached_prompts(), directory, self.engine)
 
     def statistics(self) -> HostStatistics:
         return HostStatistics(len(self._active), len(self._sessions), self._done,

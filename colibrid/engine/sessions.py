@@ -105,6 +105,18 @@ class SessionPool:
             del self._idle[key]
         self._dropped.update(k for k in self._busy if k[0] == client)
 
+    def cached_prompts(self) -> list[Any]:
+        """The idle prompt-cache sessions, most recently used first (what is worth saving)."""
+        return [s for key, s in reversed(self._idle.items()) if key[0] is None]
+
+    def adopt(self, sessions: Sequence[Any]) -> None:
+        """Take sessions (most recently used first) into the prompt cache, within limits."""
+        if not self.prompt_cache:
+            return
+        for session in reversed(sessions):
+            self._idle[(None, next(self._serial))] = session
+        self._trim()
+
     def _trim(self) -> None:
         while self._idle and (len(self) > self.max_sessions or (
                 self.max_kv_bytes is not None and self.kept_kv_bytes() > self.max_kv_bytes)):

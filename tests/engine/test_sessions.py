@@ -118,3 +118,54 @@ def test_kept_kv_stays_within_budget_and_can_be_off(engine: Engine) -> None:
     s.prefill([5, 6])
     off.checkin(key)
     assert len(off) == 1  # named conversations are kept either way
+
+
+def test_saved_prompt_cache_comes_back_exactly_for_the_same_engine_only(
+        engine: Engine, oracle_checkpoint, tmp_path) -> None:
+    from colibrid.backends.base import KernelFamily
+    from colibrid.engine import kv_files
+
+    pool = SessionPool(engine.new_session, max_sessions=4)
+    ids = SYSTEM + [70, 71]
+    key, session = pool.checkout(1, None, ids)
+    first, _ = run(engine, session, ids, temperature=1.0, seed=3)
+    pool.checkin(key)
+    assert kv_files.save(pool.cached_prompts(), tmp_path, engine) == 1
+    (back,) = kv_files.load(tmp_path, engine)
+    assert back.tokens == session.tokens
+    assert reusable_prefix(back, ids) == len(ids)  # the prompt's logits came back too
+    again, _ = run(engine, back, ids, temperature=1.0, seed=3)
+    assert again == first
+    # the same continuation from the saved and from the live KV: bit for bit
+    session.truncate(len(ids))
+    back.truncate(len(ids))
+    assert np.array_equal(session.prefill([90, 91]), back.prefill([90, 91]))
+    # another kernel family computed other KV: the file is refused and removed
+    other = Engine.load(engine.checkpoint.dir, max_context=512, family=KernelFamily.I8)
+    try:
+        assert kv_files.load(tmp_path, other) == [] and not list(tmp_path.iterdir())
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "huge_member"])
+def test_damaged_saved_kv_is_skipped_and_removed(engine: Engine, tmp_path, damage) -> None:
+    import warnings
+    import zipfile
+
+    from colibrid.engine import kv_files
+
+    session = engine.new_session()
+    session.prefill(SYSTEM)
+    kv_files.save([session], tmp_path, engine)
+    path = tmp_path / "0.npz"
+    if damage == "garbage":
+        path.write_bytes(b"not a zip at all")
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # a tokens member far larger than any context: refused before it is read
+        with zipfile.ZipFile(path, "a") as z, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the later entry of the name is the one read
+            z.writestr("tokens.npy", b"\0" * (8 * 512 + 8192))
+    assert kv_files.load(tmp_path, engine) == []
+    assert not path.exists()
