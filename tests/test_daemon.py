@@ -266,6 +266,8 @@ def test_prompt_cache_survives_a_restart(chat_model: Path, tmp_path_factory) -> 
         assert (again, done["cached"]) == (first, str(done["prompt_tokens"]))
         # a damaged file costs a warning and nothing else
         saved = next((home.path / "kv").rglob("0.npz"))
+        assert stat.S_IMODE(saved.stat().st_mode) == 0o600  # the prompts are private
+        assert stat.S_IMODE(saved.parent.stat().st_mode) == 0o700
         assert home.colibrid("stop").returncode == 0
         saved.write_bytes(b"damaged")
         home.start()

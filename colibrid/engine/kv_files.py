@@ -10,7 +10,8 @@ logits, and the identity of what computed them. A file is used only when its ide
 matches this engine's exactly (model config, weight files' sizes and modification times,
 kernel family, cache layout), so a re-converted model or another kernel family never
 inherits stale KV; anything else (another identity, a damaged or hostile file) is skipped
-with a warning and removed. Writes are atomic; files are rewritten at every stop.
+with a warning and removed. Writes are atomic; files are rewritten at every stop. The
+folders are private (0700) and the files 0600: the tokens are the user's prompts.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def identity(engine: Any) -> str:
 def save(sessions: Iterable[Any], directory: Path, engine: Any) -> int:
     """Write `sessions` (most valuable first) as 0.npz, 1.npz, ... replacing what was
     there; returns how many were written."""
-    directory.mkdir(parents=True, exist_ok=True)
+    for private in (directory.parent, directory):  # token ids spell out the user's prompts
+        private.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private.chmod(0o700)
     ident = identity(engine)
     written = 0
     for session in sessions:
