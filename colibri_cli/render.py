@@ -48,3 +48,14 @@ class ProgressLine:
 def prefill_text(done: int, total: int, elapsed_s: float) -> str:
     share = done / total if total > 0 else 0.0
     return f"(reading the prompt: {100 * share:.0f}%, {duration(elapsed_s)})"
+
+
+def prefill_rate(extras: dict[str, str]) -> str:
+    """`prefill N tok/s` from a DONE's extras, or what happened when nothing was computed
+    (the whole prompt came from kept KV)."""
+    rate = extras.get("prefill_tok_s", "?")
+    try:
+        computed = float(rate) > 0
+    except ValueError:
+        computed = True
+    return f"prefill {rate} tok/s" if computed else "prompt fully cached"

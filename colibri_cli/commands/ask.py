@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from colibri_protocol.messages import Accept, Data, Done, Progress, Submit
 
 from colibri_cli.client import ClientError, ensure_daemon, model_name
-from colibri_cli.render import ProgressLine, prefill_text
+from colibri_cli.render import ProgressLine, prefill_rate, prefill_text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +68,7 @@ def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
 def stats_line(done: Done) -> str:
     x = done.extras
     return (f"colibri: {done.prompt_tokens} prompt ({x.get('cached', 0)} cached) + "
-            f"{done.emitted} generated tokens, prefill {x.get('prefill_tok_s', '?')} tok/s, "
+            f"{done.emitted} generated tokens, {prefill_rate(x)}, "
             f"decode {done.tok_s:.1f} tok/s, hit rate {done.hit_pct:.1f}%, "
             f"finish={done.finish}")
 

@@ -21,7 +21,7 @@ from colibri_protocol.codec import encode_line
 from colibri_protocol.messages import Data, Done, Progress, Submit
 
 from colibri_cli.client import Client, ClientError, ensure_daemon, model_name
-from colibri_cli.render import ProgressLine, prefill_text
+from colibri_cli.render import ProgressLine, prefill_rate, prefill_text
 
 HELP = """commands:
   /help                 this help
@@ -134,7 +134,7 @@ def command(client: Client, chat: Chat, line: str) -> bool:
         else:
             print(f"{done.prompt_tokens} prompt tokens ({done.extras.get('cached', 0)} cached), "
                   f"{done.emitted} generated tokens, {done.tok_s:.1f} tok/s, "
-                  f"prefill {done.extras.get('prefill_tok_s', '?')} tok/s, "
+                  f"{prefill_rate(done.extras)}, "
                   f"hit rate {done.hit_pct:.1f}%, finish={done.finish}")
     else:
         print(f"unknown command /{name}; /help lists them")

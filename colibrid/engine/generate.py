@@ -51,6 +51,8 @@ class GenStats:
 
     generated_tokens counts every sampled token, a stop token included. The first token
     comes from the prefill logits, so decode_tok_s is over generated_tokens - 1 steps.
+    prefill_tok_s is over the prompt tokens actually computed (not those reused from kept
+    KV), 0.0 when none were.
     """
 
     prompt_tokens: int
@@ -61,14 +63,16 @@ class GenStats:
     decode_tok_s: float
 
     @classmethod
-    def measure(cls, prompt: int, generated: int, prefill_s: float, decode_s: float) -> GenStats:
+    def measure(cls, prompt: int, generated: int, prefill_s: float, decode_s: float,
+                computed: int | None = None) -> GenStats:
         steps = max(generated - 1, 0)
+        computed = prompt if computed is None else computed
         return cls(
             prompt_tokens=prompt,
             generated_tokens=generated,
             prefill_s=prefill_s,
             decode_s=decode_s,
-            prefill_tok_s=prompt / prefill_s if prefill_s > 0 else 0.0,
+            prefill_tok_s=computed / prefill_s if computed and prefill_s > 0 else 0.0,
             decode_tok_s=steps / decode_s if decode_s > 0 else 0.0,
         )
 
@@ -210,14 +214,14 @@ def _run(
     session: SessionLike | None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[GenEvent]:
-    generated, prefill_s, decode_s = 0, 0.0, 0.0
+    generated, prefill_s, decode_s, reuse = 0, 0.0, 0.0, 0
 
     def done(reason: str) -> DoneEvent:
         finished = getattr(engine, "request_finished", None)  # store: save profile, re-pin
         if finished is not None:
             finished()
-        return DoneEvent(reason, GenStats.measure(len(ids), generated, prefill_s, decode_s),
-                         matcher.matched)
+        stats = GenStats.measure(len(ids), generated, prefill_s, decode_s, len(ids) - reuse)
+        return DoneEvent(reason, stats, matcher.matched)
 
     if cancel is not None and cancel.is_set():
         yield done("cancelled")

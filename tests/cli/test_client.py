@@ -66,3 +66,11 @@ def test_progress_line_shows_on_a_terminal_only_and_erases_itself() -> None:
     quiet.show("anything")
     quiet.clear()
     assert piped.getvalue() == ""
+
+
+def test_prefill_rate_says_when_the_prompt_was_all_cached() -> None:
+    from colibri_cli.render import prefill_rate
+
+    assert prefill_rate({"prefill_tok_s": "106.3"}) == "prefill 106.3 tok/s"
+    assert prefill_rate({"prefill_tok_s": "0.0", "cached": "38"}) == "prompt fully cached"
+    assert prefill_rate({}) == "prefill ? tok/s"

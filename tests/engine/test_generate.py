@@ -311,3 +311,6 @@ def test_stats_line():
         "12 prompt + 21 generated tokens, prefill 24.0 tok/s, decode 10.0 tok/s")
     assert "decode 2.000 s" in stats.as_line(verbose=True)
     assert GenStats.measure(1, 1, 0.0, 0.0).decode_tok_s == 0.0
+    # only computed prompt tokens count: 3 of 12 in 0.5 s, none at all for a cached prompt
+    assert GenStats.measure(12, 21, 0.5, 2.0, computed=3).prefill_tok_s == 6.0
+    assert GenStats.measure(12, 21, 1e-6, 2.0, computed=0).prefill_tok_s == 0.0
