@@ -39,8 +39,13 @@ class DaemonState:
         return ["1", f"colibrid/{__version__}", f"model={self.model_name}"]
 
     def expert_bytes(self) -> int:
-        layout = self.engine.experts.layout
-        return 3 * layout.hidden * layout.ffn * 4  # f32 resident experts
+        """Bytes of one resident expert as stored (int4 experts take a fraction of f32)."""
+        store = self.engine.experts
+        getter = getattr(store, "get", None)
+        if getter is not None and store.layers:
+            return int(getter(store.layers[0], 0).nbytes)
+        layout = store.layout
+        return 3 * layout.hidden * layout.ffn * 4
 
     def tiers(self) -> dict[str, Any]:
         store = self.engine.experts

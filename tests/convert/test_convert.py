@@ -217,3 +217,24 @@ def test_order_reads_the_stores_usage_and_cooccurrence(tmp_path: Path) -> None:
     assert (tmp_path / ".coli_usage.cooc.npz").is_file()
     order = ExpertOrderProfile.load(path).order(1, list(range(8)))
     assert order[:2] == [2, 6]
+
+
+def test_status_reports_resident_experts_at_their_stored_size(converted) -> None:
+    """`colibri ps` counts an int4-g64 expert at its int4 bytes, not as f32."""
+    from types import SimpleNamespace
+
+    from colibrid.engine.engine import Engine
+    from colibrid.serve.state import DaemonState
+
+    _, dst = converted("f32")
+    engine = Engine.load(dst)
+    try:
+        store = engine.experts
+        one = store.get(store.layers[0], 0)
+        assert one.gate.fmt.value == "q4"
+        stored = DaemonState.expert_bytes(SimpleNamespace(engine=engine))  # type: ignore[arg-type]
+        assert stored == one.nbytes
+        layout = store.layout
+        assert stored < 3 * layout.hidden * layout.ffn  # under a byte per weight
+    finally:
+        engine.close()
