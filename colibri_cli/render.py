@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TextIO
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TextIO, TypeVar
+
+from colibri_protocol.messages import Progress
+
+T = TypeVar("T")
 
 
 def table(rows: Sequence[Sequence[object]]) -> str:
@@ -43,6 +48,17 @@ class ProgressLine:
             self.stream.write("\r\x1b[K")
             self.stream.flush()
             self.shown = False
+
+    def around(self, events: Iterable[T]) -> Iterator[T]:
+        """A request's events without its PROGRESS lines, which are shown here instead
+        (and erased before any other event reaches the caller)."""
+        started = time.monotonic()
+        for event in events:
+            if isinstance(event, Progress):
+                self.show(prefill_text(event.done, event.total, time.monotonic() - started))
+                continue
+            self.clear()
+            yield event
 
 
 def prefill_text(done: int, total: int, elapsed_s: float) -> str:

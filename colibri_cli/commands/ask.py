@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Sequence
 
-from colibri_protocol.messages import Accept, Data, Done, Progress, Submit
+from colibri_protocol.messages import Accept, Data, Done, Submit
 
 from colibri_cli.client import ClientError, ensure_daemon, model_name
-from colibri_cli.render import ProgressLine, prefill_rate, prefill_text
+from colibri_cli.render import ProgressLine, prefill_rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,13 +93,8 @@ def main(argv: Sequence[str]) -> int:
     rid = client.next_id()
     submit = make_submit(args, rid, text)
     status = ProgressLine(sys.stderr)
-    started = time.monotonic()
     try:
-        for event in client.generate(submit):
-            if isinstance(event, Progress):
-                status.show(prefill_text(event.done, event.total, time.monotonic() - started))
-                continue
-            status.clear()
+        for event in status.around(client.generate(submit)):
             if isinstance(event, Data):
                 out.write(json.dumps({"text": event.text}) + "\n" if args.json else event.text)
                 out.flush()

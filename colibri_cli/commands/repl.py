@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from colibri_protocol import home
 from colibri_protocol.codec import encode_line
-from colibri_protocol.messages import Data, Done, Progress, Submit
+from colibri_protocol.messages import Data, Done, Submit
 
 from colibri_cli.client import Client, ClientError, ensure_daemon, model_name
-from colibri_cli.render import ProgressLine, prefill_rate, prefill_text
+from colibri_cli.render import ProgressLine, prefill_rate
 
 HELP = """commands:
   /help                 this help
@@ -68,13 +67,8 @@ def stream_answer(client: Client, chat: Chat, text: str) -> None:
     rid = client.next_id()
     answer: list[str] = []
     status = ProgressLine(sys.stdout)
-    started = time.monotonic()
     try:
-        for event in client.generate(chat.request(rid, text)):
-            if isinstance(event, Progress):
-                status.show(prefill_text(event.done, event.total, time.monotonic() - started))
-                continue
-            status.clear()
+        for event in status.around(client.generate(chat.request(rid, text))):
             if isinstance(event, Data):
                 answer.append(event.text)
                 sys.stdout.write(event.text)

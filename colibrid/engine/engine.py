@@ -38,7 +38,8 @@ class LoadInfo:
 
 class Engine:
     def __init__(self, checkpoint: Checkpoint, model: Any, args: Any, experts: Any,
-                 family: KernelFamily, max_context: int, info: LoadInfo) -> None:
+                 family: KernelFamily, max_context: int, info: LoadInfo,
+                 kv_budget_bytes: int | None = None) -> None:
         self.checkpoint = checkpoint
         self.model = model
         self.args = args
@@ -48,7 +49,7 @@ class Engine:
         self.info = info
         # The KV share of the memory budget (one sequence at the full context): what kept
         # sessions may hold between requests (engine.sessions.SessionPool).
-        self.kv_budget_bytes: int | None = None
+        self.kv_budget_bytes = kv_budget_bytes
 
     @property
     def vocab_size(self) -> int:
@@ -93,9 +94,7 @@ class Engine:
                 attach(model, experts)
         info = LoadInfo(str(model_type), args.trunk.num_hidden_layers,
                         time.perf_counter() - started)
-        engine = cls(checkpoint, model, args, experts, family, context, info)
-        engine.kv_budget_bytes = kv
-        return engine
+        return cls(checkpoint, model, args, experts, family, context, info, kv)
 
     def new_session(self) -> Session:
         return Session(self)
@@ -192,9 +191,8 @@ class Session:
         return dict(self._prompt_logits)
 
     def logits_at(self, length: int) -> np.ndarray | None:
-        """The remembered logits after exactly `length` held tokens, if any."""
-        if length > self.length:
-            return None
+        """The remembered logits after exactly `length` held tokens, if any (`truncate`
+        forgets those past what is held)."""
         return self._prompt_logits.get(length)
 
     def common_prefix(self, token_ids: Sequence[int]) -> int:

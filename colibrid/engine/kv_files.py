@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from colibrid.engine.engine import Session
 from colibrid.engine.kv import KVCache
 from colibrid.paths import atomic_file
 
@@ -38,8 +39,8 @@ FORMAT = 1
 def identity(engine: Any) -> str:
     """What the KV of this engine depends on, as a hex digest."""
     ckpt = engine.checkpoint
-    files = sorted((f.path.name, f.path.stat().st_size, f.path.stat().st_mtime_ns)
-                   for f in ckpt.files)
+    stats = [(f.path.name, f.path.stat()) for f in ckpt.files]
+    files = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats)
     facts = {"format": FORMAT, "config": ckpt.config, "files": files,
              "family": engine.family.name, "layouts": engine.model.cache_layouts()}
     text = json.dumps(facts, sort_keys=True, default=str)
@@ -96,9 +97,7 @@ def _arrays(session: Any, ident: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _session(path: Path, engine: Any, ident: str) -> Any:
-    from colibrid.engine.engine import Session
-
+def _session(path: Path, engine: Any, ident: str) -> Session:
     with np.load(path, allow_pickle=False) as z:
         if bytes(_member(z, "identity", 64)).decode("ascii", "replace") != ident:
             raise ValueError("computed by another model, kernel family or model version")

@@ -348,19 +348,37 @@ static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, fl
     return 1;
 }
 
-/* sum over one 64-weight block at p of (q - 8) * x, as 8 lanes (lane j: weights 8j..). */
-ALWAYS_INLINE __m256 q4_block_f32(const uint8_t *p, const float *xb) {
+/* The 64 weights of the block at p widened to f32 as (q - 8) * 2^28 (each code lands in
+ * the top byte of an int32 lane; prep_f32 scales x by 2^-28 to match): w[2m] pairs with
+ * xb + 16m, w[2m + 1] with xb + 16m + 8. */
+ALWAYS_INLINE void q4_widen(const uint8_t *p, __m256 w[8]) {
     const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x88));
     const __m256i mf0 = _mm256_set1_epi8((char)0xf0);
     const __m256i hi = _mm256_and_si256(v, mf0);
     const __m256i lo = _mm256_and_si256(_mm256_slli_epi16(v, 4), mf0);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
     for (int m = 0; m < 4; m++) {
         const __m256i sel = _mm256_loadu_si256((const __m256i *)q4_top_byte[m]);
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, sel)), _mm256_loadu_ps(xb + 16 * m), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, sel)), _mm256_loadu_ps(xb + 16 * m + 8), a1);
+        w[2 * m] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, sel));
+        w[2 * m + 1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, sel));
+    }
+}
+
+/* sum over one widened block of w * x, as 8 lanes (lane j: weights 8j..): two FMA
+ * chains, the one order every Q4 F32 path uses (single rows and prefill batches alike). */
+ALWAYS_INLINE __m256 q4_dot_widened(const __m256 w[8], const float *xb) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int m = 0; m < 4; m++) {
+        a0 = _mm256_fmadd_ps(w[2 * m], _mm256_loadu_ps(xb + 16 * m), a0);
+        a1 = _mm256_fmadd_ps(w[2 * m + 1], _mm256_loadu_ps(xb + 16 * m + 8), a1);
     }
     return _mm256_add_ps(a0, a1);
+}
+
+/* sum over one 64-weight block at p of (q - 8) * x, as 8 lanes. */
+ALWAYS_INLINE __m256 q4_block_f32(const uint8_t *p, const float *xb) {
+    __m256 w[8];
+    q4_widen(p, w);
+    return q4_dot_widened(w, xb);
 }
 
 /* Where a Q4 weight's scale groups fall on its 64-element blocks (q4_row's MODE). */
@@ -420,20 +438,6 @@ ALWAYS_INLINE float q4_row(const mm_job *j, const int MODE, const uint8_t *row, 
     return hsum_ps(tot);
 }
 
-/* The 64 weights of the block at p as (q - 8) * 2^24-scaled f32 in q4_block_f32's order:
- * w[2m] pairs with xb + 16m, w[2m + 1] with xb + 16m + 8. */
-ALWAYS_INLINE void q4_widen(const uint8_t *p, __m256 w[8]) {
-    const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x88));
-    const __m256i mf0 = _mm256_set1_epi8((char)0xf0);
-    const __m256i hi = _mm256_and_si256(v, mf0);
-    const __m256i lo = _mm256_and_si256(_mm256_slli_epi16(v, 4), mf0);
-    for (int m = 0; m < 4; m++) {
-        const __m256i sel = _mm256_loadu_si256((const __m256i *)q4_top_byte[m]);
-        w[2 * m] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, sel));
-        w[2 * m + 1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, sel));
-    }
-}
-
 /* q4_row for QN activation rows at once (prefill): each block's weights are widened once
  * and applied to every row, and each row keeps its own accumulators through exactly
  * q4_block_f32's and q4_scale_block's operations in q4_row's order, so every output is
@@ -452,15 +456,9 @@ ALWAYS_INLINE void q4_rows_n(const mm_job *j, const int MODE, const uint8_t *row
         if ((b & 1) == 0) _mm_prefetch((const char *)row + 32 * (size_t)b + PF_AHEAD, _MM_HINT_T0);
         __m256 w[8];
         q4_widen(b + 1 < nblk ? row + 32 * (size_t)b : last, w);
-        for (int n = 0; n < QN; n++) {
-            const float *xb = x[n] + 64 * (size_t)b;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-            for (int m = 0; m < 4; m++) {
-                a0 = _mm256_fmadd_ps(w[2 * m], _mm256_loadu_ps(xb + 16 * m), a0);
-                a1 = _mm256_fmadd_ps(w[2 * m + 1], _mm256_loadu_ps(xb + 16 * m + 8), a1);
-            }
-            tot[n] = q4_scale_block(j, MODE, qp, sc, b, nblk, _mm256_add_ps(a0, a1), tot[n], &gacc[n], &cnt[n]);
-        }
+        for (int n = 0; n < QN; n++)
+            tot[n] = q4_scale_block(j, MODE, qp, sc, b, nblk, q4_dot_widened(w, x[n] + 64 * (size_t)b), tot[n],
+                                    &gacc[n], &cnt[n]);
     }
     for (int n = 0; n < QN; n++) r[n] = hsum_ps(tot[n]);
 }
