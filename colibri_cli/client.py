@@ -167,13 +167,17 @@ def ensure_demo(model: str | None, stderr: TextIO) -> None:
         text = config.read_text(encoding="utf-8") if config.is_file() else ""
     except OSError:
         text = ""
-    if model is None and any(line.strip().startswith("default_model")
-                             for line in text.splitlines()):
+    if model is None and any(
+        line.strip().startswith("default_model") for line in text.splitlines()
+    ):
         return
     if (root / "models" / "demo" / "manifest.json").is_file():
         return
-    print("colibri: no model configured; pulling the demo model (SmolLM2-135M-Instruct "
-          "upcycled to a 16-expert MoE, ~93 MB download) — once", file=stderr)
+    print(
+        "colibri: no model configured; pulling the demo model (SmolLM2-135M-Instruct "
+        "upcycled to a 16-expert MoE, ~93 MB download) — once",
+        file=stderr,
+    )
     cmd = [sys.executable, "-m", "colibri_cli", "pull", "demo"]
     try:
         stderr.fileno()
@@ -182,8 +186,10 @@ def ensure_demo(model: str | None, stderr: TextIO) -> None:
         result = subprocess.run(cmd, capture_output=True, text=True)
         stderr.write(result.stdout + result.stderr)
     if result.returncode != 0:
-        raise ClientError("could not pull the demo model (see above); "
-                          "`colibri pull demo --from FILE.gguf` works offline")
+        raise ClientError(
+            "could not pull the demo model (see above); "
+            "`colibri pull demo --from FILE.gguf` works offline"
+        )
 
 
 def ensure_daemon(model: str | None = None, *, stderr: TextIO = sys.stderr) -> Client:

@@ -13,13 +13,17 @@ from collections.abc import Callable, Sequence
 from colibri_cli import __version__
 
 BENCH_SUITES: dict[str, tuple[str, str]] = {
-    "kernels": ("colibrid.bench.kernels",
-                "effective weight GB/s of each kernel path next to measured memory bandwidth"),
+    "kernels": (
+        "colibrid.bench.kernels",
+        "effective weight GB/s of each kernel path next to measured memory bandwidth",
+    ),
     "stream": ("colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"),
     "replay": ("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
     "policy": ("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),
-    "routing": ("colibrid.bench.routing",
-                "per-layer expert skew and code-vs-prose difference on the built-in profiles"),
+    "routing": (
+        "colibrid.bench.routing",
+        "per-layer expert skew and code-vs-prose difference on the built-in profiles",
+    ),
 }
 
 
@@ -32,8 +36,10 @@ def _run_bench(argv: Sequence[str]) -> int:
         return 0 if argv else 2
     suite, rest = argv[0], list(argv[1:])
     if suite not in BENCH_SUITES:
-        print(f"colibri bench: unknown suite {suite!r} (choose from {', '.join(BENCH_SUITES)})",
-              file=sys.stderr)
+        print(
+            f"colibri bench: unknown suite {suite!r} (choose from {', '.join(BENCH_SUITES)})",
+            file=sys.stderr,
+        )
         return 2
     import importlib
 
@@ -81,14 +87,22 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "ps": (_lazy("ps"), "what the daemon runs: model, profile, tiers, hit rate, queue"),
     "profile": (_lazy("profile"), "usage profiles: list | show | use | save | warm"),
     "bench": (_run_bench, "measure kernels (and later streaming, policies) against the machine"),
-    "convert": (_colibrid_command("colibrid.convert.convert", "convert"),
-                "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container"),
-    "pull": (_colibrid_command("colibrid.convert.demo", "pull"),
-             "fetch and build the built-in demo model (`colibri pull demo`)"),
-    "inspect": (_colibrid_command("colibrid.convert.inspect", "inspect"),
-                "describe a container: architecture, formats, expert size, totals"),
-    "synth": (_colibrid_command("colibrid.convert.synth", "synth"),
-              "write a synthetic container with real per-layer shapes for benchmarks"),
+    "convert": (
+        _colibrid_command("colibrid.convert.convert", "convert"),
+        "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container",
+    ),
+    "pull": (
+        _colibrid_command("colibrid.convert.demo", "pull"),
+        "fetch and build the built-in demo model (`colibri pull demo`)",
+    ),
+    "inspect": (
+        _colibrid_command("colibrid.convert.inspect", "inspect"),
+        "describe a container: architecture, formats, expert size, totals",
+    ),
+    "synth": (
+        _colibrid_command("colibrid.convert.synth", "synth"),
+        "write a synthetic container with real per-layer shapes for benchmarks",
+    ),
 }
 
 

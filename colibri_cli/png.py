@@ -10,8 +10,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 # dark blue -> purple -> orange -> pale yellow (a small "inferno"-like ramp)
-_RAMP = [(0, 0, 4), (40, 11, 84), (101, 21, 110), (159, 42, 99), (212, 72, 66),
-         (245, 125, 21), (250, 193, 39), (252, 255, 164)]
+_RAMP = [
+    (0, 0, 4),
+    (40, 11, 84),
+    (101, 21, 110),
+    (159, 42, 99),
+    (212, 72, 66),
+    (245, 125, 21),
+    (250, 193, 39),
+    (252, 255, 164),
+]
 
 
 def color(x: float) -> tuple[int, int, int]:
@@ -44,11 +52,14 @@ def write_heatmap(path: Path, counts: Sequence[Sequence[int]], *, cell: int = 8)
             line += bytes(color(row[x] if x < len(row) else 0.0)) * cell_w
         for _ in range(cell):
             raw += b"\x00" + line
+
     def chunk(tag: bytes, data: bytes) -> bytes:
         body = tag + data
         return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2,
-                                                            0, 0, 0))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(
+        b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    )
     png += chunk(b"IDAT", zlib.compress(bytes(raw), 9)) + chunk(b"IEND", b"")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(png)

@@ -14,8 +14,9 @@ T = TypeVar("T")
 def table(rows: Sequence[Sequence[object]]) -> str:
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                     for row in cells)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
 
 
 def duration(seconds: float) -> str:

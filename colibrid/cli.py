@@ -55,8 +55,12 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (default: read stdin)")
-    src.add_argument("--ids", type=_token_ids, metavar="1,2,3",
-                     help="prompt as token ids (implies --raw; no tokenizer needed with --ids-out)")
+    src.add_argument(
+        "--ids",
+        type=_token_ids,
+        metavar="1,2,3",
+        help="prompt as token ids (implies --raw; no tokenizer needed with --ids-out)",
+    )
     p.add_argument("--system", metavar="TEXT", help="system message for the chat template")
     p.add_argument("--raw", action="store_true", help="send the text as-is, no chat template")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N")
@@ -64,12 +68,25 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
     p.add_argument("--seed", type=int, default=None, metavar="S")
-    p.add_argument("--stop", action="extend", nargs="+", default=[], metavar="STR",
-                   help="stop when this text appears (repeatable)")
-    p.add_argument("--ids-out", action="store_true",
-                   help="print the generated token ids (comma-separated) instead of text")
-    p.add_argument("--kernel-family", choices=("f32", "i8"), default="f32",
-                   help="kernel arithmetic (i8 is lossy, opt-in)")
+    p.add_argument(
+        "--stop",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="STR",
+        help="stop when this text appears (repeatable)",
+    )
+    p.add_argument(
+        "--ids-out",
+        action="store_true",
+        help="print the generated token ids (comma-separated) instead of text",
+    )
+    p.add_argument(
+        "--kernel-family",
+        choices=("f32", "i8"),
+        default="f32",
+        help="kernel arithmetic (i8 is lossy, opt-in)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="more statistics on stderr")
     add_store_arguments(p)
 
@@ -77,13 +94,21 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
 def add_store_arguments(p: argparse.ArgumentParser) -> None:
     """The expert-placement knobs (same names as `colibrid start` and config.toml keys)."""
     g = p.add_argument_group("expert placement (never changes tokens)")
-    g.add_argument("--ram-gb", type=float, metavar="N", help="RAM budget (default: 88%% of "
-                   "available memory)")
-    g.add_argument("--cache", type=int, metavar="N",
-                   help="experts per layer in the RAM cache (overrides the budget)")
+    g.add_argument(
+        "--ram-gb", type=float, metavar="N", help="RAM budget (default: 88%% of available memory)"
+    )
+    g.add_argument(
+        "--cache",
+        type=int,
+        metavar="N",
+        help="experts per layer in the RAM cache (overrides the budget)",
+    )
     g.add_argument("--pin", choices=("off", "auto", "all"), help="pinned hot store")
-    g.add_argument("--pilot", choices=("on", "off", "auto"),
-                   help="lookahead prefetch (auto: on when experts stream from disk)")
+    g.add_argument(
+        "--pilot",
+        choices=("on", "off", "auto"),
+        help="lookahead prefetch (auto: on when experts stream from disk)",
+    )
     g.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     g.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
     g.add_argument("--profile", metavar="PATH", help="usage profile (.coli_usage) to learn from")
@@ -93,8 +118,11 @@ def store_options(args: argparse.Namespace):  # -> StoreOptions (lazy import)
     """StoreOptions from the flags; any placement flag selects the tiered store."""
     from colibrid.store.options import StoreOptions
 
-    given = {k: getattr(args, k) for k in ("ram_gb", "cache", "pin", "pilot", "io_threads",
-                                           "direct", "profile") if getattr(args, k) is not None}
+    given = {
+        k: getattr(args, k)
+        for k in ("ram_gb", "cache", "pin", "pilot", "io_threads", "direct", "profile")
+        if getattr(args, k) is not None
+    }
     if "direct" in given:
         given["direct"] = given["direct"] == "on"
     try:
@@ -113,8 +141,9 @@ def _read_stdin() -> str:
         raise RequestError("stdin is not valid UTF-8") from None
 
 
-def _prompt_ids(args: argparse.Namespace, text: str | None,
-                codec: TextCodec | None) -> tuple[list[int], str]:
+def _prompt_ids(
+    args: argparse.Namespace, text: str | None, codec: TextCodec | None
+) -> tuple[list[int], str]:
     if args.ids is not None:
         return args.ids, "ids"
     assert codec is not None and text is not None
@@ -134,15 +163,21 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     if args.prompt is None and args.ids is None and (sys.stdin is None or sys.stdin.isatty()):
         args.parser.error("no prompt: give --prompt TEXT, --ids 1,2,3 or pipe text on stdin")
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              stop=tuple(args.stop))
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
     except RequestError as exc:
         args.parser.error(str(exc))
 
 
-def _text_side(args: argparse.Namespace, model: Path,
-               params: SamplingParams) -> tuple[TextCodec | None, frozenset[int]]:
+def _text_side(
+    args: argparse.Namespace, model: Path, params: SamplingParams
+) -> tuple[TextCodec | None, frozenset[int]]:
     """The tokenizer (None for --ids with --ids-out: it may not exist) and the stop ids."""
     from colibrid.engine.tokenizer import TextCodec, load_stop_token_ids
 
@@ -171,12 +206,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from colibrid.engine.engine import Engine  # lazy: loads numpy, native kernels
 
-    engine = Engine.load(model, family=KernelFamily(args.kernel_family),
-                         store=store_options(args))
+    engine = Engine.load(model, family=KernelFamily(args.kernel_family), store=store_options(args))
     if args.verbose:
-        print(f"colibri: model {model}, family {args.kernel_family}, {mode} prompt of "
-              f"{len(prompt)} tokens, {len(stops)} stop ids, context {engine.max_context}",
-              file=sys.stderr)
+        print(
+            f"colibri: model {model}, family {args.kernel_family}, {mode} prompt of "
+            f"{len(prompt)} tokens, {len(stops)} stop ids, context {engine.max_context}",
+            file=sys.stderr,
+        )
     detok = StreamingDetokenizer(codec) if codec else None
     out_ids: list[int] = []
     for event in generate(engine, prompt, params, stop_token_ids=stops, detokenizer=detok):
@@ -200,13 +236,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("generate", "run one prompt and stream the answer", _configure_generate,
-            _run_generate),
-    Command("start", "start the daemon in the background", control.configure_start,
-            control.start),
+    Command("generate", "run one prompt and stream the answer", _configure_generate, _run_generate),
+    Command("start", "start the daemon in the background", control.configure_start, control.start),
     Command("stop", "stop the daemon gracefully", control.configure_stop, control.stop),
-    Command("status", "is the daemon running, and with what", control.configure_status,
-            control.status),
+    Command(
+        "status", "is the daemon running, and with what", control.configure_status, control.status
+    ),
     Command("run", "run the daemon in the foreground", control.configure_run, control.run),
 )
 

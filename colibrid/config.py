@@ -59,8 +59,9 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
             raise ConfigError(f"{paths.config}: {exc}") from None
     unknown = sorted(set(values) - set(FIELDS))
     if unknown:
-        raise ConfigError(f"{paths.config}: unknown setting(s) {', '.join(unknown)} "
-                          f"(known: {', '.join(FIELDS)})")
+        raise ConfigError(
+            f"{paths.config}: unknown setting(s) {', '.join(unknown)} (known: {', '.join(FIELDS)})"
+        )
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         settings = Settings(**values)
@@ -79,11 +80,15 @@ def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
     follow the active usage profile (the daemon's profile book), so AUTOPIN is off here."""
     from colibrid.store.options import StoreOptions
 
-    given = {k: getattr(settings, k) for k in ("ram_gb", "cache", "pilot", "io_threads",
-                                               "direct") if getattr(settings, k) is not None}
+    given = {
+        k: getattr(settings, k)
+        for k in ("ram_gb", "cache", "pilot", "io_threads", "direct")
+        if getattr(settings, k) is not None
+    }
     try:
-        return StoreOptions(mode="tiered" if given else "auto", pin="off", save_profile=False,
-                            **given)
+        return StoreOptions(
+            mode="tiered" if given else "auto", pin="off", save_profile=False, **given
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -106,7 +111,8 @@ def resolve_model(paths: Paths, name: str | None) -> Path:
             raise ConfigError(
                 f"no model given and no default configured, and the demo model is not in "
                 f"{paths.models / DEMO_MODEL}: run `colibri pull demo`, pass --model NAME|DIR "
-                f'or add `default_model = "NAME"` to {paths.config}')
+                f'or add `default_model = "NAME"` to {paths.config}'
+            )
         name = DEMO_MODEL
     candidate = Path(name).expanduser()
     if candidate.is_dir():

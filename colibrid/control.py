@@ -26,26 +26,48 @@ from colibrid.serve import socket_server
 
 
 def configure_daemon(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="NAME|DIR", help="model to serve (default: "
-                   "default_model in config.toml)")
-    p.add_argument("--ram-gb", type=float, metavar="N",
-                   help="memory budget (default: 88%% of available memory)")
-    p.add_argument("--cache", type=int, metavar="N",
-                   help="experts per layer in the RAM cache (overrides the budget)")
-    p.add_argument("--pilot", choices=("on", "off", "auto"),
-                   help="lookahead prefetch (auto: on when experts stream from disk)")
+    p.add_argument(
+        "--model", metavar="NAME|DIR", help="model to serve (default: default_model in config.toml)"
+    )
+    p.add_argument(
+        "--ram-gb",
+        type=float,
+        metavar="N",
+        help="memory budget (default: 88%% of available memory)",
+    )
+    p.add_argument(
+        "--cache",
+        type=int,
+        metavar="N",
+        help="experts per layer in the RAM cache (overrides the budget)",
+    )
+    p.add_argument(
+        "--pilot",
+        choices=("on", "off", "auto"),
+        help="lookahead prefetch (auto: on when experts stream from disk)",
+    )
     p.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     p.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
-    p.add_argument("--socket", metavar="PATH", help="socket path (default "
-                   "$COLIBRI_HOME/run/colibrid.sock)")
-    p.add_argument("--http", metavar="HOST:PORT", help="serve the OpenAI/Anthropic HTTP API "
-                   "(a bare PORT binds 127.0.0.1; config.toml key `http`)")
+    p.add_argument(
+        "--socket", metavar="PATH", help="socket path (default $COLIBRI_HOME/run/colibrid.sock)"
+    )
+    p.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve the OpenAI/Anthropic HTTP API "
+        "(a bare PORT binds 127.0.0.1; config.toml key `http`)",
+    )
 
 
 def configure_start(p: argparse.ArgumentParser) -> None:
     configure_daemon(p)
-    p.add_argument("--wait", type=float, default=600.0, metavar="S",
-                   help="how long to wait for the model to load")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="how long to wait for the model to load",
+    )
 
 
 def configure_run(p: argparse.ArgumentParser) -> None:
@@ -82,17 +104,27 @@ def run(args: argparse.Namespace) -> int:
     ready_fd = args.ready_fd
     try:
         paths = Paths.from_env(args.socket)
-        settings = load_settings(paths, default_model=args.model, ram_gb=args.ram_gb,
-                                 socket=args.socket, cache=args.cache, pilot=args.pilot,
-                                 io_threads=args.io_threads, http=args.http,
-                                 direct=None if args.direct is None else args.direct == "on")
+        settings = load_settings(
+            paths,
+            default_model=args.model,
+            ram_gb=args.ram_gb,
+            socket=args.socket,
+            cache=args.cache,
+            pilot=args.pilot,
+            io_threads=args.io_threads,
+            http=args.http,
+            direct=None if args.direct is None else args.direct == "on",
+        )
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
     except ColibriError as exc:
         _say(ready_fd, f"ERROR {exc}")
         raise
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     try:
         socket_server.remove_stale(paths)
         atomic_write(paths.pidfile, f"{os.getpid()}\n")
@@ -122,27 +154,43 @@ def start(args: argparse.Namespace) -> int:
     if socket_server.lock_is_held(paths):
         pid = socket_server.read_pid(paths)
         raise socket_server.AlreadyRunning(
-            f"colibrid is already running on {paths.socket}" + (f" (pid {pid})" if pid else "")
-            + "; `colibrid stop` stops it")
+            f"colibrid is already running on {paths.socket}"
+            + (f" (pid {pid})" if pid else "")
+            + "; `colibrid stop` stops it"
+        )
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "colibrid", "run", "--ready-fd", str(write_fd)]
-    for flag, value in (("--model", args.model), ("--ram-gb", args.ram_gb),
-                        ("--socket", args.socket), ("--cache", args.cache),
-                        ("--pilot", args.pilot), ("--io-threads", args.io_threads),
-                        ("--direct", args.direct), ("--http", args.http)):
+    for flag, value in (
+        ("--model", args.model),
+        ("--ram-gb", args.ram_gb),
+        ("--socket", args.socket),
+        ("--cache", args.cache),
+        ("--pilot", args.pilot),
+        ("--io-threads", args.io_threads),
+        ("--direct", args.direct),
+        ("--http", args.http),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     with open(paths.log, "ab") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                pass_fds=(write_fd,), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+        )
     os.close(write_fd)
     lines = _read_ready(read_fd, args.wait)
     ready = next((line for line in lines if line.startswith("READY ")), None)
     if ready is None:
         errors = [line[6:] for line in lines if line.startswith("ERROR ")]
         if proc.poll() is None and not errors:
-            raise ColibriError(f"colibrid did not become ready within {args.wait:g} s "
-                               f"(pid {proc.pid} still loading; see {paths.log})")
+            raise ColibriError(
+                f"colibrid did not become ready within {args.wait:g} s "
+                f"(pid {proc.pid} still loading; see {paths.log})"
+            )
         message = errors[-1] if errors else f"the daemon exited; see {paths.log}"
         raise ColibriError(message)
     _, pid, where = ready.split(" ", 2)
@@ -174,8 +222,9 @@ def stop(args: argparse.Namespace) -> int:
         print("colibrid: not running")
         return 0
     if pid is None:
-        raise ColibriError(f"colibrid holds {paths.lockfile} but wrote no pidfile yet "
-                           "(still starting?); try again")
+        raise ColibriError(
+            f"colibrid holds {paths.lockfile} but wrote no pidfile yet (still starting?); try again"
+        )
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     while socket_server.lock_is_held(paths):
@@ -211,9 +260,11 @@ def status(args: argparse.Namespace) -> int:
                     if args.json:
                         print(json.dumps(body, indent=2))
                     else:
-                        print(f"colibrid: running (pid {body['pid']}), model {body['model']}, "
-                              f"up {body['uptime_s']:.0f} s, profile {body['profile']}, "
-                              f"socket {paths.socket}")
+                        print(
+                            f"colibrid: running (pid {body['pid']}), model {body['model']}, "
+                            f"up {body['uptime_s']:.0f} s, profile {body['profile']}, "
+                            f"socket {paths.socket}"
+                        )
                     return 0
     except OSError as exc:
         raise ColibriError(f"cannot reach the daemon on {paths.socket}: {exc}") from None

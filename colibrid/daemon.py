@@ -45,8 +45,7 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[object, object]:
     from colibrid.engine.engine import Engine
     from colibrid.engine.tokenizer import TextCodec
 
-    engine = Engine.load(model_dir, max_context=settings.max_context,
-                         store=store_options(settings))
+    engine = Engine.load(model_dir, max_context=settings.max_context, store=store_options(settings))
     codec = TextCodec.load(model_dir) if (model_dir / "tokenizer.json").is_file() else None
     return engine, codec
 
@@ -55,8 +54,14 @@ def make_profiles(paths: Paths, settings: Settings, engine: object, name: str) -
     store = engine.experts  # type: ignore[attr-defined]
     total = len(store.layers) * store.layout.n_experts
     model_type = engine.info.model_type  # type: ignore[attr-defined]
-    return ProfileBook(paths.profiles / name, tuple(store.counts.shape), model_type,
-                       settings.profile, pin_target(store), int(total * settings.pin_fraction))
+    return ProfileBook(
+        paths.profiles / name,
+        tuple(store.counts.shape),
+        model_type,
+        settings.profile,
+        pin_target(store),
+        int(total * settings.pin_fraction),
+    )
 
 
 def _save_prompt_cache(host: EngineHost, directory: Path) -> int:
@@ -91,17 +96,23 @@ async def drain(scheduler: Scheduler, grace_s: float) -> None:
         await scheduler.wait_idle()
 
 
-async def serve(settings: Settings, paths: Paths, model_dir: Path,
-                ready: Callable[[str], None]) -> None:
+async def serve(
+    settings: Settings, paths: Paths, model_dir: Path, ready: Callable[[str], None]
+) -> None:
     name = model_dir.name
     if settings.http:
         parse_bind(settings.http, settings.http_api_key)  # refuse before loading the model
     log.info("loading %s", model_dir)
     engine, codec = await trio.to_thread.run_sync(load_model, model_dir, settings)
     book = make_profiles(paths, settings, engine, name)
-    host = EngineHost(engine, codec, max_conversations=settings.max_conversations,
-                      prompt_cache=settings.prompt_cache,
-                      layer_delay_s=settings.debug_layer_delay_s, usage=book)
+    host = EngineHost(
+        engine,
+        codec,
+        max_conversations=settings.max_conversations,
+        prompt_cache=settings.prompt_cache,
+        layer_delay_s=settings.debug_layer_delay_s,
+        usage=book,
+    )
     kv_dir = paths.kv / name
     restored = await trio.to_thread.run_sync(host.restore_prompt_cache, kv_dir)
     if restored:
@@ -111,16 +122,18 @@ async def serve(settings: Settings, paths: Paths, model_dir: Path,
         async with trio.open_nursery() as daemon:
             daemon.start_soon(watch_signals, stopping)
             await daemon.start(host.serve)
-            scheduler = Scheduler(host, max_queue=settings.max_queue,
-                                  max_active=settings.max_active)
+            scheduler = Scheduler(
+                host, max_queue=settings.max_queue, max_active=settings.max_active
+            )
             await daemon.start(scheduler.serve)
             state = DaemonState(name, model_dir, engine, host, scheduler, book)
             state.repin_soon()
             daemon.start_soon(save_profiles, book, settings.profile_save_s)
             try:  # a front that fails to start must still end the engine thread
                 async with trio.open_nursery() as front:
-                    await front.start(serve_socket, paths.socket,
-                                      lambda stream: serve_connection(stream, state))
+                    await front.start(
+                        serve_socket, paths.socket, lambda stream: serve_connection(stream, state)
+                    )
                     where = str(paths.socket)
                     if settings.http:  # the OpenAI/Anthropic API: same scheduler and state
                         urls = await front.start(serve_http, state, settings)

@@ -81,8 +81,10 @@ class Paths:
             if self.run.resolve() != (self.home / "run").resolve():
                 from colibrid.errors import ConfigError
 
-                raise ConfigError(f"the socket directory {self.run} is open to other users "
-                                  f"(mode {mode:o}); put the socket in a private directory")
+                raise ConfigError(
+                    f"the socket directory {self.run} is open to other users "
+                    f"(mode {mode:o}); put the socket in a private directory"
+                )
             os.chmod(self.run, 0o700)
 
 

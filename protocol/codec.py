@@ -46,12 +46,14 @@ def is_valid_id(text: str) -> bool:
 def parse_count(text: str, what: str, request_id: str = "-") -> int:
     """A decimal byte count (digits only, bounded) or BAD_FRAME / TOO_LARGE."""
     if not text.isdigit() or not text.isascii() or len(text) > 10:
-        raise ProtocolError("BAD_FRAME", f"{what} must be a decimal byte count, got {text!r}",
-                            request_id)
+        raise ProtocolError(
+            "BAD_FRAME", f"{what} must be a decimal byte count, got {text!r}", request_id
+        )
     n = int(text)
     if n > MAX_PAYLOAD_BYTES:
-        raise ProtocolError("TOO_LARGE", f"{what} {n} exceeds the limit of {MAX_PAYLOAD_BYTES}",
-                            request_id)
+        raise ProtocolError(
+            "TOO_LARGE", f"{what} {n} exceeds the limit of {MAX_PAYLOAD_BYTES}", request_id
+        )
     return n
 
 
@@ -151,8 +153,9 @@ class FrameDecoder:
                 if len(self._buf) > self._max_line:
                     self._buf.clear()
                     self._skipping = True
-                    return ProtocolError("LINE_TOO_LONG",
-                                         f"line longer than {self._max_line} bytes")
+                    return ProtocolError(
+                        "LINE_TOO_LONG", f"line longer than {self._max_line} bytes"
+                    )
                 return None
             raw = bytes(self._buf[:end])
             del self._buf[: end + 1]
@@ -201,8 +204,11 @@ class FrameDecoder:
             del self._buf[:n]
             self._skipping = True
             rid = args[0] if args and is_valid_id(args[0]) else "-"
-            return ProtocolError("BAD_FRAME", f"payload of {n} bytes is not followed by LF "
-                                 "(is the byte count right?)", rid)
+            return ProtocolError(
+                "BAD_FRAME",
+                f"payload of {n} bytes is not followed by LF (is the byte count right?)",
+                rid,
+            )
         return Frame(kind, args, payload)
 
 

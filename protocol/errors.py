@@ -10,7 +10,7 @@ from __future__ import annotations
 # code -> when it is sent (also the text of SERVE.md's error table)
 CODES: dict[str, str] = {
     "BAD_FRAME": "a line that cannot be parsed: unknown syntax, bad byte count, not UTF-8, "
-                 "payload not followed by LF",
+    "payload not followed by LF",
     "LINE_TOO_LONG": "a header line longer than the limit; the rest of the line is skipped",
     "UNKNOWN_VERB": "a request verb the daemon does not know",
     "BAD_REQUEST": "a well-formed request with invalid content (sampling values, JSON, options)",

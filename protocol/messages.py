@@ -120,8 +120,9 @@ def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
             else:
                 raise ProtocolError("BAD_REQUEST", f"unknown option {key!r}", rid)
         except (ValueError, UnicodeDecodeError):
-            raise ProtocolError("BAD_REQUEST", f"bad value for {key}: {value[:40]!r}",
-                                rid) from None
+            raise ProtocolError(
+                "BAD_REQUEST", f"bad value for {key}: {value[:40]!r}", rid
+            ) from None
     return opts
 
 
@@ -132,12 +133,22 @@ def _messages(text: str, rid: str) -> tuple[dict[str, Any], ...]:
         raise ProtocolError("BAD_REQUEST", f"chat payload is not JSON: {exc}", rid) from None
     if isinstance(value, dict):
         value = value.get("messages")
-    ok = isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str) for m in value)
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
     if not ok:
-        raise ProtocolError("BAD_REQUEST", "chat payload must be a non-empty JSON list of "
-                            '{"role": ..., "content": ...} objects', rid)
+        raise ProtocolError(
+            "BAD_REQUEST",
+            'chat payload must be a non-empty JSON list of {"role": ..., "content": ...} objects',
+            rid,
+        )
     return tuple(value)
 
 
@@ -147,7 +158,7 @@ def _parse_submit(frame: Frame) -> Submit:
     if not is_valid_id(rid):
         raise ProtocolError("BAD_FRAME", f"bad request id {rid[:40]!r} (1-63 of A-Za-z0-9_.:-)")
     pos = positional(args)
-    opts = _options(args[len(pos):], rid)
+    opts = _options(args[len(pos) :], rid)
     if len(pos) >= 6:  # upstream mux form: slot, bytes, max_tokens, temperature, top_p
         try:
             opts.setdefault("max_tokens", int(pos[3]))
@@ -192,8 +203,11 @@ def parse_request(frame: Frame) -> Request:
         return _parse_profile(args)
     if kind in ("PING", "QUIT"):
         return Ping() if kind == "PING" else Quit()
-    raise ProtocolError("UNKNOWN_VERB", f"unknown verb {kind[:40]!r} (try HELLO, SUBMIT, "
-                        "STOP, CANCEL, STATUS, MODEL, TELEMETRY, PROFILE, PING, QUIT)")
+    raise ProtocolError(
+        "UNKNOWN_VERB",
+        f"unknown verb {kind[:40]!r} (try HELLO, SUBMIT, "
+        "STOP, CANCEL, STATUS, MODEL, TELEMETRY, PROFILE, PING, QUIT)",
+    )
 
 
 def _parse_profile(args: Sequence[str]) -> ProfileCommand:
@@ -201,8 +215,9 @@ def _parse_profile(args: Sequence[str]) -> ProfileCommand:
     arity = _PROFILE_ACTIONS.get(action)
     names = args[1:]
     if arity is None or (arity >= 0 and len(names) != arity) or len(names) > 1:
-        raise ProtocolError("BAD_FRAME", "PROFILE needs LIST | SHOW <name> | USE <name> | "
-                            "SAVE [<name>] | FLUSH")
+        raise ProtocolError(
+            "BAD_FRAME", "PROFILE needs LIST | SHOW <name> | USE <name> | SAVE [<name>] | FLUSH"
+        )
     if names and not is_valid_id(names[0]):
         raise ProtocolError("BAD_REQUEST", f"bad profile name {names[0][:40]!r}")
     return ProfileCommand(action, names[0] if names else None)
@@ -315,9 +330,18 @@ def encode_data(rid: str, text: str) -> bytes:
 
 def encode_done(done: Done) -> bytes:
     extras = [f"{k}={v}" for k, v in done.extras.items()]
-    return encode_line("DONE", done.id, "STAT", done.emitted, f"{done.tok_s:.2f}",
-                       f"{done.hit_pct:.1f}", f"{done.rss_gb:.2f}", done.prompt_tokens,
-                       int(done.length_limited), *extras)
+    return encode_line(
+        "DONE",
+        done.id,
+        "STAT",
+        done.emitted,
+        f"{done.tok_s:.2f}",
+        f"{done.hit_pct:.1f}",
+        f"{done.rss_gb:.2f}",
+        done.prompt_tokens,
+        int(done.length_limited),
+        *extras,
+    )
 
 
 def encode_error(rid: str, code: str, message: str) -> bytes:
@@ -341,8 +365,7 @@ def parse_response(frame: Frame) -> Response:
         if kind == "DONE":
             return _parse_done(args)
         if kind == "ERROR":
-            return ErrorReply(args[0], args[1] if len(args) > 1 else "INTERNAL",
-                              " ".join(args[2:]))
+            return ErrorReply(args[0], args[1] if len(args) > 1 else "INTERNAL", " ".join(args[2:]))
         if kind in ("STATUS", "MODEL", "TELEMETRY", "PROFILES", "PROFILE"):
             return Reply(kind, json.loads(frame.payload or b"null"))
     except (IndexError, ValueError) as exc:
@@ -354,5 +377,13 @@ def _parse_done(args: Sequence[str]) -> Done:
     if len(args) < 8 or args[1] != "STAT":
         raise ValueError("DONE needs `DONE <id> STAT` and six fields")
     extras = dict(a.partition("=")[::2] for a in args[8:] if "=" in a)
-    return Done(args[0], int(args[2]), float(args[3]), float(args[4]), float(args[5]),
-                int(args[6]), args[7] == "1", extras)
+    return Done(
+        args[0],
+        int(args[2]),
+        float(args[3]),
+        float(args[4]),
+        float(args[5]),
+        int(args[6]),
+        args[7] == "1",
+        extras,
+    )

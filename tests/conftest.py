@@ -75,17 +75,29 @@ def chat_model(oracle_checkpoint, tmp_path_factory) -> Path:
     ref = oracle_checkpoint("glm4_moe")
     model = tmp_path_factory.mktemp("chat") / "model"
     shutil.copytree(ref.out_dir, model)
-    specials = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                "<think>", "</think>"]
+    specials = [
+        "<|endoftext|>",
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<think>",
+        "</think>",
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["What is the capital of France? Paris, café, 🙂 naïve."] * 50,
-                            trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["What is the capital of France? Paris, café, 🙂 naïve."] * 50, trainer)
     assert tok.get_vocab_size() <= json.loads((model / "config.json").read_text())["vocab_size"]
     tok.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": GLM_TEMPLATE, "eos_token": "<|endoftext|>"}))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": GLM_TEMPLATE, "eos_token": "<|endoftext|>"})
+    )
     return model

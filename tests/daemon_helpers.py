@@ -45,18 +45,34 @@ class Home:
         return self.path / "run" / "colibrid.pid"
 
     def colibrid(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "colibrid", *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "colibrid", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
-    def colibri(self, *args: str, stdin: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "colibri_cli", *args], env=self.env,
-                              capture_output=True, text=True, timeout=timeout, input=stdin)
+    def colibri(
+        self, *args: str, stdin: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "colibri_cli", *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            input=stdin,
+        )
 
     def popen_colibri(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "colibri_cli", *args], env=self.env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        return subprocess.Popen(
+            [sys.executable, "-m", "colibri_cli", *args],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
 
     def start(self) -> None:
         result = self.colibrid("start")

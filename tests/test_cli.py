@@ -16,8 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from colibrid import cli
 
-TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 EOS = 256
 
 
@@ -34,7 +36,8 @@ def _byte_tokenizer() -> Tokenizer:
 def model(tmp_path: Path) -> Path:
     _byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE}))
+        json.dumps({"eos_token": "<eos>", "chat_template": TEMPLATE})
+    )
     return tmp_path
 
 
@@ -55,20 +58,23 @@ def test_help_lists_generate(capsys):
     assert info.value.code == 0 and "generate" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, match", [
-    ([], "required"),
-    (["generate"], "--model"),
-    (["generate", "--model", "m", "--ids", "1,x"], "comma-separated"),
-    (["generate", "--model", "m", "--ids", "-1"], "non-negative"),
-    (["generate", "--model", "m", "--ids", "1", "--prompt", "a"], "not allowed with"),
-    (["generate", "--model", "m", "--prompt", "a", "--raw", "--system", "s"], "--system"),
-    (["generate", "--model", "m", "--ids", "1", "--system", "s"], "--system"),
-    (["generate", "--model", "m", "--prompt", "a", "--temperature", "-1"], "temperature"),
-    (["generate", "--model", "m", "--prompt", "a", "--top-p", "0"], "top_p"),
-    (["generate", "--model", "m", "--prompt", "a", "--max-tokens", "0"], "max_tokens"),
-    (["generate", "--model", "m", "--prompt", "a", "--stop", ""], "non-empty"),
-    (["generate", "--model", "m", "--prompt", "a", "--kernel-family", "f16"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        ([], "required"),
+        (["generate"], "--model"),
+        (["generate", "--model", "m", "--ids", "1,x"], "comma-separated"),
+        (["generate", "--model", "m", "--ids", "-1"], "non-negative"),
+        (["generate", "--model", "m", "--ids", "1", "--prompt", "a"], "not allowed with"),
+        (["generate", "--model", "m", "--prompt", "a", "--raw", "--system", "s"], "--system"),
+        (["generate", "--model", "m", "--ids", "1", "--system", "s"], "--system"),
+        (["generate", "--model", "m", "--prompt", "a", "--temperature", "-1"], "temperature"),
+        (["generate", "--model", "m", "--prompt", "a", "--top-p", "0"], "top_p"),
+        (["generate", "--model", "m", "--prompt", "a", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "--model", "m", "--prompt", "a", "--stop", ""], "non-empty"),
+        (["generate", "--model", "m", "--prompt", "a", "--kernel-family", "f16"], "invalid choice"),
+    ],
+)
 def test_bad_usage_exits_2(argv, match, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(argv)

@@ -22,9 +22,14 @@ def test_settings_from_toml_and_overrides(tmp_path: Path) -> None:
     assert (settings.default_model, settings.max_queue, settings.ram_gb) == ("tiny", 3, 2)
 
 
-@pytest.mark.parametrize("text,needle", [("max_qeue = 3", "unknown setting"),
-                                         ("max_queue = 'x'", "wrong type"),
-                                         ("max_queue = ", "config.toml")])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("max_qeue = 3", "unknown setting"),
+        ("max_queue = 'x'", "wrong type"),
+        ("max_queue = ", "config.toml"),
+    ],
+)
 def test_bad_config_names_the_problem(tmp_path: Path, text: str, needle: str) -> None:
     paths = paths_in(tmp_path)
     paths.config.write_text(text)

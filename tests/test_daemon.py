@@ -26,8 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 
 @pytest.fixture(scope="module")
 def home(chat_model: Path, tmp_path_factory) -> Home:
-    h = Home(tmp_path_factory.mktemp("d"), chat_model, debug_layer_delay_s=0.003,
-             shutdown_grace_s=1.0, profile_save_s=0.5)
+    h = Home(
+        tmp_path_factory.mktemp("d"),
+        chat_model,
+        debug_layer_delay_s=0.003,
+        shutdown_grace_s=1.0,
+        profile_save_s=0.5,
+    )
     h.start()
     yield h
     h.close()
@@ -59,16 +64,39 @@ def test_ask_with_arguments_stdin_and_both(home: Home) -> None:
 
 
 def test_ask_json_lines(home: Home) -> None:
-    result = home.colibri("ask", "--json", "--max-tokens", "6", "--temperature", "0.8",
-                          "--seed", "3", "--top-p", "0.9", "hello")
+    result = home.colibri(
+        "ask",
+        "--json",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--top-p",
+        "0.9",
+        "hello",
+    )
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert lines[-1]["done"] and lines[-1]["generated_tokens"] == 6
     assert all("text" in line for line in lines[:-1])
-    again = home.colibri("ask", "--json", "--max-tokens", "6", "--temperature", "0.8",
-                         "--seed", "3", "--top-p", "0.9", "hello")
+    again = home.colibri(
+        "ask",
+        "--json",
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+        "--top-p",
+        "0.9",
+        "hello",
+    )
     assert [x.get("text") for x in map(json.loads, again.stdout.splitlines())] == [
-        x.get("text") for x in lines]
+        x.get("text") for x in lines
+    ]
 
 
 def test_ask_errors_exit_nonzero(home: Home) -> None:
@@ -156,11 +184,13 @@ def test_a_session_typed_by_hand(home: Home) -> None:
 
 def test_conversation_turn_reuses_kv(home: Home) -> None:
     with Client.connect(home.socket, timeout_s=60) as client:
-        first = list(client.generate(Submit("t1", prompt="Paris is", max_tokens=5,
-                                            conv="chat")))
+        first = list(client.generate(Submit("t1", prompt="Paris is", max_tokens=5, conv="chat")))
         text = "".join(e.text for e in first if isinstance(e, Data))
-        second = list(client.generate(Submit("t2", prompt="Paris is" + text + " and",
-                                             max_tokens=2, conv="chat")))
+        second = list(
+            client.generate(
+                Submit("t2", prompt="Paris is" + text + " and", max_tokens=2, conv="chat")
+            )
+        )
     done = second[-1]
     assert isinstance(done, Done) and int(done.extras["cached"]) >= 3
 
@@ -189,8 +219,7 @@ def test_cancel_during_prefill(chat_model: Path, tmp_path_factory) -> None:
     slow.start()
     try:
         with Client.connect(slow.socket, timeout_s=30) as client:
-            events = client.generate(Submit("p1", prompt="a prompt to prefill",
-                                            max_tokens=50))
+            events = client.generate(Submit("p1", prompt="a prompt to prefill", max_tokens=50))
             next(events)  # ACCEPT: sent before the prefill starts
             t0 = time.monotonic()
             client.send(b"CANCEL p1\n")
@@ -203,8 +232,9 @@ def test_cancel_during_prefill(chat_model: Path, tmp_path_factory) -> None:
         slow.close()
 
 
-def test_long_prefill_reports_progress_to_every_front_end(chat_model: Path,
-                                                          tmp_path_factory) -> None:
+def test_long_prefill_reports_progress_to_every_front_end(
+    chat_model: Path, tmp_path_factory
+) -> None:
     """A prefill longer than a second sends PROGRESS over SERVE, an SSE comment in an
     OpenAI stream and a ping in an Anthropic one; the clients read through them."""
     import anthropic
@@ -214,8 +244,13 @@ def test_long_prefill_reports_progress_to_every_front_end(chat_model: Path,
     from daemon_helpers import free_port
 
     port = free_port()
-    slow = Home(tmp_path_factory.mktemp("g"), chat_model, debug_layer_delay_s=0.6,
-                http=f"127.0.0.1:{port}", prompt_cache=False)  # 3 layers: ~1.8 s each pass
+    slow = Home(
+        tmp_path_factory.mktemp("g"),
+        chat_model,
+        debug_layer_delay_s=0.6,
+        http=f"127.0.0.1:{port}",
+        prompt_cache=False,
+    )  # 3 layers: ~1.8 s each pass
     slow.start()
     try:
         with Client.connect(slow.socket, timeout_s=30) as client:
@@ -224,19 +259,26 @@ def test_long_prefill_reports_progress_to_every_front_end(chat_model: Path,
         assert kinds[:2] == ["Accept", "Progress"] and kinds[-1] == "Done"  # in the prefill
         progress = [e for e in got if isinstance(e, Progress)]
         assert all(0 < p.done < p.total == 3 for p in progress), progress
-        body = {"model": "model", "stream": True, "max_tokens": 1, "temperature": 0,
-                "messages": [{"role": "user", "content": "hi"}]}
-        raw = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
-                         timeout=60).text
+        body = {
+            "model": "model",
+            "stream": True,
+            "max_tokens": 1,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        raw = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60).text
         assert raw.index(": prefill ") < raw.index('"finish_reason": "length"')
-        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                            max_retries=0, timeout=60)
+        oai = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60
+        )
         chunks = list(oai.chat.completions.create(**{**body, "model": "model"}))
         assert chunks[-1].choices[0].finish_reason == "length"
-        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="x",
-                                     max_retries=0)
-        with claude.messages.stream(model="model", max_tokens=1, messages=body["messages"],
-                                    extra_body={"temperature": 0}) as stream:
+        claude = anthropic.Anthropic(
+            base_url=f"http://127.0.0.1:{port}", api_key="x", max_retries=0
+        )
+        with claude.messages.stream(
+            model="model", max_tokens=1, messages=body["messages"], extra_body={"temperature": 0}
+        ) as stream:
             assert stream.get_final_message().stop_reason == "max_tokens"
         raw = httpx.post(f"http://127.0.0.1:{port}/v1/messages", json=body, timeout=60).text
         assert raw.index("event: ping") < raw.index("event: message_stop")
@@ -248,8 +290,17 @@ def test_prompt_cache_survives_a_restart(chat_model: Path, tmp_path_factory) -> 
     home = Home(tmp_path_factory.mktemp("k"), chat_model, shutdown_grace_s=1.0)
     home.start()
     try:
-        ask = ("ask", "--json", "--temperature", "0.8", "--seed", "5", "--max-tokens", "4",
-               "Tell me about rivers")
+        ask = (
+            "ask",
+            "--json",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "5",
+            "--max-tokens",
+            "4",
+            "Tell me about rivers",
+        )
 
         def answer() -> tuple[str, dict]:
             result = home.colibri(*ask)

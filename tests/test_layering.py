@@ -39,20 +39,30 @@ def files(package: str) -> list[Path]:
 
 
 RULES = [
-    ("colibrid/models", ("colibrid.store", "colibrid.backends.cpu", "colibrid.backends.native",
-                         "colibrid.engine")),
+    (
+        "colibrid/models",
+        ("colibrid.store", "colibrid.backends.cpu", "colibrid.backends.native", "colibrid.engine"),
+    ),
     ("colibrid/store", ("colibrid.models", "colibrid.engine", "colibrid.backends.native")),
 ]
 
 
 @pytest.mark.parametrize("package,forbidden", RULES)
 def test_forbidden_imports(package: str, forbidden: tuple[str, ...]) -> None:
-    bad = [(p.relative_to(ROOT), m) for p in files(package) for m in all_imports(p)
-           if m.startswith(forbidden)]
+    bad = [
+        (p.relative_to(ROOT), m)
+        for p in files(package)
+        for m in all_imports(p)
+        if m.startswith(forbidden)
+    ]
     assert not bad, f"layering violations: {bad}"
 
 
 def test_client_imports_no_numpy_or_colibrid_at_module_level() -> None:
-    bad = [(p.relative_to(ROOT), m) for p in files("colibri_cli") for m in module_level_imports(p)
-           if m.split(".")[0] in ("numpy", "colibrid")]
+    bad = [
+        (p.relative_to(ROOT), m)
+        for p in files("colibri_cli")
+        for m in module_level_imports(p)
+        if m.split(".")[0] in ("numpy", "colibrid")
+    ]
     assert not bad, f"client imports heavy modules at import time: {bad}"

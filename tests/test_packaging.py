@@ -22,5 +22,8 @@ def test_every_package_folder_is_listed() -> None:
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert on_disk <= listed, f"missing from pyproject packages: {sorted(on_disk - listed)}"
-    assert config["package-dir"] == {"colibri_protocol": "protocol", "colibri_native": "native",
-                                     "colibri_profiles": "profiles"}
+    assert config["package-dir"] == {
+        "colibri_protocol": "protocol",
+        "colibri_native": "native",
+        "colibri_profiles": "profiles",
+    }

@@ -54,9 +54,16 @@ def read_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> st
 
 
 def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
-    common = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                  top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
-                  profile=args.profile, model=model_name(args.model))
+    common = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        profile=args.profile,
+        model=model_name(args.model),
+    )
     if args.raw:
         return Submit(rid, prompt=text, **common)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -66,16 +73,24 @@ def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
 
 def stats_line(done: Done) -> str:
     x = done.extras
-    return (f"colibri: {done.prompt_tokens} prompt ({x.get('cached', 0)} cached) + "
-            f"{done.emitted} generated tokens, {prefill_rate(x)}, "
-            f"decode {done.tok_s:.1f} tok/s, hit rate {done.hit_pct:.1f}%, "
-            f"finish={done.finish}")
+    return (
+        f"colibri: {done.prompt_tokens} prompt ({x.get('cached', 0)} cached) + "
+        f"{done.emitted} generated tokens, {prefill_rate(x)}, "
+        f"decode {done.tok_s:.1f} tok/s, hit rate {done.hit_pct:.1f}%, "
+        f"finish={done.finish}"
+    )
 
 
 def done_json(done: Done) -> dict[str, object]:
-    return {"done": True, "finish": done.finish, "prompt_tokens": done.prompt_tokens,
-            "generated_tokens": done.emitted, "decode_tok_s": done.tok_s,
-            "hit_pct": done.hit_pct, **{k: v for k, v in done.extras.items() if k != "finish"}}
+    return {
+        "done": True,
+        "finish": done.finish,
+        "prompt_tokens": done.prompt_tokens,
+        "generated_tokens": done.emitted,
+        "decode_tok_s": done.tok_s,
+        "hit_pct": done.hit_pct,
+        **{k: v for k, v in done.extras.items() if k != "finish"},
+    }
 
 
 def main(argv: Sequence[str]) -> int:

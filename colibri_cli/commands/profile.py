@@ -68,10 +68,15 @@ def warm_prompts(name: str) -> list[str]:
         path = folder / "warm.txt"
         if path.is_file():
             return read_prompt_file(path)
-    known = sorted(p.name for p in BUILTIN.iterdir() if (p / "warm.txt").is_file()) \
-        if BUILTIN.is_dir() else []
-    raise ClientError(f"no warm-up prompts for {name!r} (built-in: {', '.join(known)}; your "
-                      f"own go in {home.colibri_home() / 'profiles' / name / 'warm.txt'})")
+    known = (
+        sorted(p.name for p in BUILTIN.iterdir() if (p / "warm.txt").is_file())
+        if BUILTIN.is_dir()
+        else []
+    )
+    raise ClientError(
+        f"no warm-up prompts for {name!r} (built-in: {', '.join(known)}; your "
+        f"own go in {home.colibri_home() / 'profiles' / name / 'warm.txt'})"
+    )
 
 
 def builtin_domains() -> list[str]:
@@ -86,8 +91,9 @@ def do_list(client: Client) -> None:
     names = set()
     for p in body["profiles"]:
         names.add(p["name"])
-        rows.append([p["name"], p["selections"], "*" if p["active"] else "",
-                     "yes" if p["saved"] else "no"])
+        rows.append(
+            [p["name"], p["selections"], "*" if p["active"] else "", "yes" if p["saved"] else "no"]
+        )
     rows += [[d, "-", "", "built-in, not warmed"] for d in builtin_domains() if d not in names]
     print(f"model {body['model']}\n{table(rows)}")
 
@@ -112,12 +118,20 @@ def do_show(client: Client, name: str, png: Path | None) -> None:
 def do_warm(client: Client, name: str, max_tokens: int, limit: int | None) -> None:
     prompts = warm_prompts(name)[:limit]
     for i, prompt in enumerate(prompts, 1):
-        submit = Submit(client.next_id(), messages=({"role": "user", "content": prompt},),
-                        max_tokens=max_tokens, profile=name)
+        submit = Submit(
+            client.next_id(),
+            messages=({"role": "user", "content": prompt},),
+            max_tokens=max_tokens,
+            profile=name,
+        )
         for _ in client.generate(submit):
             pass
-        print(f"\rcolibri: warming {name}: {i}/{len(prompts)} prompts", end="",
-              file=sys.stderr, flush=True)
+        print(
+            f"\rcolibri: warming {name}: {i}/{len(prompts)} prompts",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
     print(file=sys.stderr)
     client.call(encode_line("PROFILE", "FLUSH"), want=("OK",))
     print(f"profile {name} warmed with {len(prompts)} prompts")
@@ -134,8 +148,9 @@ def main(argv: Sequence[str]) -> int:
             elif args.action == "warm":
                 do_warm(client, args.name, args.max_tokens, args.limit)
             else:
-                words = client.call(encode_line("PROFILE", args.action.upper(), args.name),
-                                    want=("OK",))
+                words = client.call(
+                    encode_line("PROFILE", args.action.upper(), args.name), want=("OK",)
+                )
                 print(f"colibri: {' '.join(words).lower()}")
     except ClientError as exc:
         print(f"colibri profile: {exc}", file=sys.stderr)

@@ -13,17 +13,24 @@ from colibri_cli.render import duration, table
 
 def render(status: dict) -> str:
     hit = status.get("hit_rate")
-    head = table([
-        ["MODEL", "UPTIME", "PROFILE", "RUNNING", "QUEUED", "LAST TOK/S", "HIT RATE"],
-        [status["model"], duration(status["uptime_s"]), status["profile"], status["running"],
-         status["queued"], f"{status['last_tok_s']:.1f}",
-         "-" if hit is None else f"{100 * hit:.1f}%"],
-    ])
+    head = table(
+        [
+            ["MODEL", "UPTIME", "PROFILE", "RUNNING", "QUEUED", "LAST TOK/S", "HIT RATE"],
+            [
+                status["model"],
+                duration(status["uptime_s"]),
+                status["profile"],
+                status["running"],
+                status["queued"],
+                f"{status['last_tok_s']:.1f}",
+                "-" if hit is None else f"{100 * hit:.1f}%",
+            ],
+        ]
+    )
     rows = [["TIER", "EXPERTS", "GB", "PINNED"]]
     for tier in ("vram", "ram", "disk"):
         t = status["tiers"].get(tier, {})
-        rows.append([tier, t.get("experts", 0), f"{t.get('gb', 0.0):.3f}",
-                     t.get("pinned", "-")])
+        rows.append([tier, t.get("experts", 0), f"{t.get('gb', 0.0):.3f}", t.get("pinned", "-")])
     return f"{head}\n\n{table(rows)}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}"
 
 

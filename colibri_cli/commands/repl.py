@@ -33,15 +33,21 @@ HELP = """commands:
 Ctrl-C cancels an answer in progress. Start a message with \"\"\" for several lines."""
 
 SETTABLE: dict[str, Callable[[str], object]] = {
-    "temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int}
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "max_tokens": int,
+    "seed": int,
+}
 
 
 @dataclass
 class Chat:
     system: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
-    options: dict[str, object] = field(default_factory=lambda: {
-        "max_tokens": 512, "temperature": 0.0})
+    options: dict[str, object] = field(
+        default_factory=lambda: {"max_tokens": 512, "temperature": 0.0}
+    )
     profile: str | None = None
     model: str | None = None
     turn: int = 0
@@ -58,9 +64,14 @@ class Chat:
     def request(self, rid: str, text: str) -> Submit:
         prefix = [{"role": "system", "content": self.system}] if self.system else []
         turn = [*self.messages, {"role": "user", "content": text}]
-        return Submit(rid, messages=tuple(prefix + turn), conv=self.conv,
-                      profile=self.profile, model=model_name(self.model),
-                      **self.options)  # type: ignore[arg-type]
+        return Submit(
+            rid,
+            messages=tuple(prefix + turn),
+            conv=self.conv,
+            profile=self.profile,
+            model=model_name(self.model),
+            **self.options,
+        )  # type: ignore[arg-type]
 
 
 def stream_answer(client: Client, chat: Chat, text: str) -> None:
@@ -76,8 +87,10 @@ def stream_answer(client: Client, chat: Chat, text: str) -> None:
             elif isinstance(event, Done):
                 chat.last = event
         sys.stdout.write("\n")
-        chat.messages += [{"role": "user", "content": text},
-                          {"role": "assistant", "content": "".join(answer)}]
+        chat.messages += [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "".join(answer)},
+        ]
     except KeyboardInterrupt:
         status.clear()
         client.cancel(rid)
@@ -126,10 +139,12 @@ def command(client: Client, chat: Chat, line: str) -> bool:
         if done is None:
             print("(no answer yet)")
         else:
-            print(f"{done.prompt_tokens} prompt tokens ({done.extras.get('cached', 0)} cached), "
-                  f"{done.emitted} generated tokens, {done.tok_s:.1f} tok/s, "
-                  f"{prefill_rate(done.extras)}, "
-                  f"hit rate {done.hit_pct:.1f}%, finish={done.finish}")
+            print(
+                f"{done.prompt_tokens} prompt tokens ({done.extras.get('cached', 0)} cached), "
+                f"{done.emitted} generated tokens, {done.tok_s:.1f} tok/s, "
+                f"{prefill_rate(done.extras)}, "
+                f"hit rate {done.hit_pct:.1f}%, finish={done.finish}"
+            )
     else:
         print(f"unknown command /{name}; /help lists them")
     return True
@@ -138,11 +153,13 @@ def command(client: Client, chat: Chat, line: str) -> bool:
 def make_reader() -> Callable[[], str]:
     """prompt-toolkit with history and multi-line input on a terminal; plain lines else."""
     if not sys.stdin.isatty():
+
         def plain() -> str:
             line = sys.stdin.readline()
             if not line:
                 raise EOFError
             return line.rstrip("\n")
+
         return plain
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory
@@ -155,7 +172,8 @@ def make_reader() -> Callable[[], str]:
         buf = event.current_buffer
         text = buf.text
         open_block = text.lstrip().startswith('"""') and not (
-            len(text.strip()) > 3 and text.rstrip().endswith('"""'))
+            len(text.strip()) > 3 and text.rstrip().endswith('"""')
+        )
         buf.insert_text("\n") if open_block else buf.validate_and_handle()
 
     @keys.add("escape", "enter")
@@ -164,11 +182,13 @@ def make_reader() -> Callable[[], str]:
 
     history = home.colibri_home() / "repl_history"
     history.parent.mkdir(parents=True, exist_ok=True)
-    session: PromptSession[str] = PromptSession(history=FileHistory(str(history)),
-                                                key_bindings=keys, multiline=True)
+    session: PromptSession[str] = PromptSession(
+        history=FileHistory(str(history)), key_bindings=keys, multiline=True
+    )
 
     def ask() -> str:
         return session.prompt(">>> ", prompt_continuation="... ")
+
     return ask
 
 
@@ -185,8 +205,12 @@ def main(argv: Sequence[str]) -> int:
     except ClientError as exc:
         print(f"colibri repl: {exc}", file=sys.stderr)
         return 1
-    chat = Chat(system=args.system, profile=args.profile, model=args.model,
-                options={"max_tokens": args.max_tokens, "temperature": args.temperature})
+    chat = Chat(
+        system=args.system,
+        profile=args.profile,
+        model=args.model,
+        options={"max_tokens": args.max_tokens, "temperature": args.temperature},
+    )
     read = make_reader()
     print("colibri repl: /help for commands, Ctrl-D to leave")
     with client:

@@ -20,10 +20,17 @@ class CpuOps:
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return native.matmul_blocks(w, np.ascontiguousarray(x, dtype=np.float32), family)
 
-    def expert_swiglu(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight,
-                      x: np.ndarray, family: KernelFamily) -> np.ndarray:
-        return native.expert_swiglu(gate, up, down, np.ascontiguousarray(x, dtype=np.float32),
-                                    family)
+    def expert_swiglu(
+        self,
+        gate: QuantWeight,
+        up: QuantWeight,
+        down: QuantWeight,
+        x: np.ndarray,
+        family: KernelFamily,
+    ) -> np.ndarray:
+        return native.expert_swiglu(
+            gate, up, down, np.ascontiguousarray(x, dtype=np.float32), family
+        )
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))

@@ -258,8 +258,7 @@ def expert_swiglu(
     gate/up: [F, D]; down: [D, F].  In the I8 family gate and up share one int8
     quantisation of x, and h = silu(g) * u (f32) is quantised per row for down.
     """
-    views = [_native(wt, family, name) for name, wt in (("gate", gate), ("up", up),
-                                                        ("down", down))]
+    views = [_native(wt, family, name) for name, wt in (("gate", gate), ("up", up), ("down", down))]
     f, d = gate.shape
     if up.shape != (f, d) or down.shape != (d, f):
         raise ValueError(

@@ -60,8 +60,10 @@ def prompt_ids(model: Path, texts: list[str]) -> list[list[int]]:
 
     codec = TextCodec.load(model)
     if codec.has_chat_template:
-        return [codec.encode_chat([{"role": "user", "content": t}],
-                                  add_generation_prompt=True) for t in texts]
+        return [
+            codec.encode_chat([{"role": "user", "content": t}], add_generation_prompt=True)
+            for t in texts
+        ]
     return [codec.encode(t, add_special_tokens=True) for t in texts]
 
 
@@ -90,29 +92,39 @@ def record(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) ->
             while len(generated) < max_tokens:
                 token = int(np.argmax(logits))
                 generated.append(token)
-                if (token in stop or len(generated) == max_tokens
-                        or len(prompt) + len(generated) >= engine.max_context):
+                if (
+                    token in stop
+                    or len(generated) == max_tokens
+                    or len(prompt) + len(generated) >= engine.max_context
+                ):
                     break
                 logits = session.decode(token)
             requests.append({"prompt_ids": prompt, "generated_ids": generated})
     finally:
         engine.close()
     steps = [s for s in tracer.steps if s]
-    doc = {"model": str(model), "requests": requests, "prefill_steps": prefill_steps,
-           "prompt_ids": requests[0]["prompt_ids"],
-           "generated_ids": requests[0]["generated_ids"],
-           "trace": [[[la, ex] for la, ex in step] for step in steps]}
+    doc = {
+        "model": str(model),
+        "requests": requests,
+        "prefill_steps": prefill_steps,
+        "prompt_ids": requests[0]["prompt_ids"],
+        "generated_ids": requests[0]["generated_ids"],
+        "trace": [[[la, ex] for la, ex in step] for step in steps],
+    }
     atomic_write(out, json.dumps(doc).encode())
     n_prompt = sum(len(r["prompt_ids"]) for r in requests)
     n_gen = sum(len(r["generated_ids"]) for r in requests)
-    print(f"recorded {len(requests)} request(s): {n_prompt} prompt + {n_gen} generated tokens, "
-          f"{len(steps)} forward passes of routing -> {out}")
+    print(
+        f"recorded {len(requests)} request(s): {n_prompt} prompt + {n_gen} generated tokens, "
+        f"{len(steps)} forward passes of routing -> {out}"
+    )
 
 
 def requests_of(doc: dict) -> list[dict]:
     """The recorded requests (a single-request file from before ``requests`` existed)."""
-    return doc.get("requests") or [{"prompt_ids": doc["prompt_ids"],
-                                     "generated_ids": doc["generated_ids"]}]
+    return doc.get("requests") or [
+        {"prompt_ids": doc["prompt_ids"], "generated_ids": doc["generated_ids"]}
+    ]
 
 
 def replay(doc: dict, model: Path, args: argparse.Namespace) -> dict:
@@ -140,8 +152,13 @@ def replay(doc: dict, model: Path, args: argparse.Namespace) -> dict:
                     passes += 1
             decode_s += time.perf_counter() - t0
             engine.request_finished()
-        out = {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": n,
-               "tok_s": passes / decode_s if decode_s else 0.0, "agree": agree}
+        out = {
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "tokens": n,
+            "tok_s": passes / decode_s if decode_s else 0.0,
+            "agree": agree,
+        }
         if base is not None:
             out["stats"] = engine.experts.statistics(since=base)
         return out
@@ -155,12 +172,20 @@ def main(argv: list[str]) -> int:
     p.add_argument("--record", type=Path, metavar="FILE")
     p.add_argument("--replay", type=Path, metavar="FILE")
     p.add_argument("--ids", default="", metavar="1,2,3", help="prompt token ids to record")
-    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="a prompt to record as its own request (repeatable; sent as a chat "
-                        "message when the model has a chat template)")
-    p.add_argument("--prompts", type=Path, metavar="FILE",
-                   help="record one request per line of FILE (# comments), e.g. "
-                        "profiles/code/warm.txt")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt to record as its own request (repeatable; sent as a chat "
+        "message when the model has a chat template)",
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help="record one request per line of FILE (# comments), e.g. profiles/code/warm.txt",
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
     add_store_flags(p)
     args = p.parse_args(argv)
@@ -181,9 +206,11 @@ def main(argv: list[str]) -> int:
         p.error("give --record FILE or --replay FILE")
     doc = json.loads(args.replay.read_text())
     res = replay(doc, args.model or Path(doc["model"]), args)
-    print(f"replay: {len(requests_of(doc))} request(s), {res['tokens']} tokens "
-          f"teacher-forced, decode {res['tok_s']:.2f} tok/s, "
-          f"argmax agrees {res['agree']}/{res['tokens']} (must be all)")
+    print(
+        f"replay: {len(requests_of(doc))} request(s), {res['tokens']} tokens "
+        f"teacher-forced, decode {res['tok_s']:.2f} tok/s, "
+        f"argmax agrees {res['agree']}/{res['tokens']} (must be all)"
+    )
     if "stats" in res:
         for line in res["stats"].lines("replay"):
             print(line)

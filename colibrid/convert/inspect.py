@@ -88,10 +88,20 @@ def inspect(path: str | Path) -> Report:
         t, moe = args.trunk, args.moe
         n_moe = sum(args.is_moe)
         mtp = sum(1 for n in expected if n.endswith("eh_proj.weight"))
-        r = Report(Path(path), str(ckpt.config.get("model_type")), t.num_hidden_layers,
-                   t.num_hidden_layers - n_moe, n_moe, mtp, t.hidden_size, t.vocab_size,
-                   moe.n_routed_experts, moe.num_experts_per_tok, moe.n_shared_experts,
-                   moe.moe_intermediate_size)
+        r = Report(
+            Path(path),
+            str(ckpt.config.get("model_type")),
+            t.num_hidden_layers,
+            t.num_hidden_layers - n_moe,
+            n_moe,
+            mtp,
+            t.hidden_size,
+            t.vocab_size,
+            moe.n_routed_experts,
+            moe.num_experts_per_tok,
+            moe.n_shared_experts,
+            moe.moe_intermediate_size,
+        )
         first_expert: list[str] = []
         for name, exp in expected.items():
             cls = classify(name, exp.shape, t.num_hidden_layers)
@@ -114,8 +124,9 @@ def inspect(path: str | Path) -> Report:
 
 
 def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="colibri inspect",
-                                description="Describe a colibri container or checkpoint.")
+    p = argparse.ArgumentParser(
+        prog="colibri inspect", description="Describe a colibri container or checkpoint."
+    )
     p.add_argument("dir", metavar="DIR")
     a = p.parse_args(list(argv))
     try:

@@ -25,8 +25,10 @@ SCALE_SUFFIX = "_scale"
 GLOBAL_SUFFIX = "_scale_2"
 INPUT_SUFFIX = "input_scale"
 
-E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+E2M1 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
 E2M1.flags.writeable = False
 
 
@@ -38,7 +40,8 @@ def check_global(name: str, value: float) -> np.float32:
         raise ConvertError(
             f"tensor {name!r}: NVFP4 global scale {float(g):g} >= 1 looks like a "
             "compressed-tensors checkpoint (it stores the reciprocal, a divisor); colibri "
-            "reads modelopt NVFP4, whose global is a multiplier < 1")
+            "reads modelopt NVFP4, whose global is a multiplier < 1"
+        )
     return g
 
 

@@ -39,8 +39,12 @@ MAX_PROFILE_BYTES = 256 << 20
 
 
 class ExpertOrderProfile:
-    def __init__(self, counts: dict[int, dict[int, int]],
-                 pairs: dict[int, dict[tuple[int, int], int]], digest: str) -> None:
+    def __init__(
+        self,
+        counts: dict[int, dict[int, int]],
+        pairs: dict[int, dict[tuple[int, int], int]],
+        digest: str,
+    ) -> None:
         self.counts = counts
         self.pairs = pairs
         self.digest = digest

@@ -69,15 +69,23 @@ class ConvertParams:
     order: str | None = None  # sha256 of the usage profile, None = numeric order
 
     def check(self, *, force: bool = False) -> None:
-        for name in ("expert_bits", "io_bits", "attn_bits", "dense_bits", "shared_bits",
-                     "mtp_bits"):
+        for name in (
+            "expert_bits",
+            "io_bits",
+            "attn_bits",
+            "dense_bits",
+            "shared_bits",
+            "mtp_bits",
+        ):
             bits = getattr(self, name)
             allowed = (4, 8) if name == "expert_bits" else (4, 8, 32)
             if bits not in allowed:
                 raise ConvertError(f"--{name.replace('_', '-')} {bits}: choose from {allowed}")
         if self.group_size != 0 and self.group_size not in tuple(1 << k for k in range(4, 13)):
-            raise ConvertError(f"--group-size {self.group_size}: use 0 (per row) or a power "
-                               "of two 16..4096 (64 is the upstream default)")
+            raise ConvertError(
+                f"--group-size {self.group_size}: use 0 (per row) or a power "
+                "of two 16..4096 (64 is the upstream default)"
+            )
         if self.shard_bytes < 1 << 16:
             raise ConvertError("--shard-gb must allow at least 64 KiB per shard")
         if self.mtp_bits == 4 and not force:
@@ -224,8 +232,12 @@ def _numeric(layer: int, experts: list[int]) -> list[int]:
     return sorted(experts)
 
 
-def build_groups(tensors: Sequence[tuple[str, tuple[int, ...]]], n_layers: int,
-                 params: ConvertParams, order: ExpertOrder | None = None) -> list[Group]:
+def build_groups(
+    tensors: Sequence[tuple[str, tuple[int, ...]]],
+    n_layers: int,
+    params: ConvertParams,
+    order: ExpertOrder | None = None,
+) -> list[Group]:
     """Group and order the logical tensors: globals, then per layer its non-expert
     tensors by name and its experts in numeric (or profile) order; MTP layers flagged."""
     order = order or _numeric
@@ -252,8 +264,9 @@ def build_groups(tensors: Sequence[tuple[str, tuple[int, ...]]], n_layers: int,
         for e in chosen:
             projs = by_expert[e]
             if set(projs) != {"down_proj", "gate_proj", "up_proj"}:
-                raise ConvertError(f"layer {layer} expert {e}: needs gate/up/down_proj, has "
-                                   f"{sorted(projs)}")
+                raise ConvertError(
+                    f"layer {layer} expert {e}: needs gate/up/down_proj, has {sorted(projs)}"
+                )
             groups.append(Group([projs[p] for p in ("down_proj", "gate_proj", "up_proj")], mtp))
     return groups
 
@@ -272,8 +285,12 @@ def shard_metadata(groups: Sequence[Group], params: ConvertParams) -> dict[str, 
             assert scales is not None
             found = container_candidates(it.shape, data.nbytes, scales.nbytes // 4, "F32", hint)
             if len(found) != 1 or found[0].name != it.fmt.stamp:
-                if not (it.fmt.stamp == INT4_GROUPED and found and found[0].name == INT4_ROW
-                        and len(found) == 1):
+                if not (
+                    it.fmt.stamp == INT4_GROUPED
+                    and found
+                    and found[0].name == INT4_ROW
+                    and len(found) == 1
+                ):
                     stamps[it.name] = it.fmt.stamp
     meta = {"format": "pt", "colibri.converter": CONVERTER_VERSION}
     if params.group_size:

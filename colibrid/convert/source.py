@@ -52,8 +52,10 @@ class Source:
         if not root.is_dir():
             raise ConvertError(f"{root}: source checkpoint folder not found")
         if not (root / CONFIG_NAME).is_file():
-            raise ConvertError(f"{root}: no config.json (a source needs config.json, "
-                               "safetensors shards and tokenizer files)")
+            raise ConvertError(
+                f"{root}: no config.json (a source needs config.json, "
+                "safetensors shards and tokenizer files)"
+            )
         try:
             return cls(Checkpoint.open(root))
         except ConvertError:
@@ -85,24 +87,31 @@ class Source:
             if info.dtype == "U8" and ck.has(name + nvfp4.SCALE_SUFFIX):
                 found.append(self._nvfp4_tensor(name))
             elif info.dtype == "U8" and ck.has(name + ".qs"):
-                raise ConvertError(f"tensor {name!r}: source is already a colibri container "
-                                   "(U8 + .qs); convert from the original checkpoint")
+                raise ConvertError(
+                    f"tensor {name!r}: source is already a colibri container "
+                    "(U8 + .qs); convert from the original checkpoint"
+                )
             elif info.dtype == "F8_E4M3":
                 if len(info.shape) != 2 or not ck.has(name + "_scale_inv"):
-                    raise ConvertError(f"tensor {name!r}: FP8 weight without a 2-D "
-                                       f"{name}_scale_inv block-scale grid")
+                    raise ConvertError(
+                        f"tensor {name!r}: FP8 weight without a 2-D "
+                        f"{name}_scale_inv block-scale grid"
+                    )
                 grid = tuple(-(-d // quant.FP8_BLOCK) for d in info.shape)
                 sinfo = ck.info(name + "_scale_inv")
                 if sinfo.shape != grid or sinfo.dtype not in ("F32", "BF16"):
-                    raise ConvertError(f"tensor {name!r}_scale_inv: {sinfo.dtype} "
-                                       f"{list(sinfo.shape)}, expected F32 {list(grid)}")
+                    raise ConvertError(
+                        f"tensor {name!r}_scale_inv: {sinfo.dtype} "
+                        f"{list(sinfo.shape)}, expected F32 {list(grid)}"
+                    )
                 found.append(SourceTensor(name, info.shape, "fp8"))
             elif info.dtype in KNOWN:
                 found.append(SourceTensor(name, info.shape, info.dtype.lower()))
             else:
                 raise ConvertError(
                     f"tensor {name!r}: dtype {info.dtype} is not one the converter knows "
-                    "(F32, BF16, F16, F8_E4M3 + weight_scale_inv, NVFP4)")
+                    "(F32, BF16, F16, F8_E4M3 + weight_scale_inv, NVFP4)"
+                )
         return found
 
     def _nvfp4_tensor(self, name: str) -> SourceTensor:
@@ -114,8 +123,10 @@ class Source:
         cols = 2 * half
         want = (out_f, -(-cols // nvfp4.BLOCK))
         if sinfo.dtype != "F8_E4M3" or sinfo.shape != want:
-            raise ConvertError(f"tensor {name + nvfp4.SCALE_SUFFIX!r}: {sinfo.dtype} "
-                               f"{list(sinfo.shape)}, expected F8_E4M3 {list(want)}")
+            raise ConvertError(
+                f"tensor {name + nvfp4.SCALE_SUFFIX!r}: {sinfo.dtype} "
+                f"{list(sinfo.shape)}, expected F8_E4M3 {list(want)}"
+            )
         gname = name + nvfp4.GLOBAL_SUFFIX
         if not ck.has(gname) or ck.info(gname).dtype != "F32" or ck.info(gname).numel != 1:
             raise ConvertError(f"tensor {name!r}: NVFP4 weight without an F32 scalar {gname!r}")
@@ -147,13 +158,13 @@ class Source:
                     scale = quant.bf16_to_f32(scale)
             elif t.kind == "nvfp4":
                 scale = ck.array(name + nvfp4.SCALE_SUFFIX)
-                glob = nvfp4.check_global(name, float(ck.array(name + nvfp4.GLOBAL_SUFFIX)
-                                                      .reshape(-1)[0]))
+                glob = nvfp4.check_global(
+                    name, float(ck.array(name + nvfp4.GLOBAL_SUFFIX).reshape(-1)[0])
+                )
             for r0 in range(0, t.shape[0], step):
                 r1 = r0 + step
                 if t.kind == "fp8":
-                    block = quant.dequantize_fp8_blocks(raw[r0:r1],
-                                                        scale[r0 // quant.FP8_BLOCK:])
+                    block = quant.dequantize_fp8_blocks(raw[r0:r1], scale[r0 // quant.FP8_BLOCK :])
                 elif t.kind == "nvfp4":
                     block = nvfp4.decode_rows(raw[r0:r1], scale[r0:r1], glob)
                 else:

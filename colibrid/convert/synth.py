@@ -39,42 +39,109 @@ from colibrid.convert.validate import expected_from_config
 from colibrid.convert.writer import write_atomic
 from colibrid.errors import ColibriError, ConvertError
 
-SPECIAL_TOKENS = ("<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>",
-                  "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
-CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+)
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 ROWS_PER_BLOCK_BYTES = 8 << 20
 
 SHAPES: dict[str, dict[str, Any]] = {
     "glm5": dict(
-        model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"],
-        hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
-        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
-        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, num_experts_per_tok=8,
-        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-        norm_topk_prob=True, index_topk=2048, index_head_dim=128, index_n_heads=32,
-        rms_norm_eps=1e-5, max_position_embeddings=16384, rope_interleave=True,
+        model_type="glm_moe_dsa",
+        architectures=["GlmMoeDsaForCausalLM"],
+        hidden_size=6144,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        index_topk=2048,
+        index_head_dim=128,
+        index_n_heads=32,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=16384,
+        rope_interleave=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        attention_bias=False, vocab_size=8192),
+        attention_bias=False,
+        vocab_size=8192,
+    ),
     "glm4-air": dict(
-        model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"],
-        hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
-        num_attention_heads=96, num_key_value_heads=8, head_dim=128, num_experts_per_tok=8,
-        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-        norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=16384,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                         "partial_rotary_factor": 0.5},
-        attention_bias=True, use_qk_norm=False, vocab_size=8192),
+        model_type="glm4_moe",
+        architectures=["Glm4MoeForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=16384,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1000000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        attention_bias=True,
+        use_qk_norm=False,
+        vocab_size=8192,
+    ),
     "tiny": dict(  # GLM-5's structure at toy sizes: for tests
-        model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"],
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=16,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-        norm_topk_prob=True, index_topk=8, index_head_dim=16, index_n_heads=2,
-        rms_norm_eps=1e-5, max_position_embeddings=1024, rope_interleave=True,
+        model_type="glm_moe_dsa",
+        architectures=["GlmMoeDsaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
+        rope_interleave=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=False, vocab_size=320),
+        attention_bias=False,
+        vocab_size=320,
+    ),
 }
 
 
@@ -84,11 +151,18 @@ def synth_config(shape: str, layers: int, experts: int) -> dict[str, Any]:
     if layers < 1 or experts < 1:
         raise ConvertError("--layers and --experts must be >= 1")
     cfg = dict(SHAPES[shape])
-    cfg.update(num_hidden_layers=layers, n_routed_experts=experts,
-               first_k_dense_replace=min(1, layers - 1), num_nextn_predict_layers=0,
-               num_experts_per_tok=min(cfg["num_experts_per_tok"], experts),
-               tie_word_embeddings=False, bos_token_id=None, pad_token_id=None,
-               eos_token_id=256, torch_dtype="bfloat16")
+    cfg.update(
+        num_hidden_layers=layers,
+        n_routed_experts=experts,
+        first_k_dense_replace=min(1, layers - 1),
+        num_nextn_predict_layers=0,
+        num_experts_per_tok=min(cfg["num_experts_per_tok"], experts),
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        pad_token_id=None,
+        eos_token_id=256,
+        torch_dtype="bfloat16",
+    )
     return cfg
 
 
@@ -130,7 +204,7 @@ def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
         # uniform codes have std ~4.6 (int4) / ~74 (int8); aim at std 1/sqrt(fan-in),
         # embeddings at std ~1
         code_std = 4.6 if bits == 4 else 74.0
-        target = 1.0 if item.name.endswith("embed_tokens.weight") else in_f ** -0.5
+        target = 1.0 if item.name.endswith("embed_tokens.weight") else in_f**-0.5
         base = np.float32(target / code_std)
         jitter = rng.uniform(0.8, 1.2, size=entry.shape).astype(np.float32)
         scales.append((entry.name, (jitter * base).astype(np.float32)))
@@ -157,11 +231,19 @@ def _float_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
     if name.endswith(".bias"):
         return np.zeros(shape, dtype=np.float32)
     fan_in = shape[-1] if shape else 1
-    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(fan_in ** -0.5))
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(fan_in**-0.5)
 
 
-def synth(dst: str | Path, shape: str = "glm5", layers: int = 4, experts: int = 32, *,
-          seed: int = 0, params: ConvertParams | None = None, quiet: bool = True) -> Path:
+def synth(
+    dst: str | Path,
+    shape: str = "glm5",
+    layers: int = 4,
+    experts: int = 32,
+    *,
+    seed: int = 0,
+    params: ConvertParams | None = None,
+    quiet: bool = True,
+) -> Path:
     params = params or ConvertParams()
     params.check()
     cfg = synth_config(shape, layers, experts)
@@ -185,15 +267,23 @@ def synth(dst: str | Path, shape: str = "glm5", layers: int = 4, experts: int = 
     run_shards(dst, shards, state, chunks_of, quiet=quiet)
     write_atomic(dst / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
     write_atomic(dst / "tokenizer.json", tokenizer_json().encode())
-    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-               "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE,
-               "model_max_length": cfg["max_position_embeddings"]}
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": cfg["max_position_embeddings"],
+    }
     write_atomic(dst / "tokenizer_config.json", (json.dumps(tok_cfg, indent=2) + "\n").encode())
     gen = {"eos_token_id": cfg["eos_token_id"], "do_sample": False}
     write_atomic(dst / "generation_config.json", (json.dumps(gen, indent=2) + "\n").encode())
     assert "tokenizer.json" in SIDE_FILES
-    finish(dst, shards, state, {"synthetic": {"shape": shape, "layers": layers,
-                                              "experts": experts, "seed": seed}})
+    finish(
+        dst,
+        shards,
+        state,
+        {"synthetic": {"shape": shape, "layers": layers, "experts": experts, "seed": seed}},
+    )
     return dst
 
 
@@ -201,7 +291,8 @@ def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="colibri synth",
         description="Write a synthetic container with real per-layer shapes (random "
-                    "weights, same arguments -> same bytes).")
+        "weights, same arguments -> same bytes).",
+    )
     p.add_argument("dst", metavar="DST")
     p.add_argument("--shape", default="glm5", choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, default=4)
@@ -212,12 +303,12 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--shard-gb", type=float, default=4.0)
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(list(argv))
-    params = ConvertParams(expert_bits=a.bits, group_size=a.group_size,
-                           shard_bytes=int(a.shard_gb * 1e9))
+    params = ConvertParams(
+        expert_bits=a.bits, group_size=a.group_size, shard_bytes=int(a.shard_gb * 1e9)
+    )
     started = time.perf_counter()
     try:
-        out = synth(a.dst, a.shape, a.layers, a.experts, seed=a.seed, params=params,
-                    quiet=a.quiet)
+        out = synth(a.dst, a.shape, a.layers, a.experts, seed=a.seed, params=params, quiet=a.quiet)
     except ColibriError as exc:
         print(f"colibri synth: error: {exc}", file=sys.stderr)
         return 1

@@ -64,8 +64,9 @@ class _NoExperts:
         return None
 
 
-def expected_from_config(config: dict[str, Any],
-                         has: Callable[[str], bool]) -> tuple[Any, dict[str, Expected]]:
+def expected_from_config(
+    config: dict[str, Any], has: Callable[[str], bool]
+) -> tuple[Any, dict[str, Expected]]:
     """(ModelArgs, every tensor the model and its expert store will load); ``has``
     answers the model's questions about optional tensors (biases, MTP, tied head)."""
     from colibrid.engine.engine import expert_layout
@@ -92,12 +93,27 @@ def _walk_model(module: Any, args: Any, rec: _Recorder) -> None:
 
     t, experts = args.trunk, _NoExperts()
     for layer in range(t.num_hidden_layers):
-        load_decoder_layer(rec, None, experts, layer, args.attention_at(rec, None, layer),
-                           hidden=t.hidden_size, eps=t.rms_norm_eps,
-                           moe=args.moe if args.is_moe[layer] else None,
-                           dense_width=t.intermediate_size)
-    Transformer(rec, None, vocab=t.vocab_size, hidden=t.hidden_size, eps=t.rms_norm_eps,
-                layers=[], rotary=None, tie_embeddings=t.tie_word_embeddings)
+        load_decoder_layer(
+            rec,
+            None,
+            experts,
+            layer,
+            args.attention_at(rec, None, layer),
+            hidden=t.hidden_size,
+            eps=t.rms_norm_eps,
+            moe=args.moe if args.is_moe[layer] else None,
+            dense_width=t.intermediate_size,
+        )
+    Transformer(
+        rec,
+        None,
+        vocab=t.vocab_size,
+        hidden=t.hidden_size,
+        eps=t.rms_norm_eps,
+        layers=[],
+        rotary=None,
+        tie_embeddings=t.tie_word_embeddings,
+    )
     import importlib
 
     builder = importlib.import_module(module.build.__module__)  # glm_moe_dsa: deepseek_v3
@@ -121,9 +137,15 @@ def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
         if not ckpt.has(name + ".qs"):
             raise CheckpointError(f"{where}: U8 matrix without its .qs scales")
         qs = ckpt.info(name + ".qs")
-        fmt = resolve_container_format(name, (shape[0], shape[1]), info.nbytes, qs.numel,
-                                       qs.dtype, stamp=ckpt._stamps.get(name),
-                                       hint=ckpt._group_size_hint(name))
+        fmt = resolve_container_format(
+            name,
+            (shape[0], shape[1]),
+            info.nbytes,
+            qs.numel,
+            qs.dtype,
+            stamp=ckpt._stamps.get(name),
+            hint=ckpt._group_size_hint(name),
+        )
         if fmt.name == "int4-grouped":
             return f"int4-g{fmt.group_size}"
         hint = ckpt._group_size_hint(name)
@@ -136,8 +158,9 @@ def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
     elif info.dtype not in ("F32", "BF16", "F16"):
         raise CheckpointError(f"{where}: dtype {info.dtype} is not a weight format")
     if info.shape != tuple(shape):
-        raise CheckpointError(f"{where}: shape {list(info.shape)} but expected {list(shape)} "
-                              "from config")
+        raise CheckpointError(
+            f"{where}: shape {list(info.shape)} but expected {list(shape)} from config"
+        )
     return {"F8_E4M3": "fp8"}.get(info.dtype, info.dtype.lower())
 
 
@@ -161,7 +184,9 @@ def validate(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected], dict[str, str]
             raise CheckpointError(f"{ckpt.dir}: tensor {describe(exp.name)} is missing")
         fmt = tensor_format(ckpt, exp.name, exp.shape)
         if exp.kind == "vector" and fmt not in ("f32", "bf16", "f16"):
-            raise CheckpointError(f"{ckpt.file_of(exp.name).name}: tensor "
-                                  f"{describe(exp.name)}: {fmt} where a float tensor is needed")
+            raise CheckpointError(
+                f"{ckpt.file_of(exp.name).name}: tensor "
+                f"{describe(exp.name)}: {fmt} where a float tensor is needed"
+            )
         formats[exp.name] = fmt
     return args, expected, formats

@@ -49,8 +49,11 @@ def header_bytes(entries: Sequence[Entry], metadata: dict[str, str]) -> bytes:
     for e in entries:
         if e.name in header or e.name == "__metadata__":
             raise ValueError(f"duplicate tensor {e.name!r} in shard plan")
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape),
-                          "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
     text += b" " * (-(8 + len(text)) % ALIGN)
@@ -121,8 +124,9 @@ class ShardWriter:
         if current is None or current.name != name:
             expected = current.name if current else "nothing"
             raise RuntimeError(f"shard plan order: got {name!r}, expected {expected!r}")
-        data = memoryview(np.ascontiguousarray(chunk) if isinstance(chunk, np.ndarray)
-                          else chunk).cast("B")
+        data = memoryview(
+            np.ascontiguousarray(chunk) if isinstance(chunk, np.ndarray) else chunk
+        ).cast("B")
         if data.nbytes > self._left:
             raise RuntimeError(f"tensor {name!r}: {data.nbytes} bytes exceed the planned size")
         self._io(self._fh.write, data)
@@ -131,7 +135,7 @@ class ShardWriter:
 
     def finish(self) -> None:
         """Check every planned byte arrived, flush, fsync, rename into place."""
-        missing = self._left + sum(e.nbytes for e in self.entries[self._index + 1:])
+        missing = self._left + sum(e.nbytes for e in self.entries[self._index + 1 :])
         if missing:
             self.abort()
             raise RuntimeError(f"{self.final.name}: {missing} planned bytes never written")

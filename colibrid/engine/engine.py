@@ -37,9 +37,17 @@ class LoadInfo:
 
 
 class Engine:
-    def __init__(self, checkpoint: Checkpoint, model: Any, args: Any, experts: Any,
-                 family: KernelFamily, max_context: int, info: LoadInfo,
-                 kv_budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        model: Any,
+        args: Any,
+        experts: Any,
+        family: KernelFamily,
+        max_context: int,
+        info: LoadInfo,
+        kv_budget_bytes: int | None = None,
+    ) -> None:
         self.checkpoint = checkpoint
         self.model = model
         self.args = args
@@ -56,9 +64,15 @@ class Engine:
         return self.model.vocab
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, family: KernelFamily = KernelFamily.F32,
-             max_context: int | None = None, ops: Any = None,
-             store: StoreOptions | None = None) -> Engine:
+    def load(
+        cls,
+        model_dir: str | Path,
+        *,
+        family: KernelFamily = KernelFamily.F32,
+        max_context: int | None = None,
+        ops: Any = None,
+        store: StoreOptions | None = None,
+    ) -> Engine:
         """Open a model directory; `ops` defaults to the CPU backend (native kernels);
         `store` chooses where routed experts live (default: StoreOptions(), see there)."""
         if ops is None:
@@ -79,21 +93,26 @@ class Engine:
         module = model_family(model_type)
         args = module.ModelArgs.from_config(config)
         store_opts = store or StoreOptions()
-        experts = open_store(checkpoint, expert_layout(args, checkpoint), store_opts,
-                             str(model_type))
+        experts = open_store(
+            checkpoint, expert_layout(args, checkpoint), store_opts, str(model_type)
+        )
         model = module.build(args, checkpoint, experts, ops)
         limit = args.trunk.max_position_embeddings
         context = min(max_context or DEFAULT_MAX_CONTEXT, limit)
-        kv = sum(int(np.prod(shape)) * 4 * context
-                 for layout in model.cache_layouts() for shape in layout.values())
+        kv = sum(
+            int(np.prod(shape)) * 4 * context
+            for layout in model.cache_layouts()
+            for shape in layout.values()
+        )
         if hasattr(experts, "allocate"):
             allocate_store(experts, store_opts, kv_bytes=kv)
             if pilot_wanted(store_opts.pilot, experts):
                 from colibrid.engine.pilot import attach
 
                 attach(model, experts)
-        info = LoadInfo(str(model_type), args.trunk.num_hidden_layers,
-                        time.perf_counter() - started)
+        info = LoadInfo(
+            str(model_type), args.trunk.num_hidden_layers, time.perf_counter() - started
+        )
         return cls(checkpoint, model, args, experts, family, context, info, kv)
 
     def new_session(self) -> Session:
@@ -128,15 +147,20 @@ def expert_layout(args: Any, checkpoint: Checkpoint) -> ExpertLayout:
     mtp = trunk.num_hidden_layers
     if trunk.num_mtp_layers and MTPLayer.present(checkpoint, mtp):
         layers.append(mtp)
-    return ExpertLayout(moe_layers=tuple(layers), n_experts=args.moe.n_routed_experts,
-                        hidden=trunk.hidden_size, ffn=args.moe.moe_intermediate_size)
+    return ExpertLayout(
+        moe_layers=tuple(layers),
+        n_experts=args.moe.n_routed_experts,
+        hidden=trunk.hidden_size,
+        ffn=args.moe.moe_intermediate_size,
+    )
 
 
 class Session:
     """One sequence: its KV cache and position. Not thread-safe; one engine thread uses it."""
 
-    def __init__(self, engine: Engine, cache: KVCache | None = None,
-                 tokens: Sequence[int] = ()) -> None:
+    def __init__(
+        self, engine: Engine, cache: KVCache | None = None, tokens: Sequence[int] = ()
+    ) -> None:
         self.engine = engine
         self.cache = cache or KVCache(engine.model.cache_layouts(), engine.max_context)
         self.tokens: list[int] = list(tokens)  # what the KV cache holds, for prefix reuse
@@ -148,9 +172,14 @@ class Session:
     def length(self) -> int:
         return self.cache.length
 
-    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel: threading.Event | None = None,
-                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        all_logits: bool = False,
+        cancel: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
         """Run the new tokens as one batch; logits of the last one [V] (or all: [S, V]).
 
         With `cancel`, a set event abandons the pass between layers with `Cancelled`; the
@@ -204,8 +233,12 @@ class Session:
             n += 1
         return n
 
-    def _forward(self, tokens: np.ndarray, cancel: threading.Event | None,
-                 progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def _forward(
+        self,
+        tokens: np.ndarray,
+        cancel: threading.Event | None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
         hook = None
         if cancel is not None or progress is not None:
             layers = self.engine.info.n_layers
@@ -215,9 +248,11 @@ class Session:
                     raise Cancelled("request cancelled")
                 if progress is not None:
                     progress(index, layers)
+
         clock = PassClock()
-        step = Step(start=self.cache.length, family=self.engine.family, between_layers=hook,
-                    clock=clock)
+        step = Step(
+            start=self.cache.length, family=self.engine.family, between_layers=hook, clock=clock
+        )
         tick = getattr(self.engine.experts, "between_tokens", None)
         t0 = time.perf_counter()
         try:  # a failed pass leaves `length` unchanged, so rows it wrote are never read
@@ -239,6 +274,7 @@ class Session:
         if self.cache.length + tokens.size > self.engine.max_context:
             raise RequestError(
                 f"{self.cache.length + tokens.size} tokens exceed the context limit of "
-                f"{self.engine.max_context}", code="CONTEXT_EXCEEDED")
+                f"{self.engine.max_context}",
+                code="CONTEXT_EXCEEDED",
+            )
         return tokens
-

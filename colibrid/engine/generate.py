@@ -26,9 +26,14 @@ from colibrid.errors import Cancelled, RequestError
 
 
 class SessionLike(Protocol):
-    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel: threading.Event | None = None,
-                progress: Callable[[int, int], None] | None = None) -> np.ndarray: ...
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        all_logits: bool = False,
+        cancel: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray: ...
     def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray: ...
     def common_prefix(self, token_ids: Sequence[int]) -> int: ...
     def truncate(self, length: int) -> None: ...
@@ -63,8 +68,14 @@ class GenStats:
     decode_tok_s: float
 
     @classmethod
-    def measure(cls, prompt: int, generated: int, prefill_s: float, decode_s: float,
-                computed: int | None = None) -> GenStats:
+    def measure(
+        cls,
+        prompt: int,
+        generated: int,
+        prefill_s: float,
+        decode_s: float,
+        computed: int | None = None,
+    ) -> GenStats:
         steps = max(generated - 1, 0)
         computed = prompt if computed is None else computed
         return cls(
@@ -188,8 +199,18 @@ def generate(
     budget = min(params.max_tokens, engine.max_context - len(ids))
     sampler = Sampler(params)
     matcher = StopStringMatcher(params.stop)
-    return _run(engine, ids, budget, sampler, stop_token_ids, detokenizer, matcher, cancel,
-                session, progress)
+    return _run(
+        engine,
+        ids,
+        budget,
+        sampler,
+        stop_token_ids,
+        detokenizer,
+        matcher,
+        cancel,
+        session,
+        progress,
+    )
 
 
 def reusable_prefix(session: SessionLike, ids: Sequence[int]) -> int:

@@ -79,24 +79,35 @@ class UsageSink:
 
 
 class EngineHost:
-    def __init__(self, engine: Any, codec: TextCodec | None, *, max_conversations: int = 8,
-                 prompt_cache: bool = True, layer_delay_s: float = 0.0,
-                 usage: UsageSink | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        codec: TextCodec | None,
+        *,
+        max_conversations: int = 8,
+        prompt_cache: bool = True,
+        layer_delay_s: float = 0.0,
+        usage: UsageSink | None = None,
+    ) -> None:
         self.engine = engine
         self.codec = codec
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._active: list[Job] = []
-        self._sessions = SessionPool(engine.new_session, max_sessions=max_conversations,
-                                     max_kv_bytes=getattr(engine, "kv_budget_bytes", None),
-                                     prompt_cache=prompt_cache)
+        self._sessions = SessionPool(
+            engine.new_session,
+            max_sessions=max_conversations,
+            max_kv_bytes=getattr(engine, "kv_budget_bytes", None),
+            prompt_cache=prompt_cache,
+        )
         self._layer_delay_s = layer_delay_s
         self._usage = usage or UsageSink()
         self._done = 0
         self._last_tok_s = 0.0
 
     # ---- trio side ----------------------------------------------------------------------
-    async def serve(self, *, task_status: trio.TaskStatus[EngineHost] = trio.TASK_STATUS_IGNORED
-                    ) -> None:
+    async def serve(
+        self, *, task_status: trio.TaskStatus[EngineHost] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Runs the engine thread until `close`; returns when it has exited."""
         task_status.started(self)
         await trio.to_thread.run_sync(self._thread_main)
@@ -135,8 +146,7 @@ class EngineHost:
         return kv_files.save(self._sessions.cached_prompts(), directory, self.engine)
 
     def statistics(self) -> HostStatistics:
-        return HostStatistics(len(self._active), len(self._sessions), self._done,
-                              self._last_tok_s)
+        return HostStatistics(len(self._active), len(self._sessions), self._done, self._last_tok_s)
 
     # ---- engine thread ------------------------------------------------------------------
     def _thread_main(self) -> None:
@@ -202,16 +212,27 @@ class EngineHost:
             if not ids:
                 raise RequestError("the prompt renders to no tokens", code="EMPTY_PROMPT")
             if len(ids) >= self.engine.max_context:
-                raise RequestError(f"{len(ids)} {self.engine.max_context}: the prompt leaves no "
-                                   "room for a generated token", code="CONTEXT_EXCEEDED")
+                raise RequestError(
+                    f"{len(ids)} {self.engine.max_context}: the prompt leaves no "
+                    "room for a generated token",
+                    code="CONTEXT_EXCEEDED",
+                )
             job.session_key, session = self._sessions.checkout(
-                job.request.client, job.request.conv, ids)
+                job.request.client, job.request.conv, ids
+            )
             job.cached = reusable_prefix(session, ids)
             detok = StreamingDetokenizer(self.codec) if self.codec else None
             stops = self.codec.stop_token_ids if self.codec else frozenset()
-            job.gen = generate(self.engine, ids, job.request.params, stop_token_ids=stops,
-                               detokenizer=detok, cancel=job.cancel, session=session,
-                               progress=self._progress_reporter(job))
+            job.gen = generate(
+                self.engine,
+                ids,
+                job.request.params,
+                stop_token_ids=stops,
+                detokenizer=detok,
+                cancel=job.cancel,
+                session=session,
+                progress=self._progress_reporter(job),
+            )
         except ColibriError as exc:
             self._finish(job, Failed(exc.code, str(exc)))
             return
@@ -243,8 +264,11 @@ class EngineHost:
         if self.codec is None:
             raise RequestError("this model has no tokenizer.json; it cannot take text prompts")
         if req.messages is not None:
-            return self.codec.encode_chat(list(req.messages), add_generation_prompt=True,
-                                          tools=list(req.tools) if req.tools else None)
+            return self.codec.encode_chat(
+                list(req.messages),
+                add_generation_prompt=True,
+                tools=list(req.tools) if req.tools else None,
+            )
         return self.codec.encode(req.prompt or "", add_special_tokens=True)
 
     def _step(self, job: Job) -> None:
@@ -270,10 +294,23 @@ class EngineHost:
         stats = event.stats
         self._last_tok_s = stats.decode_tok_s
         if event.finish_reason == "cancelled" and not job.stop.is_set():
-            self._finish(job, Failed("CANCELLED", f"cancelled after {stats.generated_tokens} "
-                                     f"generated tokens"))
+            self._finish(
+                job,
+                Failed("CANCELLED", f"cancelled after {stats.generated_tokens} generated tokens"),
+            )
             return
         finish = "stopped" if event.finish_reason == "cancelled" else event.finish_reason
-        self._finish(job, Done(finish, stats.prompt_tokens, stats.generated_tokens, job.cached,
-                               stats.prefill_s, stats.decode_s, stats.prefill_tok_s,
-                               stats.decode_tok_s, event.stop_string))
+        self._finish(
+            job,
+            Done(
+                finish,
+                stats.prompt_tokens,
+                stats.generated_tokens,
+                job.cached,
+                stats.prefill_s,
+                stats.decode_s,
+                stats.prefill_tok_s,
+                stats.decode_tok_s,
+                event.stop_string,
+            ),
+        )

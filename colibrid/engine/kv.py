@@ -20,15 +20,21 @@ from colibrid.errors import RequestError
 
 
 class KVCache:
-    def __init__(self, layouts: list[Mapping[str, tuple[int, ...]]], max_tokens: int,
-                 initial_tokens: int = 256) -> None:
+    def __init__(
+        self,
+        layouts: list[Mapping[str, tuple[int, ...]]],
+        max_tokens: int,
+        initial_tokens: int = 256,
+    ) -> None:
         self.layouts = layouts
         self.max_tokens = max_tokens
         self.length = 0
         self._capacity = min(initial_tokens, max_tokens)
         self._arrays: list[dict[str, np.ndarray]] = [
-            {name: np.zeros((self._capacity, *shape), dtype=np.float32)
-             for name, shape in layout.items()}
+            {
+                name: np.zeros((self._capacity, *shape), dtype=np.float32)
+                for name, shape in layout.items()
+            }
             for layout in layouts
         ]
 
@@ -37,7 +43,7 @@ class KVCache:
         end = self.length + rows.shape[0]
         self._reserve(end)
         array = self._arrays[layer][name]
-        array[self.length:end] = rows
+        array[self.length : end] = rows
         return array[:end]
 
     def read(self, layer: int, name: str, end: int) -> np.ndarray:
@@ -70,12 +76,14 @@ class KVCache:
         if tokens <= self._capacity:
             return
         if tokens > self.max_tokens:
-            raise RequestError(f"context of {tokens} tokens exceeds the limit of "
-                               f"{self.max_tokens}", code="CONTEXT_EXCEEDED")
+            raise RequestError(
+                f"context of {tokens} tokens exceeds the limit of {self.max_tokens}",
+                code="CONTEXT_EXCEEDED",
+            )
         capacity = min(max(tokens, 2 * self._capacity), self.max_tokens)
         for layer in self._arrays:
             for name, old in layer.items():
                 grown = np.zeros((capacity, *old.shape[1:]), dtype=np.float32)
-                grown[:self.length] = old[:self.length]
+                grown[: self.length] = old[: self.length]
                 layer[name] = grown
         self._capacity = capacity

@@ -41,8 +41,13 @@ def identity(engine: Any) -> str:
     ckpt = engine.checkpoint
     stats = [(f.path.name, f.path.stat()) for f in ckpt.files]
     files = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats)
-    facts = {"format": FORMAT, "config": ckpt.config, "files": files,
-             "family": engine.family.name, "layouts": engine.model.cache_layouts()}
+    facts = {
+        "format": FORMAT,
+        "config": ckpt.config,
+        "files": files,
+        "family": engine.family.name,
+        "layouts": engine.model.cache_layouts(),
+    }
     text = json.dumps(facts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -75,8 +80,9 @@ def load(directory: Path, engine: Any) -> list[Any]:
         return []
     ident = identity(engine)
     sessions = []
-    for path in sorted(directory.glob(f"*{SUFFIX}"),
-                       key=lambda p: int(p.stem) if p.stem.isdigit() else -1):
+    for path in sorted(
+        directory.glob(f"*{SUFFIX}"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1
+    ):
         try:
             sessions.append(_session(path, engine, ident))
         except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
@@ -87,8 +93,10 @@ def load(directory: Path, engine: Any) -> list[Any]:
 
 def _arrays(session: Any, ident: str) -> dict[str, np.ndarray]:
     length = len(session.tokens)
-    out = {"identity": np.frombuffer(ident.encode(), dtype=np.uint8),
-           "tokens": np.asarray(session.tokens, dtype=np.int64)}
+    out = {
+        "identity": np.frombuffer(ident.encode(), dtype=np.uint8),
+        "tokens": np.asarray(session.tokens, dtype=np.int64),
+    }
     for layer, layout in enumerate(session.cache.layouts):
         for name in layout:
             out[f"kv.{layer}.{name}"] = session.cache.read(layer, name, length)
@@ -102,8 +110,11 @@ def _session(path: Path, engine: Any, ident: str) -> Session:
         if bytes(_member(z, "identity", 64)).decode("ascii", "replace") != ident:
             raise ValueError("computed by another model, kernel family or model version")
         tokens = _member(z, "tokens", 8 * engine.max_context)
-        if tokens.ndim != 1 or tokens.dtype != np.int64 or not 0 < tokens.size \
-                <= engine.max_context:
+        if (
+            tokens.ndim != 1
+            or tokens.dtype != np.int64
+            or not 0 < tokens.size <= engine.max_context
+        ):
             raise ValueError("bad token array")
         if tokens.min() < 0 or tokens.max() >= engine.vocab_size:
             raise ValueError("token ids outside the vocabulary")
@@ -114,8 +125,10 @@ def _session(path: Path, engine: Any, ident: str) -> Session:
             for name, shape in layout.items():
                 rows = _member(z, f"kv.{layer}.{name}", 4 * n * int(np.prod(shape)))
                 if rows.shape != (n, *shape) or rows.dtype != np.float32:
-                    raise ValueError(f"layer {layer} {name}: shape {rows.shape} {rows.dtype}, "
-                                     f"expected {(n, *shape)} float32")
+                    raise ValueError(
+                        f"layer {layer} {name}: shape {rows.shape} {rows.dtype}, "
+                        f"expected {(n, *shape)} float32"
+                    )
                 cache.write(layer, name, rows)
         cache.advance(n)
         session = Session(engine, cache, tokens.tolist())

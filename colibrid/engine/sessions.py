@@ -39,8 +39,14 @@ SessionKey = tuple[int | None, str | int]
 
 
 class SessionPool:
-    def __init__(self, new_session: Callable[[], Any], *, max_sessions: int,
-                 max_kv_bytes: int | None = None, prompt_cache: bool = True) -> None:
+    def __init__(
+        self,
+        new_session: Callable[[], Any],
+        *,
+        max_sessions: int,
+        max_kv_bytes: int | None = None,
+        prompt_cache: bool = True,
+    ) -> None:
         self._new = new_session
         self.max_sessions = max(0, max_sessions)
         self.max_kv_bytes = max_kv_bytes
@@ -56,14 +62,12 @@ class SessionPool:
     def kept_kv_bytes(self) -> int:
         return sum(_kv_bytes(s) for s in self._idle.values())
 
-    def checkout(self, client: int, conv: str | None, ids: Sequence[int]
-                 ) -> tuple[SessionKey, Any]:
+    def checkout(self, client: int, conv: str | None, ids: Sequence[int]) -> tuple[SessionKey, Any]:
         """The session a request runs in (busy until `checkin`)."""
         if conv is not None:
             key: SessionKey = (client, conv)
             if key in self._busy:
-                raise RequestError(f"conversation {conv!r} has a request running",
-                                   code="CONV_BUSY")
+                raise RequestError(f"conversation {conv!r} has a request running", code="CONV_BUSY")
             session = self._idle.pop(key, None) or self._from_prompt_cache(ids)
         else:
             key = (None, next(self._serial))
@@ -118,8 +122,10 @@ class SessionPool:
         self._trim()
 
     def _trim(self) -> None:
-        while self._idle and (len(self) > self.max_sessions or (
-                self.max_kv_bytes is not None and self.kept_kv_bytes() > self.max_kv_bytes)):
+        while self._idle and (
+            len(self) > self.max_sessions
+            or (self.max_kv_bytes is not None and self.kept_kv_bytes() > self.max_kv_bytes)
+        ):
             self._idle.popitem(last=False)
 
 

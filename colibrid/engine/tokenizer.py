@@ -99,8 +99,10 @@ def _pick_template(raw: Any, source: Path) -> str | dict[str, str] | None:
     if raw is None or isinstance(raw, str):
         return raw
     if isinstance(raw, list) and all(
-        isinstance(t, Mapping) and isinstance(t.get("name"), str) and isinstance(
-            t.get("template"), str) for t in raw
+        isinstance(t, Mapping)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in raw
     ):
         return {t["name"]: t["template"] for t in raw}
     raise CheckpointError(f"{source}: chat_template must be a string or a list of name/template")
@@ -115,11 +117,17 @@ def _compile_template(source: str, origin: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
         # Jinja's own tojson escapes HTML characters; transformers' (and ours) does not.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
@@ -211,8 +219,13 @@ class TextCodec:
             template = _pick_template(config.get("chat_template"), root / "tokenizer_config.json")
 
         stops = load_stop_token_ids(root, tokenizer.token_to_id)
-        return cls(tokenizer, chat_template=template, special_tokens=special,
-                   stop_token_ids=stops, origin=str(root))
+        return cls(
+            tokenizer,
+            chat_template=template,
+            special_tokens=special,
+            stop_token_ids=stops,
+            origin=str(root),
+        )
 
     # ---- ids <-> text -------------------------------------------------------------------
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
@@ -291,8 +304,14 @@ class TextCodec:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError,
-                AttributeError, IndexError) as exc:
+        except (
+            jinja2.exceptions.TemplateError,
+            TypeError,
+            ValueError,
+            KeyError,
+            AttributeError,
+            IndexError,
+        ) as exc:
             raise RequestError(f"chat template failed: {_one_line(exc)}") from None
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:

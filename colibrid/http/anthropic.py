@@ -38,15 +38,27 @@ def _convert(role: str, content: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "thinking" and role == "assistant":
             reasoning.append(str(block.get("thinking", "")))
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
-            calls.append({"type": "function", "id": block.get("id"),
-                          "function": {"name": block["name"],
-                                       "arguments": block.get("input") or {}}})
+            calls.append(
+                {
+                    "type": "function",
+                    "id": block.get("id"),
+                    "function": {"name": block["name"], "arguments": block.get("input") or {}},
+                }
+            )
         elif kind == "tool_result" and role == "user":
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                        "content": _text(block.get("content"), where)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": block.get("tool_use_id"),
+                    "content": _text(block.get("content"), where),
+                }
+            )
         else:
-            raise bad_request(f"{where}: unsupported content block {kind!r} (text, "
-                              "thinking, tool_use and tool_result are)", where)
+            raise bad_request(
+                f"{where}: unsupported content block {kind!r} (text, "
+                "thinking, tool_use and tool_result are)",
+                where,
+            )
     if text or calls or not out:
         msg: dict[str, Any] = {"role": role, "content": "".join(text)}
         if calls:
@@ -57,8 +69,9 @@ def _convert(role: str, content: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def messages_plan(body: Any, *, served: str, client: int, max_context: int,
-                  features: Features) -> Plan:
+def messages_plan(
+    body: Any, *, served: str, client: int, max_context: int, features: Features
+) -> Plan:
     body = _obj(body)
     model = check_model(body, served)
     max_tokens = _int(body, "max_tokens")
@@ -84,22 +97,47 @@ def messages_plan(body: Any, *, served: str, client: int, max_context: int,
     template_tools = None
     if tools and (not isinstance(choice, dict) or choice.get("type") != "none"):
         if not isinstance(tools, list) or not all(
-                isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools):
-            raise bad_request("`tools` must be a list of {name, description, input_schema}",
-                              "tools")
+            isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
+        ):
+            raise bad_request(
+                "`tools` must be a list of {name, description, input_schema}", "tools"
+            )
         if not isinstance(choice, dict) or choice.get("type") != "auto":
             raise bad_request("only `tool_choice` auto or none is supported", "tool_choice")
         if not features.tools:
             raise bad_request("this model's chat template does not support tools", "tools")
-        template_tools = tuple({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema", {})}} for t in tools)
-    params = sampling(body, max_tokens=max_tokens, max_context=max_context,
-                      stop=_stop(body.get("stop_sequences"), "stop_sequences"))
-    request = GenerateRequest(id=new_id("msg"), client=client, params=params,
-                              messages=tuple(messages), tools=template_tools)
-    return Plan(request, model, stream, False, max_tokens,
-                Features(tools=template_tools is not None, think=features.think))
+        template_tools = tuple(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema", {}),
+                },
+            }
+            for t in tools
+        )
+    params = sampling(
+        body,
+        max_tokens=max_tokens,
+        max_context=max_context,
+        stop=_stop(body.get("stop_sequences"), "stop_sequences"),
+    )
+    request = GenerateRequest(
+        id=new_id("msg"),
+        client=client,
+        params=params,
+        messages=tuple(messages),
+        tools=template_tools,
+    )
+    return Plan(
+        request,
+        model,
+        stream,
+        False,
+        max_tokens,
+        Features(tools=template_tools is not None, think=features.think),
+    )
 
 
 def stop_reason(done: Done, calls: list[ToolCall]) -> str:
@@ -111,8 +149,7 @@ def stop_reason(done: Done, calls: list[ToolCall]) -> str:
 
 
 def _tool_block(call: ToolCall) -> dict[str, Any]:
-    return {"type": "tool_use", "id": new_id("toolu"), "name": call.name,
-            "input": call.arguments}
+    return {"type": "tool_use", "id": new_id("toolu"), "name": call.name, "input": call.arguments}
 
 
 class MessageStream:
@@ -127,12 +164,19 @@ class MessageStream:
         self.prompt_tokens = 0
 
     def _message(self, done: Done | None, calls: list[ToolCall]) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant",
-                "model": self.plan.model, "content": self.blocks,
-                "stop_reason": stop_reason(done, calls) if done else None,
-                "stop_sequence": done.stop_string if done else None,
-                "usage": {"input_tokens": done.prompt_tokens if done else self.prompt_tokens,
-                          "output_tokens": done.generated_tokens if done else 0}}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.plan.model,
+            "content": self.blocks,
+            "stop_reason": stop_reason(done, calls) if done else None,
+            "stop_sequence": done.stop_string if done else None,
+            "usage": {
+                "input_tokens": done.prompt_tokens if done else self.prompt_tokens,
+                "output_tokens": done.generated_tokens if done else 0,
+            },
+        }
 
     def start(self, prompt_tokens: int) -> list[tuple[str, dict[str, Any]]]:
         self.prompt_tokens = prompt_tokens
@@ -150,16 +194,25 @@ class MessageStream:
             btype = "thinking" if kind == "reasoning" else "text"
             if self.open != btype:
                 out += self._close()
-                self.blocks.append({"type": btype, btype: ""} if btype == "text" else
-                                   {"type": "thinking", "thinking": "", "signature": ""})
+                self.blocks.append(
+                    {"type": btype, btype: ""}
+                    if btype == "text"
+                    else {"type": "thinking", "thinking": "", "signature": ""}
+                )
                 self.open = btype
-                out.append(("content_block_start", {"index": len(self.blocks) - 1,
-                                                    "content_block": dict(self.blocks[-1])}))
+                out.append(
+                    (
+                        "content_block_start",
+                        {"index": len(self.blocks) - 1, "content_block": dict(self.blocks[-1])},
+                    )
+                )
             self.blocks[-1][btype] += text
-            delta = {"type": "text_delta", "text": text} if btype == "text" else \
-                {"type": "thinking_delta", "thinking": text}
-            out.append(("content_block_delta", {"index": len(self.blocks) - 1,
-                                                "delta": delta}))
+            delta = (
+                {"type": "text_delta", "text": text}
+                if btype == "text"
+                else {"type": "thinking_delta", "thinking": text}
+            )
+            out.append(("content_block_delta", {"index": len(self.blocks) - 1, "delta": delta}))
         return out
 
     def token(self, text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -172,14 +225,32 @@ class MessageStream:
             block = _tool_block(call)
             self.blocks.append(block)
             index = len(self.blocks) - 1
-            out += [("content_block_start", {"index": index,
-                                             "content_block": {**block, "input": {}}}),
-                    ("content_block_delta", {"index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(call.arguments)}}),
-                    ("content_block_stop", {"index": index})]
-        out.append(("message_delta", {"delta": {"stop_reason": stop_reason(done, self.calls),
-                                                "stop_sequence": done.stop_string},
-                                      "usage": {"output_tokens": done.generated_tokens}}))
+            out += [
+                ("content_block_start", {"index": index, "content_block": {**block, "input": {}}}),
+                (
+                    "content_block_delta",
+                    {
+                        "index": index,
+                        "delta": {
+                            "type": "input_json_delta",
+                            "partial_json": json.dumps(call.arguments),
+                        },
+                    },
+                ),
+                ("content_block_stop", {"index": index}),
+            ]
+        out.append(
+            (
+                "message_delta",
+                {
+                    "delta": {
+                        "stop_reason": stop_reason(done, self.calls),
+                        "stop_sequence": done.stop_string,
+                    },
+                    "usage": {"output_tokens": done.generated_tokens},
+                },
+            )
+        )
         out.append(("message_stop", {}))
         return out
 

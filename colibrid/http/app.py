@@ -31,8 +31,15 @@ from colibrid.serve.events import Accepted, Done, Failed, Progress, Token
 
 log = logging.getLogger("colibrid.http")
 JSON = (b"content-type", b"application/json")
-ROUTES = {"/health": "GET", "/metrics": "GET", "/openapi.json": "GET", "/v1/models": "GET",
-          "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/messages": "POST"}
+ROUTES = {
+    "/health": "GET",
+    "/metrics": "GET",
+    "/openapi.json": "GET",
+    "/v1/models": "GET",
+    "/v1/chat/completions": "POST",
+    "/v1/completions": "POST",
+    "/v1/messages": "POST",
+}
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -48,16 +55,24 @@ class Responder:
 
     async def start(self, status: int, headers: tuple[tuple[bytes, bytes], ...]) -> None:
         self.status = status
-        await self._send({"type": "http.response.start", "status": status,
-                          "headers": [*headers, *self.extra]})
+        await self._send(
+            {"type": "http.response.start", "status": status, "headers": [*headers, *self.extra]}
+        )
 
     async def body(self, data: bytes, *, more: bool = True) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
-    async def full(self, status: int, data: bytes, content_type: bytes = JSON[1],
-                   headers: tuple[tuple[str, str], ...] = ()) -> None:
-        await self.start(status, ((b"content-type", content_type),
-                                  *((k.encode(), v.encode()) for k, v in headers)))
+    async def full(
+        self,
+        status: int,
+        data: bytes,
+        content_type: bytes = JSON[1],
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        await self.start(
+            status,
+            ((b"content-type", content_type), *((k.encode(), v.encode()) for k, v in headers)),
+        )
         await self.body(data, more=False)
 
     async def json(self, status: int, obj: Any) -> None:
@@ -96,18 +111,24 @@ class HttpApp:
         route = path if path in ROUTES or not path.startswith("/v1/models/") else "/v1/models/"
         try:
             if method == "OPTIONS" and responder.extra:
-                await responder.full(204, b"", headers=(
-                    ("access-control-allow-methods", "GET, POST, OPTIONS"),
-                    ("access-control-allow-headers",
-                     "authorization, content-type, x-api-key, anthropic-version"),
-                    ("access-control-max-age", "600")))
+                await responder.full(
+                    204,
+                    b"",
+                    headers=(
+                        ("access-control-allow-methods", "GET, POST, OPTIONS"),
+                        (
+                            "access-control-allow-headers",
+                            "authorization, content-type, x-api-key, anthropic-version",
+                        ),
+                        ("access-control-max-age", "600"),
+                    ),
+                )
                 return
             want = ROUTES.get(path, "GET" if route == "/v1/models/" else None)
             if want is None:
                 raise ApiError(404, f"no route {path}", code="not_found")
             if method != want:
-                raise ApiError(405, f"{path} takes {want}, not {method}",
-                               code="method_not_allowed")
+                raise ApiError(405, f"{path} takes {want}, not {method}", code="method_not_allowed")
             if path != "/health":
                 self._authorize(scope)
             body = await self._read_json(scope, receive) if want == "POST" else None
@@ -116,19 +137,23 @@ class HttpApp:
             await self._fail(responder, exc, anthropic=path == "/v1/messages")
         except Exception as exc:  # a bug costs this request only
             log.exception("HTTP %s %s failed", method, path)
-            await self._fail(responder, ApiError(500, f"internal error: {type(exc).__name__}",
-                                                 code="internal_error"))
+            await self._fail(
+                responder,
+                ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"),
+            )
         finally:
-            self.metrics.requests.labels(route if route in ROUTES or route == "/v1/models/"
-                                         else "other", str(responder.status or 499)).inc()
+            self.metrics.requests.labels(
+                route if route in ROUTES or route == "/v1/models/" else "other",
+                str(responder.status or 499),
+            ).inc()
 
-    async def _fail(self, responder: Responder, exc: ApiError, *, anthropic: bool = False
-                    ) -> None:
+    async def _fail(self, responder: Responder, exc: ApiError, *, anthropic: bool = False) -> None:
         if responder.status:  # headers are out: the stream can only end
             return
         try:
-            await responder.full(exc.status, exc.json_bytes(anthropic=anthropic),
-                                 headers=exc.headers)
+            await responder.full(
+                exc.status, exc.json_bytes(anthropic=anthropic), headers=exc.headers
+            )
         except Exception:  # the client is gone
             pass
 
@@ -152,14 +177,18 @@ class HttpApp:
         if token is None:
             token = headers.get(b"x-api-key", b"").decode("latin-1") or None
         if token != key:
-            raise ApiError(401, "missing or invalid API key (send `Authorization: Bearer "
-                           "KEY`)", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "missing or invalid API key (send `Authorization: Bearer KEY`)",
+                code="invalid_api_key",
+            )
 
     async def _read_json(self, scope: Scope, receive: Receive) -> Any:
         limit = self.settings.http_max_body_bytes
         length = dict(scope["headers"]).get(b"content-length")
-        too_large = ApiError(413, f"the request body exceeds {limit} bytes",
-                             code="request_too_large")
+        too_large = ApiError(
+            413, f"the request body exceeds {limit} bytes", code="request_too_large"
+        )
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_large
         chunks, size = [], 0
@@ -179,8 +208,7 @@ class HttpApp:
         except (ValueError, UnicodeDecodeError) as exc:
             raise errors.bad_request(f"the body is not valid JSON: {exc}") from None
 
-    async def _route(self, path: str, body: Any, receive: Receive, responder: Responder
-                     ) -> None:
+    async def _route(self, path: str, body: Any, receive: Receive, responder: Responder) -> None:
         state = self.state
         if path == "/health":
             await responder.json(200, {"status": "ok", "model": state.model_name})
@@ -191,14 +219,21 @@ class HttpApp:
         elif path == "/v1/models":
             await responder.json(200, openai.models_list(state.model_name, int(state.started)))
         elif path.startswith("/v1/models/"):
-            name = path[len("/v1/models/"):]
+            name = path[len("/v1/models/") :]
             if name != state.model_name:
-                raise ApiError(404, f"the model {name!r} does not exist; this daemon serves "
-                               f"{state.model_name!r}", code="model_not_found", param="model")
+                raise ApiError(
+                    404,
+                    f"the model {name!r} does not exist; this daemon serves {state.model_name!r}",
+                    code="model_not_found",
+                    param="model",
+                )
             await responder.json(200, openai.model_card(name, int(state.started)))
         else:
-            common = {"served": state.model_name, "client": next(self._clients),
-                      "max_context": self.max_context}
+            common = {
+                "served": state.model_name,
+                "client": next(self._clients),
+                "max_context": self.max_context,
+            }
             if path == "/v1/chat/completions":
                 plan = openai.chat_plan(body, features=self.features, **common)
                 translator: Any = openai.ChatStream(plan)
@@ -211,14 +246,16 @@ class HttpApp:
             await self._generate(plan, translator, receive, responder)
 
     # ---- generation -----------------------------------------------------------------------
-    async def _generate(self, plan: openai.Plan, translator: Any, receive: Receive,
-                        responder: Responder) -> None:
+    async def _generate(
+        self, plan: openai.Plan, translator: Any, receive: Receive, responder: Responder
+    ) -> None:
         scheduler = self.state.scheduler
         try:
             handle = scheduler.submit_nowait(plan.request)
         except ColibriError as exc:
-            raise errors.from_code(exc.code, str(exc),
-                                   retry_after_s=self.settings.http_retry_after_s) from None
+            raise errors.from_code(
+                exc.code, str(exc), retry_after_s=self.settings.http_retry_after_s
+            ) from None
         failure: list[ApiError] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
@@ -231,18 +268,19 @@ class HttpApp:
         if failure:
             raise failure[0]
 
-    async def _pump(self, plan: openai.Plan, translator: Any, events: Any,
-                    responder: Responder) -> None:
+    async def _pump(
+        self, plan: openai.Plan, translator: Any, events: Any, responder: Responder
+    ) -> None:
         first = await events.receive()
         if isinstance(first, Failed):
             raise errors.from_code(first.code, first.message, max_context=self.max_context)
         assert isinstance(first, Accepted)
-        if plan.max_tokens is not None and \
-                first.prompt_tokens + plan.max_tokens > self.max_context:
+        if plan.max_tokens is not None and first.prompt_tokens + plan.max_tokens > self.max_context:
             raise errors.context_exceeded(
                 f"this model's maximum context length is {self.max_context} tokens; the "
                 f"request asks for {first.prompt_tokens} prompt + {plan.max_tokens} "
-                "completion tokens. Shorten the prompt or lower max_tokens.")
+                "completion tokens. Shorten the prompt or lower max_tokens."
+            )
         anthropic_api = isinstance(translator, anthropic.MessageStream)
         encode = _encoder(anthropic_api)
         if plan.stream:
@@ -253,8 +291,11 @@ class HttpApp:
         async for event in events:
             if isinstance(event, Progress):
                 if plan.stream:  # a long prefill: show life (Anthropic's own keep-alive is ping)
-                    await responder.body(sse.named("ping", {}) if anthropic_api else
-                                         sse.comment(f"prefill {event.done}/{event.total}"))
+                    await responder.body(
+                        sse.named("ping", {})
+                        if anthropic_api
+                        else sse.comment(f"prefill {event.done}/{event.total}")
+                    )
             elif isinstance(event, Token):
                 items = translator.token(event.text)
                 if plan.stream and items:
@@ -269,13 +310,15 @@ class HttpApp:
                 await responder.body(tail if anthropic_api else tail + sse.DONE, more=False)
                 return
             elif isinstance(event, Failed):
-                error = errors.from_code(event.code, event.message,
-                                         max_context=self.max_context)
+                error = errors.from_code(event.code, event.message, max_context=self.max_context)
                 if not plan.stream:
                     raise error
                 payload = error.body(anthropic=anthropic_api)
-                data = sse.named("error", {"error": payload["error"]}) if anthropic_api \
+                data = (
+                    sse.named("error", {"error": payload["error"]})
+                    if anthropic_api
                     else sse.data(payload)
+                )
                 await responder.body(data, more=False)
                 return
 
@@ -296,14 +339,16 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
 
 # ---- the listener ---------------------------------------------------------------------------
 def parse_bind(value: str, api_key: str | None) -> str:
-    """"HOST:PORT" or "PORT" -> hypercorn bind; refuses a non-loopback host without a key."""
+    """ "HOST:PORT" or "PORT" -> hypercorn bind; refuses a non-loopback host without a key."""
     host, _, port = value.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"http = {value!r}: expected HOST:PORT or PORT")
     if not _loopback(host) and not api_key:
-        raise ConfigError(f"http = {value!r} listens beyond this machine: set http_api_key "
-                          "in config.toml first (or bind 127.0.0.1)")
+        raise ConfigError(
+            f"http = {value!r} listens beyond this machine: set http_api_key "
+            "in config.toml first (or bind 127.0.0.1)"
+        )
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -314,15 +359,17 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         try:
-            return all(ipaddress.ip_address(info[4][0]).is_loopback
-                       for info in socket.getaddrinfo(host, None))
+            return all(
+                ipaddress.ip_address(info[4][0]).is_loopback
+                for info in socket.getaddrinfo(host, None)
+            )
         except (OSError, ValueError):
             return False
 
 
-async def serve_http(state: Any, settings: Any, *,
-                     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
-                     ) -> None:
+async def serve_http(
+    state: Any, settings: Any, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Serve the API until cancelled; `task_status` gets the bound URLs."""
     from hypercorn.config import Config
     from hypercorn.trio import serve

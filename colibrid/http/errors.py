@@ -7,15 +7,29 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 409: "invalid_request_error",
-          413: "request_too_large", 429: "rate_limit_error", 500: "server_error",
-          503: "overloaded_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "overloaded_error",
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None,
-                 param: str | None = None, headers: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -30,8 +44,7 @@ class ApiError(Exception):
     def body(self, *, anthropic: bool = False) -> dict[str, Any]:
         """OpenAI's shape; `anthropic` adds the top-level ``"type": "error"`` Anthropic
         clients look for (the inner object carries both APIs' fields)."""
-        inner = {"message": self.message, "type": self.type, "param": self.param,
-                 "code": self.code}
+        inner = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"type": "error", "error": inner} if anthropic else {"error": inner}
 
     def json_bytes(self, *, anthropic: bool = False) -> bytes:
@@ -46,18 +59,22 @@ def context_exceeded(message: str) -> ApiError:
     return ApiError(400, message, param="messages", code="context_length_exceeded")
 
 
-def from_code(code: str, message: str, *, retry_after_s: int = 1,
-              max_context: int | None = None) -> ApiError:
+def from_code(
+    code: str, message: str, *, retry_after_s: int = 1, max_context: int | None = None
+) -> ApiError:
     """A scheduler / engine-host failure (a SERVE error code) as an HTTP error."""
     if code == "BUSY":
-        return ApiError(429, message, code="queue_full",
-                        headers=(("retry-after", str(retry_after_s)),))
+        return ApiError(
+            429, message, code="queue_full", headers=(("retry-after", str(retry_after_s)),)
+        )
     if code == "SHUTTING_DOWN":
         return ApiError(503, message, code="shutting_down")
     if code == "CONTEXT_EXCEEDED":
         limit = f" of {max_context} tokens" if max_context else ""
-        return context_exceeded(f"the prompt is longer than this model's context{limit} "
-                                "allows (it is never truncated); shorten it")
+        return context_exceeded(
+            f"the prompt is longer than this model's context{limit} "
+            "allows (it is never truncated); shorten it"
+        )
     if code in ("BAD_REQUEST", "EMPTY_PROMPT", "BAD_TEMPLATE"):
         return ApiError(400, message, code=code.lower())
     if code == "CANCELLED":

@@ -48,8 +48,12 @@ def check_model(body: dict[str, Any], served: str) -> str:
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required (a string)", "model")
     if model != served:
-        raise ApiError(404, f"the model {model!r} does not exist; this daemon serves "
-                       f"{served!r}", code="model_not_found", param="model")
+        raise ApiError(
+            404,
+            f"the model {model!r} does not exist; this daemon serves {served!r}",
+            code="model_not_found",
+            param="model",
+        )
     return model
 
 
@@ -66,8 +70,7 @@ def _num(body: dict[str, Any], name: str, default: float, low: float, high: floa
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or \
-            not low <= value <= high:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
         raise bad_request(f"`{name}` must be a number in [{low:g}, {high:g}]", name)
     return float(value)
 
@@ -76,24 +79,31 @@ def _stop(value: Any, name: str = "stop") -> tuple[str, ...]:
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items) \
-            or len(items) > 16:
+    if (
+        not isinstance(items, list)
+        or not all(isinstance(s, str) and s for s in items)
+        or len(items) > 16
+    ):
         raise bad_request(f"`{name}` must be a non-empty string or a list of up to 16", name)
     return tuple(items)
 
 
-def sampling(body: dict[str, Any], *, max_tokens: int | None, max_context: int,
-             stop: tuple[str, ...]) -> SamplingParams:
+def sampling(
+    body: dict[str, Any], *, max_tokens: int | None, max_context: int, stop: tuple[str, ...]
+) -> SamplingParams:
     """OpenAI defaults: temperature 1, top_p 1; no max_tokens means up to the context."""
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise bad_request("`seed` must be an integer", "seed")
     try:
-        return SamplingParams(max_tokens=max_tokens or max_context,
-                              temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
-                              top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-                              top_k=_int(body, "top_k", low=0) or 0,
-                              seed=None if seed is None else seed % 2**64, stop=stop)
+        return SamplingParams(
+            max_tokens=max_tokens or max_context,
+            temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+            top_k=_int(body, "top_k", low=0) or 0,
+            seed=None if seed is None else seed % 2**64,
+            stop=stop,
+        )
     except RequestError as exc:
         raise bad_request(str(exc)) from None
 
@@ -109,8 +119,9 @@ def _common(body: dict[str, Any]) -> tuple[bool, bool]:
         raise bad_request("`stream` must be a boolean", "stream")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
-        raise bad_request("`stream_options` needs `stream: true` and must be an object",
-                          "stream_options")
+        raise bad_request(
+            "`stream_options` needs `stream: true` and must be an object", "stream_options"
+        )
     return stream, bool((options or {}).get("include_usage"))
 
 
@@ -122,8 +133,11 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise bad_request(f"{where}: only text content parts are supported", where)
             parts.append(part["text"])
         return "".join(parts)
@@ -140,8 +154,11 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
             raise bad_request(f"{where}: function.arguments is not valid JSON", where) from None
-    return {"type": "function", "id": call.get("id"),
-            "function": {"name": fn["name"], "arguments": args}}
+    return {
+        "type": "function",
+        "id": call.get("id"),
+        "function": {"name": fn["name"], "arguments": args},
+    }
 
 
 def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
@@ -177,21 +194,27 @@ def chat_tools(body: dict[str, Any], features: Features) -> tuple[dict[str, Any]
     if tools is None or tools == [] or choice == "none":
         return None
     if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(
-                t.get("function"), dict) and isinstance(t["function"].get("name"), str)
-            for t in tools):
-        raise bad_request("`tools` must be a list of {type: function, function: {name, ...}}",
-                          "tools")
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise bad_request(
+            "`tools` must be a list of {type: function, function: {name, ...}}", "tools"
+        )
     if choice != "auto":
-        raise bad_request("only `tool_choice` \"auto\" or \"none\" is supported (the model "
-                          "decides whether to call a tool)", "tool_choice")
+        raise bad_request(
+            'only `tool_choice` "auto" or "none" is supported (the model '
+            "decides whether to call a tool)",
+            "tool_choice",
+        )
     if not features.tools:
         raise bad_request("this model's chat template does not support tools", "tools")
     return tuple(tools)
 
 
-def chat_plan(body: Any, *, served: str, client: int, max_context: int,
-              features: Features) -> Plan:
+def chat_plan(body: Any, *, served: str, client: int, max_context: int, features: Features) -> Plan:
     body = _obj(body)
     model = check_model(body, served)
     stream, include_usage = _common(body)
@@ -199,12 +222,20 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int,
     tools = chat_tools(body, features)
     max_tokens = _int(body, "max_completion_tokens")
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens")
-    params = sampling(body, max_tokens=max_tokens, max_context=max_context,
-                      stop=_stop(body.get("stop")))
-    request = GenerateRequest(id=new_id("chatcmpl"), client=client, params=params,
-                              messages=messages, tools=tools)
-    return Plan(request, model, stream, include_usage, max_tokens,
-                Features(tools=tools is not None, think=features.think))
+    params = sampling(
+        body, max_tokens=max_tokens, max_context=max_context, stop=_stop(body.get("stop"))
+    )
+    request = GenerateRequest(
+        id=new_id("chatcmpl"), client=client, params=params, messages=messages, tools=tools
+    )
+    return Plan(
+        request,
+        model,
+        stream,
+        include_usage,
+        max_tokens,
+        Features(tools=tools is not None, think=features.think),
+    )
 
 
 def completion_plan(body: Any, *, served: str, client: int, max_context: int) -> Plan:
@@ -222,8 +253,12 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
     if body.get("best_of", 1) != 1:
         raise bad_request("only `best_of` = 1 is supported", "best_of")
     max_tokens = _int(body, "max_tokens")
-    params = sampling(body, max_tokens=max_tokens if max_tokens is not None else 16,
-                      max_context=max_context, stop=_stop(body.get("stop")))
+    params = sampling(
+        body,
+        max_tokens=max_tokens if max_tokens is not None else 16,
+        max_context=max_context,
+        stop=_stop(body.get("stop")),
+    )
     request = GenerateRequest(id=new_id("cmpl"), client=client, params=params, prompt=prompt)
     return Plan(request, model, stream, include_usage, max_tokens)
 
@@ -235,16 +270,22 @@ def finish_reason(done: Done, calls: list[ToolCall]) -> str:
 
 
 def usage(done: Done) -> dict[str, Any]:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.generated_tokens,
-            "total_tokens": done.prompt_tokens + done.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.generated_tokens,
+        "total_tokens": done.prompt_tokens + done.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
 
 
 def tool_calls_json(calls: list[ToolCall], *, stream: bool = False) -> list[dict[str, Any]]:
     out = []
     for i, call in enumerate(calls):
-        item = {"id": new_id("call"), "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments_json}}
+        item = {
+            "id": new_id("call"),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json},
+        }
         out.append({"index": i, **item} if stream else item)
     return out
 
@@ -262,10 +303,14 @@ class ChatStream:
         self.content: list[str] = []
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                 "model": self.plan.model, "system_fingerprint": None,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": finish}]}
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.plan.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
         if self.plan.include_usage:
             chunk["usage"] = None
         return chunk
@@ -296,18 +341,30 @@ class ChatStream:
 
     def response(self, done: Done) -> dict[str, Any]:
         self.finish(done)
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": "".join(self.content) or
-                                   (None if self.calls else "")}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) or (None if self.calls else ""),
+        }
         if self.reasoning:
             message["reasoning_content"] = "".join(self.reasoning)
         if self.calls:
             message["tool_calls"] = tool_calls_json(self.calls)
-        return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.plan.model, "system_fingerprint": None,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": finish_reason(done, self.calls)}],
-                "usage": usage(done)}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.plan.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": finish_reason(done, self.calls),
+                }
+            ],
+            "usage": usage(done),
+        }
 
 
 class CompletionStream:
@@ -320,10 +377,14 @@ class CompletionStream:
         self.text: list[str] = []
 
     def _chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.plan.model, "system_fingerprint": None,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish}]}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.plan.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        }
 
     def start(self) -> list[dict[str, Any]]:
         return []

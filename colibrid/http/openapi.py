@@ -4,34 +4,71 @@ from __future__ import annotations
 
 from typing import Any
 
-_MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
-                "nullable": True}}}
-_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
-         "nullable": True}
-_SAMPLING = {"model": {"type": "string"}, "max_tokens": {"type": "integer", "nullable": True},
-             "temperature": {"type": "number", "nullable": True},
-             "top_p": {"type": "number", "nullable": True},
-             "seed": {"type": "integer", "nullable": True}, "stop": _STOP,
-             "stream": {"type": "boolean"}, "n": {"type": "integer"}}
-_ERROR = {"description": "an OpenAI-style error", "content": {"application/json": {
-    "schema": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type"]}}}}}}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {
+            "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}],
+            "nullable": True,
+        },
+    },
+}
+_STOP = {
+    "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+    "nullable": True,
+}
+_SAMPLING = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "nullable": True},
+    "temperature": {"type": "number", "nullable": True},
+    "top_p": {"type": "number", "nullable": True},
+    "seed": {"type": "integer", "nullable": True},
+    "stop": _STOP,
+    "stream": {"type": "boolean"},
+    "n": {"type": "integer"},
+}
+_ERROR = {
+    "description": "an OpenAI-style error",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {"error": {"type": "object", "required": ["message", "type"]}},
+            }
+        }
+    },
+}
 _ERRORS = {str(s): _ERROR for s in (400, 401, 404, 413, 429, 503)}
 
 
 def _post(summary: str, required: list[str], props: dict[str, Any]) -> dict[str, Any]:
-    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"type": "object", "required": required,
-                                        "properties": props}}}},
-        "responses": {"200": {"description": "the answer (JSON, or SSE when streaming)"},
-                      **_ERRORS}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"type": "object", "required": required, "properties": props}
+                    }
+                },
+            },
+            "responses": {
+                "200": {"description": "the answer (JSON, or SSE when streaming)"},
+                **_ERRORS,
+            },
+        }
+    }
 
 
 def _get(summary: str, params: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "ok"},
-                                                           **_ERRORS}}
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": "ok"}, **_ERRORS},
+    }
     if params:
         op["parameters"] = params
     return {"get": op}
@@ -40,29 +77,54 @@ def _get(summary: str, params: list[dict[str, Any]] | None = None) -> dict[str, 
 def describe(model: str) -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
-        "info": {"title": "colibri", "version": "1",
-                 "description": f"OpenAI- and Anthropic-compatible API serving {model}"},
+        "info": {
+            "title": "colibri",
+            "version": "1",
+            "description": f"OpenAI- and Anthropic-compatible API serving {model}",
+        },
         "paths": {
             "/health": _get("liveness"),
             "/metrics": _get("Prometheus metrics"),
             "/v1/models": _get("the served model"),
-            "/v1/models/{model}": _get("one model", [{"name": "model", "in": "path",
-                                                      "required": True,
-                                                      "schema": {"type": "string"}}]),
-            "/v1/chat/completions": _post("chat", ["model", "messages"], {
-                **_SAMPLING, "max_completion_tokens": {"type": "integer", "nullable": True},
-                "messages": {"type": "array", "items": _MESSAGE},
-                "tools": {"type": "array", "items": {"type": "object"}},
-                "stream_options": {"type": "object", "nullable": True}}),
-            "/v1/completions": _post("raw completion", ["model", "prompt"], {
-                **_SAMPLING, "prompt": {"type": "string"}}),
-            "/v1/messages": _post("Anthropic Messages", ["model", "messages", "max_tokens"], {
-                "model": {"type": "string"}, "max_tokens": {"type": "integer"},
-                "system": {"type": "string"},
-                "messages": {"type": "array", "items": {"type": "object", "properties": {
-                    "role": {"type": "string", "enum": ["user", "assistant"]},
-                    "content": {"type": "string"}}}},
-                "stop_sequences": {"type": "array", "items": {"type": "string"}},
-                "temperature": {"type": "number"}, "stream": {"type": "boolean"}}),
+            "/v1/models/{model}": _get(
+                "one model",
+                [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            ),
+            "/v1/chat/completions": _post(
+                "chat",
+                ["model", "messages"],
+                {
+                    **_SAMPLING,
+                    "max_completion_tokens": {"type": "integer", "nullable": True},
+                    "messages": {"type": "array", "items": _MESSAGE},
+                    "tools": {"type": "array", "items": {"type": "object"}},
+                    "stream_options": {"type": "object", "nullable": True},
+                },
+            ),
+            "/v1/completions": _post(
+                "raw completion", ["model", "prompt"], {**_SAMPLING, "prompt": {"type": "string"}}
+            ),
+            "/v1/messages": _post(
+                "Anthropic Messages",
+                ["model", "messages", "max_tokens"],
+                {
+                    "model": {"type": "string"},
+                    "max_tokens": {"type": "integer"},
+                    "system": {"type": "string"},
+                    "messages": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {
+                                "role": {"type": "string", "enum": ["user", "assistant"]},
+                                "content": {"type": "string"},
+                            },
+                        },
+                    },
+                    "stop_sequences": {"type": "array", "items": {"type": "string"}},
+                    "temperature": {"type": "number"},
+                    "stream": {"type": "boolean"},
+                },
+            ),
         },
     }

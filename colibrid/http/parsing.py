@@ -68,12 +68,16 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
                 obj = json.loads(body)
             except ValueError:
                 continue
-            args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) \
-                else None
+            args = (
+                obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+            )
             if isinstance(args, str):
                 args = _value(args)
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str) and \
-                    isinstance(args, dict):
+            if (
+                isinstance(obj, dict)
+                and isinstance(obj.get("name"), str)
+                and isinstance(args, dict)
+            ):
                 calls.append(ToolCall(obj["name"], args))
             continue
         name = body.split("<arg_key>", 1)[0].strip()
@@ -113,7 +117,7 @@ class OutputSplitter:
             if self.mode == "start":
                 head = self.buf.lstrip()
                 if head.startswith(THINK_OPEN):
-                    self.buf = head[len(THINK_OPEN):]
+                    self.buf = head[len(THINK_OPEN) :]
                     self.mode = "reasoning"
                 elif THINK_OPEN.startswith(head) and not final:
                     break
@@ -143,17 +147,18 @@ class OutputSplitter:
                 break
         return [p for p in out if p[1]]
 
-    def _until(self, tag: str, kind: str, then: str, out: list[tuple[str, str]],
-               final: bool) -> None:
+    def _until(
+        self, tag: str, kind: str, then: str, out: list[tuple[str, str]], final: bool
+    ) -> None:
         at = self.buf.find(tag)
         if at >= 0:
             out.append((kind, self.buf[:at]))
-            self.buf = self.buf[at + len(tag):]
+            self.buf = self.buf[at + len(tag) :]
             self.mode = then
             return
         keep = 0 if final else _held(self.buf, tag)
-        out.append((kind, self.buf[:len(self.buf) - keep]))
-        self.buf = self.buf[len(self.buf) - keep:]
+        out.append((kind, self.buf[: len(self.buf) - keep]))
+        self.buf = self.buf[len(self.buf) - keep :]
 
 
 def split_all(text: str, features: Features) -> tuple[str, str, list[ToolCall]]:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-HEADERS = ((b"content-type", b"text/event-stream; charset=utf-8"),
-           (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"))
+HEADERS = (
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
 DONE = b"data: [DONE]\n\n"
 
 

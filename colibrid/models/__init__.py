@@ -18,5 +18,7 @@ def family(model_type: object) -> ModuleType:
     if model_type not in SUPPORTED:
         raise ModelLoadError(
             f"unsupported architecture model_type={model_type!r}; colibri runs "
-            f"{', '.join(SUPPORTED)}", code="UNKNOWN_ARCH")
+            f"{', '.join(SUPPORTED)}",
+            code="UNKNOWN_ARCH",
+        )
     return importlib.import_module(f"colibrid.models.{model_type}")

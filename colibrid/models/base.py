@@ -58,7 +58,11 @@ class Ops(Protocol):
         ...
 
     def expert_swiglu(
-        self, gate: QuantWeight, up: QuantWeight, down: QuantWeight, x: np.ndarray,
+        self,
+        gate: QuantWeight,
+        up: QuantWeight,
+        down: QuantWeight,
+        x: np.ndarray,
         family: KernelFamily,
     ) -> np.ndarray: ...
 
@@ -112,8 +116,9 @@ class ConfigReader:
             return None
         return self.int(key, lo=lo, hi=hi)
 
-    def float(self, key: str, default: float | None = None, *, lo: float = 0.0,
-              hi: float = 1e12) -> float:
+    def float(
+        self, key: str, default: float | None = None, *, lo: float = 0.0, hi: float = 1e12
+    ) -> float:
         value = self.config.get(key, default)
         if value is None:
             raise self._fail(key, "is missing")
@@ -169,8 +174,16 @@ class Linear:
         self.ops = ops
 
     @classmethod
-    def load(cls, src: WeightSource, ops: Ops, prefix: str, out_features: int,
-             in_features: int, *, bias: bool = False) -> Linear:
+    def load(
+        cls,
+        src: WeightSource,
+        ops: Ops,
+        prefix: str,
+        out_features: int,
+        in_features: int,
+        *,
+        bias: bool = False,
+    ) -> Linear:
         weight = src.weight(f"{prefix}.weight", (out_features, in_features))
         b = src.vector(f"{prefix}.bias", (out_features,)) if bias else None
         return cls(weight, b, ops)

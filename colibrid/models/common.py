@@ -37,7 +37,8 @@ def read_trunk(r: ConfigReader) -> TrunkArgs:
         max_position_embeddings=r.int("max_position_embeddings", 4096, hi=MAX_POSITIONS),
         tie_word_embeddings=r.bool("tie_word_embeddings", False),
         num_mtp_layers=ConfigReader({"num_mtp_layers": mtp}, r.arch).int(
-            "num_mtp_layers", lo=0, hi=8),
+            "num_mtp_layers", lo=0, hi=8
+        ),
     )
 
 

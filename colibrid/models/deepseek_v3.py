@@ -31,20 +31,27 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        return cls(**read_mla_fields(ConfigReader(config, ARCH), default_dense=3,
-                                     interleave_default=True))
+        return cls(
+            **read_mla_fields(ConfigReader(config, ARCH), default_dense=3, interleave_default=True)
+        )
 
     def attention_at(self, src: WeightSource, ops: Ops, layer: int) -> MLAAttention:
-        return MLAAttention(src, ops, f"model.layers.{layer}.self_attn", self.attention,
-                            softmax_scale(self.attention, self.rope),
-                            self.indexer_at(src, ops, layer))
+        return MLAAttention(
+            src,
+            ops,
+            f"model.layers.{layer}.self_attn",
+            self.attention,
+            softmax_scale(self.attention, self.rope),
+            self.indexer_at(src, ops, layer),
+        )
 
     def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
         return None
 
 
-def read_mla_fields(r: ConfigReader, *, default_dense: int,
-                    interleave_default: bool) -> dict[str, Any]:
+def read_mla_fields(
+    r: ConfigReader, *, default_dense: int, interleave_default: bool
+) -> dict[str, Any]:
     trunk = read_trunk(r)
     q_lora = r.optional_int("q_lora_rank")
     attention = MLAShape(
@@ -60,37 +67,62 @@ def read_mla_fields(r: ConfigReader, *, default_dense: int,
     )
     if attention.rope % 2:
         raise r._fail("qk_rope_head_dim", "must be even")
-    return dict(trunk=trunk, moe=read_moe(r),
-                is_moe=tuple(moe_layers(r, trunk.num_hidden_layers, default_dense)),
-                attention=attention, rope=r.rope())
+    return dict(
+        trunk=trunk,
+        moe=read_moe(r),
+        is_moe=tuple(moe_layers(r, trunk.num_hidden_layers, default_dense)),
+        attention=attention,
+        rope=r.rope(),
+    )
 
 
 def build(args: Any, src: WeightSource, experts: ExpertSource, ops: Ops) -> Transformer:
     """Shared by deepseek_v3 and glm_moe_dsa (whose args add the DSA indexer)."""
     t = args.trunk
     layers = [
-        load_decoder_layer(src, ops, experts, layer, args.attention_at(src, ops, layer),
-                           hidden=t.hidden_size, eps=t.rms_norm_eps,
-                           moe=args.moe if args.is_moe[layer] else None,
-                           dense_width=t.intermediate_size)
+        load_decoder_layer(
+            src,
+            ops,
+            experts,
+            layer,
+            args.attention_at(src, ops, layer),
+            hidden=t.hidden_size,
+            eps=t.rms_norm_eps,
+            moe=args.moe if args.is_moe[layer] else None,
+            dense_width=t.intermediate_size,
+        )
         for layer in range(t.num_hidden_layers)
     ]
     rotary = Rotary(args.attention.rope, args.rope, max_positions=t.max_position_embeddings)
-    model = Transformer(src, ops, vocab=t.vocab_size, hidden=t.hidden_size,
-                        eps=t.rms_norm_eps, layers=layers, rotary=rotary,
-                        tie_embeddings=t.tie_word_embeddings)
+    model = Transformer(
+        src,
+        ops,
+        vocab=t.vocab_size,
+        hidden=t.hidden_size,
+        eps=t.rms_norm_eps,
+        layers=layers,
+        rotary=rotary,
+        tie_embeddings=t.tie_word_embeddings,
+    )
     model.mtp = load_mtp(args, src, experts, ops)
     return model
 
 
-def load_mtp(args: Any, src: WeightSource, experts: ExpertSource,
-             ops: Ops) -> MTPLayer | None:
+def load_mtp(args: Any, src: WeightSource, experts: ExpertSource, ops: Ops) -> MTPLayer | None:
     """The MTP layer at index num_hidden_layers, when the config declares it and it is there."""
     t = args.trunk
     index = t.num_hidden_layers
     if t.num_mtp_layers == 0 or not MTPLayer.present(src, index):
         return None
-    decoder = load_decoder_layer(src, ops, experts, index, args.attention_at(src, ops, index),
-                                 hidden=t.hidden_size, eps=t.rms_norm_eps, moe=args.moe,
-                                 dense_width=t.intermediate_size)
+    decoder = load_decoder_layer(
+        src,
+        ops,
+        experts,
+        index,
+        args.attention_at(src, ops, index),
+        hidden=t.hidden_size,
+        eps=t.rms_norm_eps,
+        moe=args.moe,
+        dense_width=t.intermediate_size,
+    )
     return MTPLayer(src, ops, index, t.hidden_size, t.rms_norm_eps, decoder)

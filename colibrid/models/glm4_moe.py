@@ -36,16 +36,30 @@ class ModelArgs:
         head_dim = r.int("head_dim", trunk.hidden_size // heads)
         rope = r.rope()
         partial = rope.get("partial_rotary_factor", DEFAULT_PARTIAL_ROTARY)
-        if isinstance(partial, bool) or not isinstance(partial, (int, float)) \
-                or not 0 < partial <= 1:
+        if (
+            isinstance(partial, bool)
+            or not isinstance(partial, (int, float))
+            or not 0 < partial <= 1
+        ):
             raise r._fail("partial_rotary_factor", f"= {partial!r} must be in (0, 1]")
         rotary_dim = int(head_dim * partial)
-        attention = GQAShape(hidden=trunk.hidden_size, heads=heads, kv_heads=kv_heads,
-                             head_dim=head_dim, bias=r.bool("attention_bias", False),
-                             qk_norm=r.bool("use_qk_norm", False), eps=trunk.rms_norm_eps)
-        return cls(trunk=trunk, moe=read_moe(r),
-                   is_moe=tuple(moe_layers(r, trunk.num_hidden_layers, 1)),
-                   attention=attention, rope=rope, rotary_dim=rotary_dim)
+        attention = GQAShape(
+            hidden=trunk.hidden_size,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            bias=r.bool("attention_bias", False),
+            qk_norm=r.bool("use_qk_norm", False),
+            eps=trunk.rms_norm_eps,
+        )
+        return cls(
+            trunk=trunk,
+            moe=read_moe(r),
+            is_moe=tuple(moe_layers(r, trunk.num_hidden_layers, 1)),
+            attention=attention,
+            rope=rope,
+            rotary_dim=rotary_dim,
+        )
 
     def attention_at(self, src: WeightSource, ops: Ops, layer: int) -> GQAAttention:
         return GQAAttention(src, ops, f"model.layers.{layer}.self_attn", self.attention)
@@ -54,12 +68,27 @@ class ModelArgs:
 def build(args: ModelArgs, src: WeightSource, experts: ExpertSource, ops: Ops) -> Transformer:
     t = args.trunk
     layers = [
-        load_decoder_layer(src, ops, experts, layer, args.attention_at(src, ops, layer),
-                           hidden=t.hidden_size, eps=t.rms_norm_eps,
-                           moe=args.moe if args.is_moe[layer] else None,
-                           dense_width=t.intermediate_size)
+        load_decoder_layer(
+            src,
+            ops,
+            experts,
+            layer,
+            args.attention_at(src, ops, layer),
+            hidden=t.hidden_size,
+            eps=t.rms_norm_eps,
+            moe=args.moe if args.is_moe[layer] else None,
+            dense_width=t.intermediate_size,
+        )
         for layer in range(t.num_hidden_layers)
     ]
     rotary = Rotary(args.rotary_dim, args.rope, max_positions=t.max_position_embeddings)
-    return Transformer(src, ops, vocab=t.vocab_size, hidden=t.hidden_size, eps=t.rms_norm_eps,
-                       layers=layers, rotary=rotary, tie_embeddings=t.tie_word_embeddings)
+    return Transformer(
+        src,
+        ops,
+        vocab=t.vocab_size,
+        hidden=t.hidden_size,
+        eps=t.rms_norm_eps,
+        layers=layers,
+        rotary=rotary,
+        tie_embeddings=t.tie_word_embeddings,
+    )

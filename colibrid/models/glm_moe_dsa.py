@@ -30,14 +30,19 @@ class ModelArgs(deepseek_v3.ModelArgs):
         attention: MLAShape = fields["attention"]
         if attention.q_lora_rank is None:
             raise r._fail("q_lora_rank", "is required by the DSA indexer")
-        shape = IndexerShape(hidden=trunk.hidden_size, q_lora_rank=attention.q_lora_rank,
-                             heads=r.int("index_n_heads", 32),
-                             head_dim=r.int("index_head_dim", 128),
-                             rope=attention.rope, topk=r.int("index_topk", 2048, hi=1 << 30))
+        shape = IndexerShape(
+            hidden=trunk.hidden_size,
+            q_lora_rank=attention.q_lora_rank,
+            heads=r.int("index_n_heads", 32),
+            head_dim=r.int("index_head_dim", 128),
+            rope=attention.rope,
+            topk=r.int("index_topk", 2048, hi=1 << 30),
+        )
         if shape.head_dim < shape.rope:
             raise r._fail("index_head_dim", f"= {shape.head_dim} is below qk_rope_head_dim")
-        return cls(**fields, indexer=shape,
-                   indexer_types=tuple(_indexer_types(r, trunk.num_hidden_layers)))
+        return cls(
+            **fields, indexer=shape, indexer_types=tuple(_indexer_types(r, trunk.num_hidden_layers))
+        )
 
     def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
         prefix = f"model.layers.{layer}.self_attn.indexer"
@@ -60,8 +65,9 @@ def _indexer_types(r: ConfigReader, n_layers: int) -> list[str]:
         else:
             freq = max(r.int("index_topk_freq", 1, hi=1024), 1)
             offset = r.int("index_skip_topk_offset", 2, lo=0, hi=1024)
-            kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
-                     for i in range(n_layers)]
+            kinds = [
+                "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)
+            ]
     if len(kinds) < n_layers or any(k not in ("full", "shared") for k in kinds):
         raise r._fail("index_topk_pattern", "must give 'full'/'shared' (F/S) for every layer")
     if kinds and kinds[0] == "shared":

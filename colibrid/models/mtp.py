@@ -17,8 +17,15 @@ from colibrid.models.transformer import DecoderLayer
 
 
 class MTPLayer:
-    def __init__(self, src: WeightSource, ops: Ops, index: int, hidden: int, eps: float,
-                 decoder: DecoderLayer) -> None:
+    def __init__(
+        self,
+        src: WeightSource,
+        ops: Ops,
+        index: int,
+        hidden: int,
+        eps: float,
+        decoder: DecoderLayer,
+    ) -> None:
         prefix = f"model.layers.{index}"
         self.index = index
         self.eps = eps
@@ -34,6 +41,8 @@ class MTPLayer:
 
     def input(self, embedded: np.ndarray, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:
         """The MTP decoder input [S, D] from next-token embeddings and main hidden states."""
-        joined = np.concatenate([rms_norm(embedded, self.enorm, self.eps),
-                                 rms_norm(hidden, self.hnorm, self.eps)], axis=-1)
+        joined = np.concatenate(
+            [rms_norm(embedded, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)],
+            axis=-1,
+        )
         return self.eh_proj(np.ascontiguousarray(joined), family)

@@ -38,8 +38,14 @@ class MoEArgs:
 
 
 class DecoderLayer:
-    def __init__(self, attention: Any, mlp: MLP | MoE, input_norm: np.ndarray,
-                 post_norm: np.ndarray, eps: float) -> None:
+    def __init__(
+        self,
+        attention: Any,
+        mlp: MLP | MoE,
+        input_norm: np.ndarray,
+        post_norm: np.ndarray,
+        eps: float,
+    ) -> None:
         self.attention = attention
         self.mlp = mlp
         self.input_norm = input_norm
@@ -47,12 +53,19 @@ class DecoderLayer:
         self.eps = eps
         self.lookahead = None  # PILOT: called with the post-attention residual (engine-set)
 
-    def __call__(self, h: np.ndarray, layer: int, cache, step: Step,
-                 rope: tuple[np.ndarray, np.ndarray],
-                 selection: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(
+        self,
+        h: np.ndarray,
+        layer: int,
+        cache,
+        step: Step,
+        rope: tuple[np.ndarray, np.ndarray],
+        selection: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         t0 = time.perf_counter()
-        attn, selection = self.attention(rms_norm(h, self.input_norm, self.eps), layer, cache,
-                                         step, rope, selection)
+        attn, selection = self.attention(
+            rms_norm(h, self.input_norm, self.eps), layer, cache, step, rope, selection
+        )
         if step.clock is not None:
             step.clock.attention_s += time.perf_counter() - t0
         h = h + attn
@@ -62,44 +75,75 @@ class DecoderLayer:
         return h, selection
 
 
-def load_decoder_layer(src: WeightSource, ops: Ops, experts: ExpertSource, layer: int,
-                       attention: Any, *, hidden: int, eps: float, moe: MoEArgs | None,
-                       dense_width: int) -> DecoderLayer:
+def load_decoder_layer(
+    src: WeightSource,
+    ops: Ops,
+    experts: ExpertSource,
+    layer: int,
+    attention: Any,
+    *,
+    hidden: int,
+    eps: float,
+    moe: MoEArgs | None,
+    dense_width: int,
+) -> DecoderLayer:
     """A decoder layer; `moe` None means a dense MLP of `dense_width`."""
     prefix = f"model.layers.{layer}"
     if moe is None:
         mlp: MLP | MoE = MLP(src, ops, f"{prefix}.mlp", hidden, dense_width)
     else:
         mlp = load_moe(src, ops, experts, layer, hidden, moe)
-    return DecoderLayer(attention, mlp,
-                        src.vector(f"{prefix}.input_layernorm.weight", (hidden,)),
-                        src.vector(f"{prefix}.post_attention_layernorm.weight", (hidden,)),
-                        eps)
+    return DecoderLayer(
+        attention,
+        mlp,
+        src.vector(f"{prefix}.input_layernorm.weight", (hidden,)),
+        src.vector(f"{prefix}.post_attention_layernorm.weight", (hidden,)),
+        eps,
+    )
 
 
-def load_moe(src: WeightSource, ops: Ops, experts: ExpertSource, layer: int, hidden: int,
-             args: MoEArgs) -> MoE:
+def load_moe(
+    src: WeightSource, ops: Ops, experts: ExpertSource, layer: int, hidden: int, args: MoEArgs
+) -> MoE:
     prefix = f"model.layers.{layer}.mlp"
     n = args.n_routed_experts
     bias_name = f"{prefix}.gate.e_score_correction_bias"
     router = Router(
         src.vector(f"{prefix}.gate.weight", (n, hidden)),
         src.vector(bias_name, (n,)) if src.has(bias_name) else None,
-        top_k=args.num_experts_per_tok, n_group=args.n_group, topk_group=args.topk_group,
-        norm_topk_prob=args.norm_topk_prob, scaling=args.routed_scaling_factor,
+        top_k=args.num_experts_per_tok,
+        n_group=args.n_group,
+        topk_group=args.topk_group,
+        norm_topk_prob=args.norm_topk_prob,
+        scaling=args.routed_scaling_factor,
     )
     shared = None
     if args.n_shared_experts > 0:
-        shared = MLP(src, ops, f"{prefix}.shared_experts", hidden,
-                     args.moe_intermediate_size * args.n_shared_experts)
+        shared = MLP(
+            src,
+            ops,
+            f"{prefix}.shared_experts",
+            hidden,
+            args.moe_intermediate_size * args.n_shared_experts,
+        )
     return MoE(layer, router, experts, ops, shared)
 
 
 class Transformer:
     """Embedding, decoder layers, final norm and head; `forward` runs S new rows."""
 
-    def __init__(self, src: WeightSource, ops: Ops, *, vocab: int, hidden: int, eps: float,
-                 layers: list[DecoderLayer], rotary: Rotary, tie_embeddings: bool) -> None:
+    def __init__(
+        self,
+        src: WeightSource,
+        ops: Ops,
+        *,
+        vocab: int,
+        hidden: int,
+        eps: float,
+        layers: list[DecoderLayer],
+        rotary: Rotary,
+        tie_embeddings: bool,
+    ) -> None:
         self.ops = ops
         self.vocab = vocab
         self.hidden = hidden

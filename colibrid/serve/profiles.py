@@ -97,8 +97,15 @@ def read_profile(path: Path, shape: tuple[int, int], model_type: str) -> np.ndar
 
 
 class ProfileBook:
-    def __init__(self, directory: Path, shape: tuple[int, int], model_type: str,
-                 active: str, pins: PinTarget, pin_budget: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        shape: tuple[int, int],
+        model_type: str,
+        active: str,
+        pins: PinTarget,
+        pin_budget: int,
+    ) -> None:
         self.directory = directory
         self.shape = shape
         self.model_type = model_type
@@ -112,8 +119,11 @@ class ProfileBook:
         counts = self._counts.get(name)
         if counts is None:
             path = self.path(name)
-            counts = (read_profile(path, self.shape, self.model_type) if path.is_file()
-                      else np.zeros(self.shape, dtype=np.int64))
+            counts = (
+                read_profile(path, self.shape, self.model_type)
+                if path.is_file()
+                else np.zeros(self.shape, dtype=np.int64)
+            )
             self._counts[name] = counts
         return counts
 
@@ -136,8 +146,15 @@ class ProfileBook:
 
     def listing(self) -> list[dict[str, object]]:
         with self._lock:
-            return [{"name": n, "selections": int(self._get(n).sum()), "active": n == self.active,
-                     "saved": self.path(n).is_file()} for n in self.names()]
+            return [
+                {
+                    "name": n,
+                    "selections": int(self._get(n).sum()),
+                    "active": n == self.active,
+                    "saved": self.path(n).is_file(),
+                }
+                for n in self.names()
+            ]
 
     def pin_set(self) -> list[tuple[int, int]]:
         return choose_pins(self.counts(self.active), self.pin_budget)

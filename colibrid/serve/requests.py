@@ -26,8 +26,20 @@ class GenerateRequest:
     @classmethod
     def from_submit(cls, submit: Submit, client: int) -> GenerateRequest:
         """Raises RequestError (BAD_REQUEST) with the reason for invalid sampling values."""
-        params = SamplingParams(max_tokens=submit.max_tokens, temperature=submit.temperature,
-                                top_p=submit.top_p, top_k=submit.top_k, seed=submit.seed,
-                                stop=submit.stop)
-        return cls(id=submit.id, client=client, params=params, prompt=submit.prompt,
-                   messages=submit.messages, conv=submit.conv, profile=submit.profile)
+        params = SamplingParams(
+            max_tokens=submit.max_tokens,
+            temperature=submit.temperature,
+            top_p=submit.top_p,
+            top_k=submit.top_k,
+            seed=submit.seed,
+            stop=submit.stop,
+        )
+        return cls(
+            id=submit.id,
+            client=client,
+            params=params,
+            prompt=submit.prompt,
+            messages=submit.messages,
+            conv=submit.conv,
+            profile=submit.profile,
+        )

@@ -38,8 +38,9 @@ class SchedulerStatistics:
 class Handle:
     """What a front end holds for one submitted request."""
 
-    def __init__(self, scheduler: Scheduler, job: Job,
-                 events: trio.MemoryReceiveChannel[Event]) -> None:
+    def __init__(
+        self, scheduler: Scheduler, job: Job, events: trio.MemoryReceiveChannel[Event]
+    ) -> None:
         self._scheduler = scheduler
         self.job = job
         self.events = events
@@ -67,8 +68,9 @@ class Scheduler:
         self._slots = trio.Semaphore(max_active)
         self.closing = False
 
-    async def serve(self, *, task_status: trio.TaskStatus[Scheduler] = trio.TASK_STATUS_IGNORED
-                    ) -> None:
+    async def serve(
+        self, *, task_status: trio.TaskStatus[Scheduler] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Dispatch queued jobs to the host as slots free up (never returns)."""
         task_status.started(self)
         while True:
@@ -87,8 +89,9 @@ class Scheduler:
         if self.closing:
             raise ServeError("the daemon is stopping", code="SHUTTING_DOWN")
         if self._queued >= self.max_queue:
-            raise ServeError(f"the queue is full ({self._queued} requests waiting); try again "
-                             "later", code="BUSY")
+            raise ServeError(
+                f"the queue is full ({self._queued} requests waiting); try again later", code="BUSY"
+            )
         send, receive = trio.open_memory_channel[Event](math.inf)
         job = Job(request, send, self.host.new_cancel_flag())
         self._pending.setdefault(request.client, deque()).append(job)
@@ -115,8 +118,9 @@ class Scheduler:
             yield handle
 
     def statistics(self) -> SchedulerStatistics:
-        return SchedulerStatistics(self._queued, len(self._running), self.max_queue,
-                                   self.max_active)
+        return SchedulerStatistics(
+            self._queued, len(self._running), self.max_queue, self.max_active
+        )
 
     def close_nowait(self) -> None:
         """Refuse new requests and fail the queued ones (running ones go on)."""

@@ -101,11 +101,15 @@ class Connection:
         state = self.state
         if isinstance(request, Submit):
             if request.id in self.requests:
-                raise ProtocolError("DUPLICATE_ID", f"request {request.id} is in flight",
-                                    request.id)
+                raise ProtocolError(
+                    "DUPLICATE_ID", f"request {request.id} is in flight", request.id
+                )
             if request.model and request.model != state.model_name:
-                raise ProtocolError("MODEL_MISMATCH", f"the daemon serves {state.model_name}; "
-                                    f"stop it to load {request.model}", request.id)
+                raise ProtocolError(
+                    "MODEL_MISMATCH",
+                    f"the daemon serves {state.model_name}; stop it to load {request.model}",
+                    request.id,
+                )
             try:
                 generate = GenerateRequest.from_submit(request, self.client)
             except ColibriError as exc:
@@ -119,19 +123,20 @@ class Connection:
         elif isinstance(request, (Stop, Cancel)):
             handle = self.requests.get(request.id)
             if handle is None:
-                raise ProtocolError("NOT_FOUND", f"no request {request.id} in flight",
-                                    request.id)
+                raise ProtocolError("NOT_FOUND", f"no request {request.id} in flight", request.id)
             handle.stop() if isinstance(request, Stop) else handle.cancel()
         elif isinstance(request, Hello):
             await self.send(encode_line("HELLO", *state.hello()))
         elif isinstance(request, Query):
-            body = {"STATUS": state.status, "MODEL": state.model_info,
-                    "TELEMETRY": state.telemetry}[request.kind]()
+            body = {
+                "STATUS": state.status,
+                "MODEL": state.model_info,
+                "TELEMETRY": state.telemetry,
+            }[request.kind]()
             await self.send(encode_reply(request.kind, body))
         elif isinstance(request, ProfileCommand):
             kind, body = await state.profile(request.action, request.name)
-            await self.send(encode_line("OK", *body) if kind == "OK" else
-                            encode_reply(kind, body))
+            await self.send(encode_line("OK", *body) if kind == "OK" else encode_reply(kind, body))
         elif isinstance(request, Ping):
             await self.send(b"PONG\n")
         elif isinstance(request, Quit):
@@ -167,11 +172,22 @@ def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
     if isinstance(event, events.Failed):
         return encode_error(rid, event.code, event.message)
     hit_rate = state.tiers().get("hit_rate") or 0.0
-    done = Done(rid, event.generated_tokens, event.decode_tok_s, 100.0 * hit_rate, rss_gb(),
-                event.prompt_tokens, event.finish == "length",
-                {"finish": event.finish, "cached": str(event.cached_tokens),
-                 "prefill_s": f"{event.prefill_s:.4f}", "decode_s": f"{event.decode_s:.4f}",
-                 "prefill_tok_s": f"{event.prefill_tok_s:.1f}"})
+    done = Done(
+        rid,
+        event.generated_tokens,
+        event.decode_tok_s,
+        100.0 * hit_rate,
+        rss_gb(),
+        event.prompt_tokens,
+        event.finish == "length",
+        {
+            "finish": event.finish,
+            "cached": str(event.cached_tokens),
+            "prefill_s": f"{event.prefill_s:.4f}",
+            "decode_s": f"{event.decode_s:.4f}",
+            "prefill_tok_s": f"{event.prefill_tok_s:.1f}",
+        },
+    )
     return encode_done(done)
 
 

@@ -44,9 +44,11 @@ def claim(paths: Paths) -> int:
         os.close(fd)
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             pid = read_pid(paths)
-            raise AlreadyRunning(f"colibrid is already running on {paths.socket}"
-                                 + (f" (pid {pid})" if pid else "")
-                                 + "; `colibrid stop` stops it") from None
+            raise AlreadyRunning(
+                f"colibrid is already running on {paths.socket}"
+                + (f" (pid {pid})" if pid else "")
+                + "; `colibrid stop` stops it"
+            ) from None
         raise
     return fd
 
@@ -99,8 +101,12 @@ def bind(path: Path) -> trio.socket.SocketType:
     return trio.socket.from_stdlib_socket(raw)
 
 
-async def serve_socket(path: Path, handler: Callable[[trio.SocketStream], Awaitable[None]], *,
-                       task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_socket(
+    path: Path,
+    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    *,
+    task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Bind, report readiness, serve connections until cancelled; removes the socket."""
     sock = bind(path)
     try:

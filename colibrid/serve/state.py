@@ -59,16 +59,24 @@ class DaemonState:
             ram = snap.pinned + snap.cache_bytes // size
             return {
                 "vram": {"experts": 0, "gb": 0.0},
-                "ram": {"experts": ram, "gb": ram * size / GB, "pinned": snap.pinned,
-                        "pinned_gb": snap.pinned * size / GB},
+                "ram": {
+                    "experts": ram,
+                    "gb": ram * size / GB,
+                    "pinned": snap.pinned,
+                    "pinned_gb": snap.pinned * size / GB,
+                },
                 "disk": {"experts": total - ram, "gb": (total - ram) * size / GB},
                 "hit_rate": snap.hit_rate if snap.lookups else None,
                 "store": dataclasses.asdict(snap),
             }
         return {
             "vram": {"experts": 0, "gb": 0.0},
-            "ram": {"experts": total, "gb": total * size / GB, "pinned": pinned,
-                    "pinned_gb": pinned * size / GB},
+            "ram": {
+                "experts": total,
+                "gb": total * size / GB,
+                "pinned": pinned,
+                "pinned_gb": pinned * size / GB,
+            },
             "disk": {"experts": 0, "gb": 0.0},
             "hit_rate": 1.0,
         }
@@ -80,43 +88,71 @@ class DaemonState:
         host, sched = self.host.statistics(), self.scheduler.statistics()
         tiers = self.tiers()
         return {
-            "pid": os.getpid(), "version": __version__, "model": self.model_name,
-            "model_dir": str(self.model_dir), "uptime_s": round(time.time() - self.started, 1),
-            "profile": self.profiles.active, "queued": sched.queued, "running": sched.running,
-            "max_queue": sched.max_queue, "last_tok_s": round(host.last_tok_s, 2),
-            "requests_done": host.requests_done, "conversations": host.conversations,
-            "rss_gb": round(rss_gb(), 3), "tiers": tiers, "hit_rate": tiers.get("hit_rate"),
-            "pinned": sorted(self.pinned()), "stopping": self.scheduler.closing,
+            "pid": os.getpid(),
+            "version": __version__,
+            "model": self.model_name,
+            "model_dir": str(self.model_dir),
+            "uptime_s": round(time.time() - self.started, 1),
+            "profile": self.profiles.active,
+            "queued": sched.queued,
+            "running": sched.running,
+            "max_queue": sched.max_queue,
+            "last_tok_s": round(host.last_tok_s, 2),
+            "requests_done": host.requests_done,
+            "conversations": host.conversations,
+            "rss_gb": round(rss_gb(), 3),
+            "tiers": tiers,
+            "hit_rate": tiers.get("hit_rate"),
+            "pinned": sorted(self.pinned()),
+            "stopping": self.scheduler.closing,
         }
 
     def model_info(self) -> dict[str, Any]:
         engine, layout = self.engine, self.engine.experts.layout
-        return {"name": self.model_name, "dir": str(self.model_dir),
-                "model_type": engine.info.model_type, "layers": engine.info.n_layers,
-                "moe_layers": list(layout.moe_layers), "experts": layout.n_experts,
-                "hidden": layout.hidden, "expert_ffn": layout.ffn,
-                "max_context": engine.max_context, "vocab_size": engine.vocab_size,
-                "load_s": round(engine.info.load_s, 3)}
+        return {
+            "name": self.model_name,
+            "dir": str(self.model_dir),
+            "model_type": engine.info.model_type,
+            "layers": engine.info.n_layers,
+            "moe_layers": list(layout.moe_layers),
+            "experts": layout.n_experts,
+            "hidden": layout.hidden,
+            "expert_ffn": layout.ffn,
+            "max_context": engine.max_context,
+            "vocab_size": engine.vocab_size,
+            "load_s": round(engine.info.load_s, 3),
+        }
 
     def telemetry(self) -> dict[str, Any]:
         tiers = self.tiers()
-        return {"tiers": tiers, "hit_rate": tiers.get("hit_rate"), "rss_gb": round(rss_gb(), 3),
-                "pinned": len(self.pinned())}
+        return {
+            "tiers": tiers,
+            "hit_rate": tiers.get("hit_rate"),
+            "rss_gb": round(rss_gb(), 3),
+            "pinned": len(self.pinned()),
+        }
 
     async def profile(self, action: str, name: str | None) -> tuple[str, Any]:
         """Returns (reply kind, body): PROFILES json, PROFILE json, or OK words."""
         book = self.profiles
         if action == "LIST":
-            return "PROFILES", {"model": self.model_name, "active": book.active,
-                                "profiles": book.listing()}
+            return "PROFILES", {
+                "model": self.model_name,
+                "active": book.active,
+                "profiles": book.listing(),
+            }
         if action == "SHOW":
             assert name is not None
             if name not in book.names():
                 raise ProfileError(f"no profile {name!r} for {self.model_name}")
             counts = book.counts(name)
             layers = list(self.engine.experts.layers)
-            return "PROFILE", {"name": name, "model": self.model_name, "layers": layers,
-                               "counts": [counts[layer].tolist() for layer in layers]}
+            return "PROFILE", {
+                "name": name,
+                "model": self.model_name,
+                "layers": layers,
+                "counts": [counts[layer].tolist() for layer in layers],
+            }
         if action == "USE":
             assert name is not None
             book.active = name

@@ -74,10 +74,12 @@ class BudgetPlan:
 
     def describe(self) -> str:
         g = GiB
-        return (f"budget {self.total / g:.1f} GiB ({self.source}): dense {self.dense / g:.2f}, "
-                f"KV {self.kv / g:.2f}, work {self.work / g:.2f}, reserve {self.reserve / g:.2f},"
-                f" pins {self.pins / g:.2f}, cache {self.cache_bytes / g:.2f} GiB = "
-                f"{self.cache_per_layer} experts/layer x {self.n_layers} layers")
+        return (
+            f"budget {self.total / g:.1f} GiB ({self.source}): dense {self.dense / g:.2f}, "
+            f"KV {self.kv / g:.2f}, work {self.work / g:.2f}, reserve {self.reserve / g:.2f},"
+            f" pins {self.pins / g:.2f}, cache {self.cache_bytes / g:.2f} GiB = "
+            f"{self.cache_per_layer} experts/layer x {self.n_layers} layers"
+        )
 
 
 def resolve_total(ram_gb: float | None) -> tuple[int, str]:
@@ -95,11 +97,23 @@ def check_dense_fits(total: int, dense: int, source: str) -> None:
         raise ModelLoadError(
             f"the dense weights need {dense / GiB:.2f} GiB (+{reserve / GiB:.2f} GiB reserve) "
             f"but the RAM budget ({source}) is {total / GiB:.2f} GiB; raise --ram-gb or free "
-            "memory")
+            "memory"
+        )
 
 
-def plan(*, total: int, source: str, dense: int, kv: int, slot_bytes: int, n_layers: int,
-         n_experts: int, work_slots: int, pins: int = 0, cache: int | None = None) -> BudgetPlan:
+def plan(
+    *,
+    total: int,
+    source: str,
+    dense: int,
+    kv: int,
+    slot_bytes: int,
+    n_layers: int,
+    n_experts: int,
+    work_slots: int,
+    pins: int = 0,
+    cache: int | None = None,
+) -> BudgetPlan:
     """Experts per layer that fit; ``cache`` (``--cache N``) overrides the budget."""
     reserve = min(RESERVE_BYTES, int(total * RESERVE_FRACTION))
     work = work_slots * slot_bytes
@@ -112,8 +126,10 @@ def plan(*, total: int, source: str, dense: int, kv: int, slot_bytes: int, n_lay
             raise ModelLoadError(
                 f"RAM budget {total / GiB:.2f} GiB ({source}) holds the dense weights but not "
                 f"the KV cache ({kv / GiB:.2f} GiB) and {work_slots} work slabs "
-                f"({work / GiB:.2f} GiB); raise --ram-gb or lower the context")
+                f"({work / GiB:.2f} GiB); raise --ram-gb or lower the context"
+            )
         check_dense_fits(total, dense, source)
         per_layer = max(0, min(n_experts, room // max(1, n_layers * slot_bytes)))
-    return BudgetPlan(total, dense, kv, work, reserve, pins, per_layer, slot_bytes, n_layers,
-                      source)
+    return BudgetPlan(
+        total, dense, kv, work, reserve, pins, per_layer, slot_bytes, n_layers, source
+    )

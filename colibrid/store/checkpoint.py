@@ -491,7 +491,8 @@ def _refuse_incomplete_conversion(root: Path) -> None:
     raw = read_small_file(progress, "conversion progress file", CheckpointError)
     if load_json_object(raw, str(progress)).get("complete") is not True:
         raise CheckpointError(
-            f"{root}: incomplete conversion (re-run the same `colibri convert` to finish it)")
+            f"{root}: incomplete conversion (re-run the same `colibri convert` to finish it)"
+        )
 
 
 def _matrix_shape(name: str, shape: object) -> tuple[int, int]:

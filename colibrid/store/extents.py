@@ -89,11 +89,11 @@ class ExpertExtents:
         mats = []
         for spec, at, s_at in zip(self.specs, self.data_at, self.scales_at, strict=True):
             n = int(np.prod(spec.data_shape)) * spec.dtype.itemsize
-            data = slab[at:at + n].view(spec.dtype).reshape(spec.data_shape)
+            data = slab[at : at + n].view(spec.dtype).reshape(spec.data_shape)
             scales = None
             if spec.scales_shape is not None and s_at is not None:
                 m = int(np.prod(spec.scales_shape)) * 4
-                scales = slab[s_at:s_at + m].view(np.float32).reshape(spec.scales_shape)
+                scales = slab[s_at : s_at + m].view(np.float32).reshape(spec.scales_shape)
             mats.append(QuantWeight(spec.fmt, spec.shape, data, scales, spec.group_size))
         return ExpertWeights(*mats)
 
@@ -125,15 +125,24 @@ class ExtentPlanner:
         ckpt = self.checkpoint
         info = ckpt.info(name)
         qs = ckpt.info(name + ".qs") if info.dtype == "U8" and ckpt.has(name + ".qs") else None
-        key = (info.dtype, info.nbytes, info.shape, shape,
-               None if qs is None else (qs.dtype, qs.nbytes, qs.shape))
+        key = (
+            info.dtype,
+            info.nbytes,
+            info.shape,
+            shape,
+            None if qs is None else (qs.dtype, qs.nbytes, qs.shape),
+        )
         spec = self._specs.get(key)
         if spec is None:
             w = ckpt.weight(name, shape)  # validates, once per signature
             raw_ok = info.dtype in ("F32", "BF16", "U8") and w.data.nbytes == info.nbytes
             if qs is not None:
-                raw_ok = raw_ok and qs.dtype == "F32" and w.scales is not None \
+                raw_ok = (
+                    raw_ok
+                    and qs.dtype == "F32"
+                    and w.scales is not None
                     and w.scales.nbytes == qs.nbytes
+                )
             if not raw_ok:
                 raise NotStreamable(f"{name}: {info.dtype} experts are converted on load")
             spec = self._specs[key] = _spec_of(w)
@@ -151,8 +160,7 @@ class ExtentPlanner:
             ranges.append((self._file(name), info.file_begin, info.file_end, (i, "data")))
             if spec.scales_shape is not None:
                 qs = ckpt.info(name + ".qs")
-                ranges.append((self._file(name + ".qs"), qs.file_begin, qs.file_end,
-                               (i, "scales")))
+                ranges.append((self._file(name + ".qs"), qs.file_begin, qs.file_end, (i, "scales")))
         ranges.sort()
         reads: list[Read] = []
         placed: dict[tuple[int, str], int] = {}

@@ -61,8 +61,10 @@ class ReadFiles:
             self.mode = "O_DIRECT" if sys.platform.startswith("linux") else "F_NOCACHE"
         elif direct:
             self.mode = "buffered (direct I/O unsupported: " + "; ".join(reasons[:2]) + ")"
-            log.warning("colibri: direct I/O not available, using buffered reads: %s",
-                        "; ".join(reasons[:2]))
+            log.warning(
+                "colibri: direct I/O not available, using buffered reads: %s",
+                "; ".join(reasons[:2]),
+            )
 
     @staticmethod
     def _open(path: Path, direct: bool) -> tuple[int, str | None]:
@@ -101,12 +103,14 @@ class ReadFiles:
             want = min(r.length, size - r.offset)
             done = 0
             while done < want:
-                n = os.preadv(fd, [target[r.slab_offset + done:r.slab_offset + r.length]],
-                              r.offset + done)
+                n = os.preadv(
+                    fd, [target[r.slab_offset + done : r.slab_offset + r.length]], r.offset + done
+                )
                 if n <= 0:
                     raise CheckpointError(
                         f"{self.paths[r.file]}: short read at {r.offset + done} "
-                        f"({done}/{want} bytes)")
+                        f"({done}/{want} bytes)"
+                    )
                 done += n
             total += done
         return total
@@ -154,8 +158,10 @@ class IOPool:
         self._queued: dict[int, tuple[int, int, Sequence[Read], memoryview]] = {}
         self._seq = 0
         self._closing = False
-        self._workers = [threading.Thread(target=self._work, name=f"colibri-io-{i}", daemon=True)
-                         for i in range(self.threads)]
+        self._workers = [
+            threading.Thread(target=self._work, name=f"colibri-io-{i}", daemon=True)
+            for i in range(self.threads)
+        ]
         for t in self._workers:
             t.start()
 
@@ -201,8 +207,9 @@ class IOPool:
                     self._background_running -= 1
                     self._cv.notify_all()
 
-    def submit(self, tag: int, reads: Sequence[Read], target: memoryview,
-               priority: int = DEMAND_READ) -> None:
+    def submit(
+        self, tag: int, reads: Sequence[Read], target: memoryview, priority: int = DEMAND_READ
+    ) -> None:
         if not self.threads:
             t0 = time.perf_counter()
             self._run(tag, reads, target)
@@ -211,8 +218,7 @@ class IOPool:
         with self._cv:
             self._enqueue(tag, priority, reads, target)
 
-    def _enqueue(self, tag: int, priority: int, reads: Sequence[Read],
-                 target: memoryview) -> None:
+    def _enqueue(self, tag: int, priority: int, reads: Sequence[Read], target: memoryview) -> None:
         """Queue (or re-queue: the older heap entry goes stale) a read; holds the lock."""
         self._seq += 1
         self._queued[tag] = (priority, self._seq, reads, target)

@@ -26,9 +26,17 @@ class MemWatch:
     """``low``: below this much available memory, shrink until ``low + band`` is free
     again; above ``low + 2 x band``, grow. ``rss_cap``: shrink while our RSS exceeds it."""
 
-    def __init__(self, *, low: int, band: int, rss_cap: int | None = None,
-                 interval_s: float = 0.1, available: Callable[[], int] = mem_available,
-                 rss: Callable[[], int] = process_rss, sample_thread: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        low: int,
+        band: int,
+        rss_cap: int | None = None,
+        interval_s: float = 0.1,
+        available: Callable[[], int] = mem_available,
+        rss: Callable[[], int] = process_rss,
+        sample_thread: bool = True,
+    ) -> None:
         self.low, self.band, self.rss_cap = low, max(band, 1), rss_cap
         self.available, self.rss = available, rss
         self.interval_s = interval_s
@@ -37,8 +45,9 @@ class MemWatch:
         self._stop = threading.Event()
         self._thread = None
         if sample_thread:
-            self._thread = threading.Thread(target=self._sample, name="colibri-memwatch",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._sample, name="colibri-memwatch", daemon=True
+            )
             self._thread.start()
 
     def _sample(self) -> None:
@@ -52,16 +61,19 @@ class MemWatch:
         cur = store.cache_per_layer
         new = cur
         if avail < self.low or (self.rss_cap is not None and rss > self.rss_cap):
-            short = max(self.low + self.band - avail,
-                        0 if self.rss_cap is None else rss - self.rss_cap)
+            short = max(
+                self.low + self.band - avail, 0 if self.rss_cap is None else rss - self.rss_cap
+            )
             new = max(0, cur - max(1, -(-short // per_step)))
         elif avail > self.low + 2 * self.band and cur < store.cache_max:
             new = min(store.cache_max, cur + max(1, (avail - self.low - self.band) // per_step))
         if new == cur:
             return
         store.set_cache_per_layer(new)
-        note = (f"{'shrink' if new < cur else 'grow'} cache {cur} -> {new} experts/layer "
-                f"(available {avail / GiB:.2f} GiB, RSS {rss / GiB:.2f} GiB)")
+        note = (
+            f"{'shrink' if new < cur else 'grow'} cache {cur} -> {new} experts/layer "
+            f"(available {avail / GiB:.2f} GiB, RSS {rss / GiB:.2f} GiB)"
+        )
         self.actions.append(note)
         store.memwatch_note = note
         log.warning("colibri: memwatch: %s", note)

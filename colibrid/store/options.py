@@ -69,15 +69,17 @@ def dense_bytes(checkpoint: Checkpoint, expert_names: set[str]) -> int:
     return sum(checkpoint.info(n).nbytes for n in checkpoint.names() if n not in expert_names)
 
 
-def open_store(checkpoint: Checkpoint, layout: ExpertLayout, opts: StoreOptions,
-               model_type: str) -> Any:
+def open_store(
+    checkpoint: Checkpoint, layout: ExpertLayout, opts: StoreOptions, model_type: str
+) -> Any:
     """The expert store for ``opts``; a TieredStore still needs :func:`allocate_store`."""
     total, source = budgets.resolve_total(opts.ram_gb)
     if opts.mode == "resident":
         return ResidentExpertStore(checkpoint, layout)
     try:
-        store = TieredStore(checkpoint, layout, direct=opts.direct, io_threads=opts.io_threads,
-                            policy=opts.policy)
+        store = TieredStore(
+            checkpoint, layout, direct=opts.direct, io_threads=opts.io_threads, policy=opts.policy
+        )
     except NotStreamable as exc:
         log.warning("colibri: experts stay resident (%s)", exc)
         return ResidentExpertStore(checkpoint, layout)
@@ -101,20 +103,33 @@ def allocate_store(store: TieredStore, opts: StoreOptions, *, kv_bytes: int) -> 
     store.usage = usage
     work = min(n_exp, WORK_SLOTS)
     pilot_slots = 0 if opts.pilot == "off" else min(n_exp, PILOT_SLOTS)
-    base = budgets.plan(total=store.budget_total, source=store.budget_source,
-                        dense=store.dense_bytes, kv=kv_bytes, slot_bytes=store.slot_bytes,
-                        n_layers=store.n_layers, n_experts=n_exp, work_slots=work + pilot_slots,
-                        cache=opts.cache)
+    base = budgets.plan(
+        total=store.budget_total,
+        source=store.budget_source,
+        dense=store.dense_bytes,
+        kv=kv_bytes,
+        slot_bytes=store.slot_bytes,
+        n_layers=store.n_layers,
+        n_experts=n_exp,
+        work_slots=work + pilot_slots,
+        cache=opts.cache,
+    )
     room = base.total - base.dense - base.kv - base.reserve - base.work
     n_pins = 0
     if opts.pin == "all":
         n_pins = max(0, min(n_exp * len(layers), room // store.slot_bytes))
-        n_pins = min(n_pins, int(usage.counts[list(layers)].astype(bool).sum())) \
-            if usage.total else n_pins
+        n_pins = (
+            min(n_pins, int(usage.counts[list(layers)].astype(bool).sum()))
+            if usage.total
+            else n_pins
+        )
     elif opts.pin == "auto" and opts.cache is None:
         n_pins = autopin_slots(usage.total, room, store.slot_bytes, len(layers), n_exp)
-    pins = hottest(usage.counts, layers, n_pins) if usage.total else \
-        [(la, e) for la in layers for e in range(n_exp)][:n_pins]
+    pins = (
+        hottest(usage.counts, layers, n_pins)
+        if usage.total
+        else [(la, e) for la in layers for e in range(n_exp)][:n_pins]
+    )
     cache = base.cache_per_layer
     if opts.cache is None and pins:
         left = room - len(pins) * store.slot_bytes

@@ -27,8 +27,9 @@ def confidence(selections: int) -> float:
     return min(1.0, selections / AUTOPIN_FULL_CONFIDENCE)
 
 
-def autopin_slots(selections: int, expert_room: int, slot_bytes: int, n_layers: int,
-                  n_experts: int) -> int:
+def autopin_slots(
+    selections: int, expert_room: int, slot_bytes: int, n_layers: int, n_experts: int
+) -> int:
     """How many experts AUTOPIN pins out of ``expert_room`` bytes (0 below the minimum)."""
     if selections < AUTOPIN_MIN_SELECTIONS or slot_bytes <= 0:
         return 0
@@ -42,8 +43,12 @@ def autopin_slots(selections: int, expert_room: int, slot_bytes: int, n_layers: 
 
 def hottest(counts: np.ndarray, layers: Iterable[int], n: int) -> list[tuple[int, int]]:
     """The ``n`` most selected (layer, expert) keys; ties to the lower layer, then expert."""
-    keys = [(int(-counts[la, e]), la, e) for la in layers for e in range(counts.shape[1])
-            if counts[la, e] > 0]
+    keys = [
+        (int(-counts[la, e]), la, e)
+        for la in layers
+        for e in range(counts.shape[1])
+        if counts[la, e] > 0
+    ]
     keys.sort()
     return [(la, e) for _, la, e in keys[:n]]
 
@@ -57,8 +62,9 @@ class Repinner:
     def record(self, layer: int, experts: np.ndarray) -> None:
         np.add.at(self.heat[layer], experts, 1.0)
 
-    def swaps(self, pinned: Iterable[tuple[int, int]]) -> list[tuple[tuple[int, int],
-                                                                     tuple[int, int]]]:
+    def swaps(
+        self, pinned: Iterable[tuple[int, int]]
+    ) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """(cold pinned key, hot unpinned key) pairs to swap now; then heat halves."""
         by_layer: dict[int, list[int]] = {}
         for la, e in pinned:

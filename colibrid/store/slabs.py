@@ -29,8 +29,11 @@ class SlabArena:
         self.n_slots = n_slots
         # Private, not the default shared mapping: MADV_DONTNEED frees private pages only.
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        self._mm = (mmap.mmap(-1, self.slot_bytes * n_slots, flags=flags) if flags else
-                    mmap.mmap(-1, self.slot_bytes * n_slots))
+        self._mm = (
+            mmap.mmap(-1, self.slot_bytes * n_slots, flags=flags)
+            if flags
+            else mmap.mmap(-1, self.slot_bytes * n_slots)
+        )
         hugepage = getattr(mmap, "MADV_HUGEPAGE", None)
         if hugepage is not None and hasattr(self._mm, "madvise"):
             # Transparent huge pages: one 2 MiB page instead of 512 small ones per read
@@ -41,10 +44,12 @@ class SlabArena:
                 pass  # THP disabled: small pages work the same, only slower
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
         self._mv = memoryview(self._mm)
-        self._slots = [self.buf[i * self.slot_bytes:(i + 1) * self.slot_bytes]
-                       for i in range(n_slots)]
-        self._views = [self._mv[i * self.slot_bytes:(i + 1) * self.slot_bytes]
-                       for i in range(n_slots)]
+        self._slots = [
+            self.buf[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(n_slots)
+        ]
+        self._views = [
+            self._mv[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(n_slots)
+        ]
         if prefault:
             for i in range(n_slots):
                 self.fault_in(i)

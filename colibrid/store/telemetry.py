@@ -36,8 +36,9 @@ class Counters:
         return Counters(**{f.name: getattr(self, f.name) for f in fields(self)})
 
     def minus(self, other: Counters) -> Counters:
-        return Counters(**{f.name: getattr(self, f.name) - getattr(other, f.name)
-                           for f in fields(self)})
+        return Counters(
+            **{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)}
+        )
 
 
 @dataclass(frozen=True)
@@ -91,21 +92,41 @@ class StoreStats:
         ]
 
 
-def snapshot(c: Counters, *, cache_per_layer: int, cache_bytes: int, pinned: int,
-             io_mode: str, policy: str, memwatch: str) -> StoreStats:
+def snapshot(
+    c: Counters,
+    *,
+    cache_per_layer: int,
+    cache_bytes: int,
+    pinned: int,
+    io_mode: str,
+    policy: str,
+    memwatch: str,
+) -> StoreStats:
     lookups = c.hits_pinned + c.hits_cache + c.hits_prefetched + c.misses
     return StoreStats(
-        lookups=lookups, hits_pinned=c.hits_pinned, hits_cache=c.hits_cache,
-        hits_prefetched=c.hits_prefetched, misses=c.misses, bytes_read=c.bytes_read,
+        lookups=lookups,
+        hits_pinned=c.hits_pinned,
+        hits_cache=c.hits_cache,
+        hits_prefetched=c.hits_prefetched,
+        misses=c.misses,
+        bytes_read=c.bytes_read,
         bytes_per_token=c.bytes_read / c.tokens if c.tokens else 0.0,
         read_gb_s=c.bytes_read / c.io_active_s / 1e9 if c.io_active_s > 0 else 0.0,
-        io_wait_s=c.io_wait_s, compute_s=c.compute_s, attention_s=c.attention_s,
+        io_wait_s=c.io_wait_s,
+        compute_s=c.compute_s,
+        attention_s=c.attention_s,
         other_s=max(0.0, c.token_wall_s - c.io_wait_s - c.compute_s - c.attention_s),
         tokens=c.tokens,
         pilot_recall=c.pilot_correct / c.pilot_chosen if c.pilot_chosen else None,
-        pilot_loads=c.pilot_loads, pilot_cancelled=c.pilot_cancelled,
-        cache_per_layer=cache_per_layer, cache_bytes=cache_bytes,
-        pinned=pinned, io_mode=io_mode, policy=policy, memwatch=memwatch)
+        pilot_loads=c.pilot_loads,
+        pilot_cancelled=c.pilot_cancelled,
+        cache_per_layer=cache_per_layer,
+        cache_bytes=cache_bytes,
+        pinned=pinned,
+        io_mode=io_mode,
+        policy=policy,
+        memwatch=memwatch,
+    )
 
 
 now = time.perf_counter

@@ -49,9 +49,16 @@ class TieredStore:
     (:meth:`set_cache_per_layer`, MEMWATCH).
     """
 
-    def __init__(self, checkpoint: Checkpoint, layout: ExpertLayout, *, direct: bool = True,
-                 io_threads: int = 4, policy: str = DEFAULT_POLICY,
-                 extra_layers: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        layout: ExpertLayout,
+        *,
+        direct: bool = True,
+        io_threads: int = 4,
+        policy: str = DEFAULT_POLICY,
+        extra_layers: dict[int, str] | None = None,
+    ) -> None:
         self.layout = layout
         planner = ExtentPlanner(checkpoint, layout)
         templates = {layer: layout.name_template for layer in layout.moe_layers}
@@ -60,9 +67,13 @@ class TieredStore:
             layer: [planner.plan(layer, e, t) for e in range(layout.n_experts)]
             for layer, t in sorted(templates.items())
         }
-        self.expert_names = {layout.tensor_name(la, e, p, t) + sfx
-                             for la, t in templates.items() for e in range(layout.n_experts)
-                             for p in ("gate_proj", "up_proj", "down_proj") for sfx in ("", ".qs")}
+        self.expert_names = {
+            layout.tensor_name(la, e, p, t) + sfx
+            for la, t in templates.items()
+            for e in range(layout.n_experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+            for sfx in ("", ".qs")
+        }
         self.slot_bytes = max(x.slab_bytes for row in self.extents.values() for x in row)
         self.expert_bytes = max(x.payload_bytes for row in self.extents.values() for x in row)
         self.files = ReadFiles(planner.files, direct=direct)
@@ -93,8 +104,14 @@ class TieredStore:
     def payload_bytes(self) -> int:
         return sum(x.payload_bytes for row in self.extents.values() for x in row)
 
-    def allocate(self, cache_per_layer: int, *, work_slots: int | None = None,
-                 pilot_slots: int = 0, pins: Sequence[tuple[int, int]] = ()) -> None:
+    def allocate(
+        self,
+        cache_per_layer: int,
+        *,
+        work_slots: int | None = None,
+        pilot_slots: int = 0,
+        pins: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Create the arena (pre-faulted) and load the pins."""
         n_exp = self.layout.n_experts
         self.cache_max = max(0, min(int(cache_per_layer), n_exp))
@@ -108,13 +125,15 @@ class TieredStore:
         self.free: list[int] = list(range(self.arena.n_slots - 1, -1, -1))
         self.parked: list[int] = []  # slots whose pages MEMWATCH gave back
         self.cache: dict[int, dict[int, int]] = {layer: {} for layer in self.extents}
-        self.policies: dict[int, Policy] = {la: make_policy(self.policy_name)
-                                            for la in self.extents}
+        self.policies: dict[int, Policy] = {
+            la: make_policy(self.policy_name) for la in self.extents
+        }
         self.prefetched: set[tuple[int, int]] = set()  # cached by PILOT, not yet used
         self.inflight: dict[tuple[int, int], int] = {}  # key -> slot (prefetch reads)
         self.pinned: dict[tuple[int, int], int] = {}
-        self._views: list[tuple[tuple[int, int] | None, ExpertWeights | None]] = \
-            [(None, None)] * self.arena.n_slots
+        self._views: list[tuple[tuple[int, int] | None, ExpertWeights | None]] = [
+            (None, None)
+        ] * self.arena.n_slots
         self._held: list[tuple[int, int, int]] = []  # (layer, expert, slot) of get_many
         self.pin(pins)
 
@@ -158,8 +177,12 @@ class TieredStore:
         self.state[slot] = kind
         self.slot_key[slot] = (layer, expert)
         self.stats.bytes_read += ext.read_bytes
-        self.pool.submit(slot, ext.reads, self.arena.memview(slot),
-                         BACKGROUND if kind == PREFETCH else DEMAND_READ)
+        self.pool.submit(
+            slot,
+            ext.reads,
+            self.arena.memview(slot),
+            BACKGROUND if kind == PREFETCH else DEMAND_READ,
+        )
 
     def _withdraw(self, key: tuple[int, int]) -> bool:
         """Cancel a background read no worker has started; frees its slot."""
@@ -222,8 +245,9 @@ class TieredStore:
             self._views[slot] = (key, weights)
         return weights
 
-    def _admit(self, layer: int, expert: int, slot: int, protected, *,
-               prefetched: bool = False) -> bool:
+    def _admit(
+        self, layer: int, expert: int, slot: int, protected, *, prefetched: bool = False
+    ) -> bool:
         """Put a filled slot into the layer's cache, evicting victims; False = freed."""
         cache, policy = self.cache[layer], self.policies[layer]
         while len(cache) >= self.cache_per_layer and cache:
@@ -327,8 +351,9 @@ class TieredStore:
         """
         return self._serve(layer, [int(e) for e in experts], streaming=True)
 
-    def _serve(self, layer: int, keys: list[int],
-               streaming: bool) -> Iterator[tuple[int, ExpertWeights]]:
+    def _serve(
+        self, layer: int, keys: list[int], streaming: bool
+    ) -> Iterator[tuple[int, ExpertWeights]]:
         """Look the layer up and dispatch its misses now; deliver through a generator."""
         if self.arena is None:
             raise StoreError("the store has no memory yet: call allocate()")
@@ -374,8 +399,10 @@ class TieredStore:
         for key in [k for k in self.inflight if k[0] == layer and k not in self.pin_on_land]:
             self._withdraw(key)  # PILOT guessed wrong: don't spend the disk on it now
         if not streaming and len(misses) > len(self.free):
-            raise StoreError(f"layer {layer} needs {len(misses)} reads at once but only "
-                             f"{len(self.free)} work slots are free; use iter_ready")
+            raise StoreError(
+                f"layer {layer} needs {len(misses)} reads at once but only "
+                f"{len(self.free)} work slots are free; use iter_ready"
+            )
         pending = list(reversed(misses))
         while pending and self.free:
             slot = self.free.pop()
@@ -408,9 +435,16 @@ class TieredStore:
                 waiting.pop(slot)
                 self._release(slot)
 
-    def _deliver(self, layer: int, hits: list[tuple[int, int]], owned: set[int],
-                 waiting: dict[int, int], pending: list[int], need: set[int],
-                 streaming: bool) -> Iterator[tuple[int, ExpertWeights]]:
+    def _deliver(
+        self,
+        layer: int,
+        hits: list[tuple[int, int]],
+        owned: set[int],
+        waiting: dict[int, int],
+        pending: list[int],
+        need: set[int],
+        streaming: bool,
+    ) -> Iterator[tuple[int, ExpertWeights]]:
         """``owned``: hit slots that are not in a tier yet (landed prefetches): they are
         kept like the layer's own reads once used."""
         st = self.stats
@@ -568,12 +602,20 @@ class TieredStore:
     def statistics(self, since: Counters | None = None) -> StoreStats:
         self.stats.io_active_s = self.pool.busy_seconds()
         c = self.stats if since is None else self.stats.minus(since)
-        cache_bytes = sum(len(x) for x in self.cache.values()) * self.slot_bytes \
-            if self.arena is not None else 0
-        return snapshot(c, cache_per_layer=getattr(self, "cache_per_layer", 0),
-                        cache_bytes=cache_bytes, pinned=len(getattr(self, "pinned", {})),
-                        io_mode=self.files.mode, policy=self.policy_name,
-                        memwatch=self.memwatch_note)
+        cache_bytes = (
+            sum(len(x) for x in self.cache.values()) * self.slot_bytes
+            if self.arena is not None
+            else 0
+        )
+        return snapshot(
+            c,
+            cache_per_layer=getattr(self, "cache_per_layer", 0),
+            cache_bytes=cache_bytes,
+            pinned=len(getattr(self, "pinned", {})),
+            io_mode=self.files.mode,
+            policy=self.policy_name,
+            memwatch=self.memwatch_note,
+        )
 
     def close(self) -> None:
         if self.memwatch is not None:

@@ -49,8 +49,10 @@ def usage_text(counts: np.ndarray, model_type: str) -> bytes:
     history is an empty file, as upstream writes it."""
     if not counts.any():
         return b""
-    lines = [f"-1 {counts.shape[0]} {counts.shape[1]}",
-             f"-2 {FORMAT_VERSION} {engine_id_hash(model_type)}"]
+    lines = [
+        f"-1 {counts.shape[0]} {counts.shape[1]}",
+        f"-2 {FORMAT_VERSION} {engine_id_hash(model_type)}",
+    ]
     layers, experts = np.nonzero(counts)
     lines += [f"{la} {e} {counts[la, e]}" for la, e in zip(layers, experts, strict=True)]
     return ("\n".join(lines) + "\n").encode("ascii")
@@ -59,14 +61,21 @@ def usage_text(counts: np.ndarray, model_type: str) -> bytes:
 class UsageProfile:
     """Counts [n_layers, n_experts] (int64) plus co-occurrence [n_layers, E, E] (uint32)."""
 
-    def __init__(self, n_layers: int, n_experts: int, model_type: str = "",
-                 moe_layers: Sequence[int] = (), cooc: bool = True) -> None:
+    def __init__(
+        self,
+        n_layers: int,
+        n_experts: int,
+        model_type: str = "",
+        moe_layers: Sequence[int] = (),
+        cooc: bool = True,
+    ) -> None:
         self.n_layers, self.n_experts = n_layers, n_experts
         self.model_type = model_type
         self.counts = np.zeros((n_layers, n_experts), dtype=np.int64)
         self.cooc = cooc
-        self.within = np.zeros((n_layers, n_experts, n_experts) if cooc else (0, 0, 0),
-                               dtype=np.uint32)
+        self.within = np.zeros(
+            (n_layers, n_experts, n_experts) if cooc else (0, 0, 0), dtype=np.uint32
+        )
         self.next = np.zeros_like(self.within)
         layers = sorted(moe_layers)
         self._successor = {a: b for a, b in zip(layers, layers[1:], strict=False)}
@@ -120,8 +129,7 @@ class UsageProfile:
             return 0
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{path}: cannot read usage profile ({exc})") from None
-        added = parse_counts(text, path, self.counts.shape, self.model_type,
-                             trusted=trusted)
+        added = parse_counts(text, path, self.counts.shape, self.model_type, trusted=trusted)
         self.counts += added
         side = cooc_path(path)
         if self.cooc and side.is_file():
@@ -135,8 +143,15 @@ class UsageProfile:
         return int(added.sum())
 
 
-def parse_counts(text: str, where: Path, shape: tuple[int, ...], model_type: str = "", *,
-                 trusted: bool = False, lenient: bool = False) -> np.ndarray:
+def parse_counts(
+    text: str,
+    where: Path,
+    shape: tuple[int, ...],
+    model_type: str = "",
+    *,
+    trusted: bool = False,
+    lenient: bool = False,
+) -> np.ndarray:
     """Selection counts [layers, experts] from `.coli_usage` text (ours or upstream's).
 
     Strict (the default): a malformed line, a record outside ``shape`` or, unless
@@ -154,14 +169,19 @@ def parse_counts(text: str, where: Path, shape: tuple[int, ...], model_type: str
             try:
                 a, b, c = (int(p) for p in line.split())
             except ValueError:
-                raise UsageError(f"{where}:{n}: expected three integers, got "
-                                 f"{line[:60]!r}") from None
+                raise UsageError(
+                    f"{where}:{n}: expected three integers, got {line[:60]!r}"
+                ) from None
             if a == -1 and not trusted and (b, c) != (n_layers, n_experts):
-                raise UsageError(f"{where}: history is for {b} layers x {c} experts, this "
-                                 f"model has {n_layers} x {n_experts}")
+                raise UsageError(
+                    f"{where}: history is for {b} layers x {c} experts, this "
+                    f"model has {n_layers} x {n_experts}"
+                )
             if a == -2 and not trusted and model_type and c != engine_id_hash(model_type):
-                raise UsageError(f"{where}: history belongs to another engine/model (id {c}, "
-                                 f"expected {engine_id_hash(model_type)} for {model_type})")
+                raise UsageError(
+                    f"{where}: history belongs to another engine/model (id {c}, "
+                    f"expected {engine_id_hash(model_type)} for {model_type})"
+                )
             if a < 0:
                 continue
             if not (a < n_layers and 0 <= b < n_experts and c >= 0):

@@ -52,7 +52,7 @@ def load(path: Path) -> Vector:
     vector = Vector(path.stem)
     for raw in path.read_text(encoding="utf-8").splitlines():
         if raw.startswith("# expect-text "):
-            rid, _, text = raw[len("# expect-text "):].partition(": ")
+            rid, _, text = raw[len("# expect-text ") :].partition(": ")
             vector.expect_text[rid] = text
         elif raw.strip() == "# side: client":
             vector.client_only = True

@@ -12,16 +12,27 @@ from pathlib import Path
 
 
 def colibri(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "colibri_cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "colibri_cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_record_prompts_then_replay_through_a_tiny_cache(chat_model, tmp_path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# two requests\nhello there\n\nwhat is 2+2?\n")
     trace = tmp_path / "trace.json"
-    rec = colibri("bench", "replay", "--model", str(chat_model), "--record", str(trace),
-                  "--prompts", str(prompts), "--max-tokens", "6")
+    rec = colibri(
+        "bench",
+        "replay",
+        "--model",
+        str(chat_model),
+        "--record",
+        str(trace),
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        "6",
+    )
     assert rec.returncode == 0, rec.stderr
     doc = json.loads(trace.read_text())
     assert len(doc["requests"]) == 2 and len(doc["prefill_steps"]) == 2
@@ -29,8 +40,18 @@ def test_record_prompts_then_replay_through_a_tiny_cache(chat_model, tmp_path) -
     assert all(1 <= len(r["generated_ids"]) <= 6 for r in doc["requests"])
     assert len(doc["trace"]) == sum(len(r["generated_ids"]) for r in doc["requests"])
     for cache in ("1", "2"):
-        rep = colibri("bench", "replay", "--replay", str(trace), "--cache", cache,
-                      "--pilot", "on", "--pin", "off")
+        rep = colibri(
+            "bench",
+            "replay",
+            "--replay",
+            str(trace),
+            "--cache",
+            cache,
+            "--pilot",
+            "on",
+            "--pin",
+            "off",
+        )
         assert rep.returncode == 0, rep.stdout + rep.stderr
         n = sum(len(r["generated_ids"]) for r in doc["requests"])
         assert f"2 request(s), {n} tokens teacher-forced" in rep.stdout
@@ -40,7 +61,7 @@ def test_record_prompts_then_replay_through_a_tiny_cache(chat_model, tmp_path) -
     pol = colibri("bench", "policy", "--trace", str(trace), "--cache", "1", "--cache", "2")
     assert pol.returncode == 0, pol.stderr
     header, *rows = [line.split() for line in pol.stdout.splitlines()[:3]]
-    names = header[1:header.index("(default:")]
+    names = header[1 : header.index("(default:")]
     assert names[-1] == "belady" and "lfru" in names and "lru" in names
     for row in rows:
         rates = dict(zip(names, (float(x.rstrip("%")) for x in row[1:]), strict=True))
@@ -49,8 +70,20 @@ def test_record_prompts_then_replay_through_a_tiny_cache(chat_model, tmp_path) -
 
 def test_stream_reports_against_its_own_probe(oracle_checkpoint) -> None:
     ref = oracle_checkpoint("deepseek_v3")
-    out = colibri("bench", "stream", "--model", str(ref.out_dir), "--cache", "1",
-                  "--tokens", "4", "--warmup", "1", "--probe-reads", "8")
+    out = colibri(
+        "bench",
+        "stream",
+        "--model",
+        str(ref.out_dir),
+        "--cache",
+        "1",
+        "--tokens",
+        "4",
+        "--warmup",
+        "1",
+        "--probe-reads",
+        "8",
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     probe = float(re.search(r"probe: .*: ([0-9.]+) GB/s", text).group(1))

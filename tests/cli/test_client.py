@@ -59,8 +59,9 @@ def test_progress_line_shows_on_a_terminal_only_and_erases_itself() -> None:
     line.show(prefill_text(52, 78, 90.0))
     line.clear()
     line.clear()  # a second clear writes nothing
-    assert term.getvalue() == ("\r\x1b[K(reading the prompt: 50%, 1m15s)"
-                               "\r\x1b[K(reading the prompt: 67%, 1m30s)\r\x1b[K")
+    assert term.getvalue() == (
+        "\r\x1b[K(reading the prompt: 50%, 1m15s)\r\x1b[K(reading the prompt: 67%, 1m30s)\r\x1b[K"
+    )
     piped = io.StringIO()
     quiet = ProgressLine(piped)
     quiet.show("anything")

@@ -20,8 +20,9 @@ class Tmux:
         self.base = ["tmux", "-L", name]
 
     def run(self, *args: str) -> str:
-        return subprocess.run([*self.base, *args], capture_output=True, text=True,
-                              timeout=10).stdout
+        return subprocess.run(
+            [*self.base, *args], capture_output=True, text=True, timeout=10
+        ).stdout
 
     def screen(self) -> str:
         return self.run("capture-pane", "-p", "-J", "-S", "-200", "-t", "repl")
@@ -39,8 +40,12 @@ class Tmux:
         raise AssertionError(f"timed out; screen:\n{self.screen()}")
 
     def alive(self) -> bool:
-        return subprocess.run([*self.base, "has-session", "-t", "repl"],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                [*self.base, "has-session", "-t", "repl"], capture_output=True
+            ).returncode
+            == 0
+        )
 
 
 @pytest.fixture
@@ -53,8 +58,7 @@ def home(chat_model: Path, tmp_path_factory) -> Home:
 
 def test_repl_in_tmux(home: Home, tmp_path: Path) -> None:
     tmux = Tmux(f"colibri-test-{tmp_path.name}")
-    command = (f"env COLIBRI_HOME={home.path} {sys.executable} -m colibri_cli repl "
-               "--max-tokens 8")
+    command = f"env COLIBRI_HOME={home.path} {sys.executable} -m colibri_cli repl --max-tokens 8"
     tmux.run("new-session", "-d", "-s", "repl", "-x", "150", "-y", "50", command)
     try:
         tmux.wait(lambda s: ">>>" in s)

@@ -28,8 +28,11 @@ def source_checkpoint(oracle_checkpoint):
             container, decode = encoding(dtype)
             base = "f32" if dtype == "nvfp4" else dtype
             cache[dtype] = oracle_checkpoint(
-                ARCH, base, expert_transform=lambda n, w: int4_roundtrip(decode(w)),
-                expert_container=container)
+                ARCH,
+                base,
+                expert_transform=lambda n, w: int4_roundtrip(decode(w)),
+                expert_container=container,
+            )
         return cache[dtype]
 
     return get

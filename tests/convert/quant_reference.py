@@ -8,8 +8,19 @@ import tiny_models
 import torch
 
 ARCH = "glm_moe_dsa"
-EXACT_FLAGS = ["--io-bits", "32", "--attn-bits", "32", "--dense-bits", "32",
-               "--shared-bits", "32", "--mtp-bits", "8", "--quiet"]
+EXACT_FLAGS = [
+    "--io-bits",
+    "32",
+    "--attn-bits",
+    "32",
+    "--dense-bits",
+    "32",
+    "--shared-bits",
+    "32",
+    "--mtp-bits",
+    "8",
+    "--quiet",
+]
 """Everything but routed experts kept f32, so the reference needs no other transform."""
 
 
@@ -38,8 +49,9 @@ def ref_quant(w: np.ndarray, bits: int, gs: int) -> tuple[np.ndarray, np.ndarray
     return (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8), scales
 
 
-def ref_dequant(data: np.ndarray, scales: np.ndarray, shape: tuple[int, int], bits: int,
-                gs: int) -> np.ndarray:
+def ref_dequant(
+    data: np.ndarray, scales: np.ndarray, shape: tuple[int, int], bits: int, gs: int
+) -> np.ndarray:
     o, i = shape
     if bits == 8:
         q = data.view(np.int8).astype(np.float32)
@@ -61,7 +73,7 @@ def int4_roundtrip(w: np.ndarray) -> np.ndarray:
 # ---- source encodings --------------------------------------------------------------
 
 
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 
 
 def nvfp4_encode(w: np.ndarray) -> dict[str, object]:
@@ -77,8 +89,11 @@ def nvfp4_encode(w: np.ndarray) -> dict[str, object]:
     codes = np.abs(target[..., None] - E2M1[None, None, :8]).argmin(axis=-1)
     codes = codes + 8 * (target < 0)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
-    return {"weight": packed, "weight_scale": scale_f8,
-            "weight_scale_2": torch.tensor(glob, dtype=torch.float32)}
+    return {
+        "weight": packed,
+        "weight_scale": scale_f8,
+        "weight_scale_2": torch.tensor(glob, dtype=torch.float32),
+    }
 
 
 def nvfp4_decode(enc: dict[str, object]) -> np.ndarray:
@@ -97,11 +112,13 @@ def encoding(dtype: str):  # type: ignore[no-untyped-def]
     if dtype == "f32":
         return (lambda n, w: {n: w}), (lambda w: w)
     if dtype == "bf16":
+
         def enc(n, w):
             return {n: torch.from_numpy(w).to(torch.bfloat16)}
 
         return enc, lambda w: torch.from_numpy(w).to(torch.bfloat16).float().numpy()
     if dtype == "fp8":
+
         def enc(n, w):
             q, s = tiny_models.fp8_quantize(torch.from_numpy(w))
             return {n: q, n + "_scale_inv": s}
@@ -112,11 +129,15 @@ def encoding(dtype: str):  # type: ignore[no-untyped-def]
 
         return enc, dec
     if dtype == "nvfp4":
+
         def enc(n, w):
             e = nvfp4_encode(w)
-            return {n: e["weight"], n + "_scale": e["weight_scale"],
-                    n + "_scale_2": e["weight_scale_2"],
-                    n[: -len("weight")] + "input_scale": torch.tensor(1.0)}
+            return {
+                n: e["weight"],
+                n + "_scale": e["weight_scale"],
+                n + "_scale_2": e["weight_scale_2"],
+                n[: -len("weight")] + "input_scale": torch.tensor(1.0),
+            }
 
         return enc, lambda w: nvfp4_decode(nvfp4_encode(w))
     raise ValueError(dtype)

@@ -60,9 +60,11 @@ def test_truncated_shard(f32_copy: Path, tmp_path: Path, capsys) -> None:
 
 
 def test_header_lies_about_sizes(f32_copy: Path, tmp_path: Path, capsys) -> None:
-    _raw_file(f32_copy / "extra.safetensors",
-              {"model.extra.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 32]}},
-              bytes(32))
+    _raw_file(
+        f32_copy / "extra.safetensors",
+        {"model.extra.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 32]}},
+        bytes(32),
+    )
     index = f32_copy / "model.safetensors.index.json"
     doc = json.loads(index.read_text())
     doc["weight_map"]["model.extra.weight"] = "extra.safetensors"
@@ -73,9 +75,11 @@ def test_header_lies_about_sizes(f32_copy: Path, tmp_path: Path, capsys) -> None
 
 
 def test_unknown_dtype(f32_copy: Path, tmp_path: Path, capsys) -> None:
-    _raw_file(f32_copy / "extra.safetensors",
-              {"model.extra.ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}},
-              bytes(16))
+    _raw_file(
+        f32_copy / "extra.safetensors",
+        {"model.extra.ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}},
+        bytes(16),
+    )
     (f32_copy / "model.safetensors.index.json").unlink()  # glob all *.safetensors
     err = run_convert(capsys, f32_copy, tmp_path / "dst")
     assert "model.extra.ids" in err and "I64" in err
@@ -105,8 +109,9 @@ def test_nvfp4_reciprocal_global_refused(source_checkpoint, tmp_path: Path, caps
 def test_not_enough_free_disk(source_checkpoint, tmp_path: Path, capsys, monkeypatch) -> None:
     import colibrid.convert.convert as conv
 
-    monkeypatch.setattr(conv.shutil, "disk_usage",
-                        lambda p: shutil._ntuple_diskusage(10 << 30, 10 << 30, 1 << 20))
+    monkeypatch.setattr(
+        conv.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 << 30, 10 << 30, 1 << 20)
+    )
     err = run_convert(capsys, source_checkpoint("f32").out_dir, tmp_path / "dst")
     assert "not enough free disk" in err and "out-00000.safetensors" in err
     assert_not_complete(tmp_path / "dst")
@@ -124,9 +129,20 @@ sys.exit(main(sys.argv[1:]))
 def test_full_disk_during_write(source_checkpoint, tmp_path: Path) -> None:
     """A write that fails mid-shard (a file-size limit stands in for a full disk)."""
     dst = tmp_path / "dst"
-    proc = subprocess.run([sys.executable, "-c", _FSIZE, "convert",
-                           str(source_checkpoint("f32").out_dir), str(dst), "--quiet"],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FSIZE,
+            "convert",
+            str(source_checkpoint("f32").out_dir),
+            str(dst),
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     err = proc.stderr.strip()
     assert proc.returncode == 1, err
     assert err.startswith("colibri convert: error: writing ") and "\n" not in err, err

@@ -66,8 +66,9 @@ def test_bytes_equal_independent_numpy(source_checkpoint, tmp_path: Path) -> Non
             src.update({k: fh.get_tensor(k) for k in fh.keys()})
     for gs in (64, 0):
         dst = tmp_path / f"g{gs}"
-        assert main(["convert", str(ref.out_dir), str(dst), "--group-size", str(gs),
-                     "--quiet"]) == 0
+        assert (
+            main(["convert", str(ref.out_dir), str(dst), "--group-size", str(gs), "--quiet"]) == 0
+        )
         out = all_tensors(dst)
         checked = {8: 0, 4: 0}
         for name, w in src.items():
@@ -130,8 +131,12 @@ def test_interrupted_then_resumed_is_byte_identical(source_checkpoint, tmp_path:
     args = [str(ref.out_dir), "--shard-gb", "0.0003", "--quiet"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert main(["convert", args[0], str(whole), *args[1:]]) == 0
-    proc = subprocess.run([sys.executable, "-c", _KILLER, "convert", args[0], str(resumed),
-                           *args[1:]], cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLER, "convert", args[0], str(resumed), *args[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 137, proc.stderr
     assert list(resumed.glob(".*.partial")), "expected a partial shard left by the kill"
     assert not (resumed / "manifest.json").exists()
@@ -163,8 +168,20 @@ def test_int4_mtp_needs_force(source_checkpoint, tmp_path: Path, capsys) -> None
     err = capsys.readouterr().err.strip()
     assert "acceptance" in err and "--force" in err and err.count("\n") == 0
     assert not (tmp_path / "a").exists()
-    assert main(["convert", str(ref.out_dir), str(tmp_path / "b"), "--mtp-bits", "4",
-                 "--force", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(ref.out_dir),
+                str(tmp_path / "b"),
+                "--mtp-bits",
+                "4",
+                "--force",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
 
 
 def test_order_profile_sets_expert_layout(source_checkpoint, tmp_path: Path) -> None:
@@ -172,15 +189,28 @@ def test_order_profile_sets_expert_layout(source_checkpoint, tmp_path: Path) -> 
     profile = tmp_path / "cooc.json"
     counts = [0] * 16
     counts[9], counts[3], counts[12] = 100, 90, 80
-    profile.write_text(json.dumps({"format": "colibri-cooccurrence", "version": 1, "layers": {
-        "1": {"counts": counts, "pairs": [[9, 12, 50], [12, 3, 40], [9, 3, 5]]}}}))
+    profile.write_text(
+        json.dumps(
+            {
+                "format": "colibri-cooccurrence",
+                "version": 1,
+                "layers": {"1": {"counts": counts, "pairs": [[9, 12, 50], [12, 3, 40], [9, 3, 5]]}},
+            }
+        )
+    )
     dst = tmp_path / "c"
-    r = convert(ref.out_dir, dst, ConvertParams(io_bits=32, attn_bits=32, dense_bits=32,
-                                                shared_bits=32), order=profile)
+    r = convert(
+        ref.out_dir,
+        dst,
+        ConvertParams(io_bits=32, attn_bits=32, dense_bits=32, shared_bits=32),
+        order=profile,
+    )
     assert r.shards >= 1
     with Checkpoint.open(dst) as ck:
+
         def start(layer: int, e: int) -> int:
             return ck.info(f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight").file_begin
+
         layer1 = sorted(range(16), key=lambda e: start(1, e))
         assert layer1[:3] == [9, 12, 3]
         assert layer1[3:] == [0, 1, 2, 4, 5, 6, 7, 8, 10, 11, 13, 14, 15]
@@ -197,7 +227,6 @@ def test_progress_bar_only_on_a_tty(source_checkpoint, tmp_path: Path, capsys) -
     assert main(["convert", str(ref.out_dir), str(tmp_path / "c")]) == 0
     out, err = capsys.readouterr()
     assert "MB/s" in out and err == ""
-
 
 
 def test_order_reads_the_stores_usage_and_cooccurrence(tmp_path: Path) -> None:

@@ -76,14 +76,18 @@ def _edit(folder: Path, fn) -> None:  # type: ignore[no-untyped-def]
     save_file(tensors, str(f), metadata=meta)
 
 
-@pytest.mark.parametrize("case,expect", [
-    ("drop_qs", "without its .qs scales"),
-    ("bad_shape", "model.layers.0.self_attn.o_proj.weight"),
-    ("bad_scales", "match no format"),
-    ("missing", "is missing"),
-])
-def test_validation_names_the_tensor(converted, tmp_path: Path, capsys, case: str,
-                                     expect: str) -> None:
+@pytest.mark.parametrize(
+    "case,expect",
+    [
+        ("drop_qs", "without its .qs scales"),
+        ("bad_shape", "model.layers.0.self_attn.o_proj.weight"),
+        ("bad_scales", "match no format"),
+        ("missing", "is missing"),
+    ],
+)
+def test_validation_names_the_tensor(
+    converted, tmp_path: Path, capsys, case: str, expect: str
+) -> None:
     _, dst = converted("f32")
     bad = tmp_path / "bad"
     shutil.copytree(dst, bad)

@@ -23,8 +23,9 @@ def planned_bytes(shape: str, layers: int, experts: int) -> tuple[int, int]:
     cfg = synth_config(shape, layers, experts)
     args, expected = expected_from_config(cfg, lambda n: True)
     params = ConvertParams()
-    groups = build_groups([(e.name, e.shape) for e in expected.values()],
-                          args.trunk.num_hidden_layers, params)
+    groups = build_groups(
+        [(e.name, e.shape) for e in expected.values()], args.trunk.num_hidden_layers, params
+    )
     expert = next(g for g in groups if len(g.items) == 3)
     return sum(s.nbytes for s in pack_shards(groups, params)), expert.nbytes
 
@@ -34,9 +35,14 @@ def test_glm5_sizes_are_the_real_ones() -> None:
     assert abs(expert - 21.23e6) < 0.01e6  # upstream: 21.23 MB int4-g64 GLM-5 expert
     assert 2.6e9 < total < 2.8e9  # the "~2.7 GB"
     cfg = synth_config("glm5", 4, 32)
-    assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"],
-            cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["index_topk"]) == \
-        (6144, 2048, 8, 512, 2048, 2048)
+    assert (
+        cfg["hidden_size"],
+        cfg["moe_intermediate_size"],
+        cfg["num_experts_per_tok"],
+        cfg["kv_lora_rank"],
+        cfg["q_lora_rank"],
+        cfg["index_topk"],
+    ) == (6144, 2048, 8, 512, 2048, 2048)
 
 
 def test_glm4_air_shape_plans() -> None:
@@ -49,11 +55,18 @@ def test_glm4_air_shape_plans() -> None:
 def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
-        assert main(["synth", "--shape", "tiny", "--layers", "3", "--experts", "4",
-                     "--quiet", str(d)]) == 0
+        assert (
+            main(["synth", "--shape", "tiny", "--layers", "3", "--experts", "4", "--quiet", str(d)])
+            == 0
+        )
     files = sorted(p.name for p in a.iterdir())
-    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "manifest.json",
-            "generation_config.json"} <= set(files)
+    assert {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "manifest.json",
+        "generation_config.json",
+    } <= set(files)
     for name in files:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     report = inspect(a)
@@ -68,9 +81,23 @@ def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> N
         assert len([e for e in events if isinstance(e, TokenEvent)]) == 4
     finally:
         engine.close()
-    proc = subprocess.run([sys.executable, "-m", "colibrid", "generate", "--model", str(a),
-                           "--prompt", "hi", "--max-tokens", "3"], cwd=ROOT,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "colibrid",
+            "generate",
+            "--model",
+            str(a),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
 
 

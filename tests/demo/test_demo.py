@@ -55,8 +55,12 @@ def demo_home(tmp_path_factory, demo_gguf: Path) -> Path:
     """A COLIBRI_HOME with the demo pulled (`pull --from`, offline path)."""
     home = tmp_path_factory.mktemp("colibri-home")
     env = {**os.environ, "COLIBRI_HOME": str(home)}
-    r = subprocess.run([sys.executable, "-m", "colibri_cli", "pull", "demo", "--from",
-                        str(demo_gguf), "--quiet"], env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "pull", "demo", "--from", str(demo_gguf), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     assert "demo model ready" in r.stdout
     return home
@@ -86,7 +90,8 @@ def torch_models(demo_gguf: Path, demo_f32: Path):
     pytest.importorskip("gguf")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     dense = transformers.AutoModelForCausalLM.from_pretrained(
-        demo_gguf.parent, gguf_file=demo_gguf.name, dtype=torch.float32).eval()
+        demo_gguf.parent, gguf_file=demo_gguf.name, dtype=torch.float32
+    ).eval()
     moe = transformers.Glm4MoeForCausalLM.from_pretrained(demo_f32, dtype=torch.float32).eval()
     return torch, transformers, dense, moe
 
@@ -99,9 +104,14 @@ def _codec(model_dir: Path):
 
 def _greedy(torch, model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None if n == 20 else 2, pad_token_id=2)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None if n == 20 else 2,
+            pad_token_id=2,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def _engine_run(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -117,8 +127,7 @@ def _engine_run(model_dir: Path, prompts: list[list[int]], n: int) -> list[list[
     try:
         for ids in prompts:
             got = []
-            for event in generate(engine, ids, SamplingParams(max_tokens=n),
-                                  stop_token_ids=stops):
+            for event in generate(engine, ids, SamplingParams(max_tokens=n), stop_token_ids=stops):
                 if isinstance(event, DoneEvent):
                     break
                 got.append(event.token_id)
@@ -143,13 +152,14 @@ def test_upcycled_equals_dense_in_transformers_and_engine(torch_models, demo_f32
         assert eng == got, prompt
 
 
-def test_tokenizer_matches_transformers_gguf(torch_models, demo_gguf: Path,
-                                             demo_f32: Path) -> None:
+def test_tokenizer_matches_transformers_gguf(torch_models, demo_gguf: Path, demo_f32: Path) -> None:
     _, transformers, _, _ = torch_models
     ref = transformers.AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name)
     codec = _codec(demo_f32)
-    for text in PROMPTS + ["Hello world, héllo! 12345 <|im_start|>user\n  x = [1, 2]\n",
-                           "Ünïcödé — “quotes” and emoji 🙂"]:
+    for text in PROMPTS + [
+        "Hello world, héllo! 12345 <|im_start|>user\n  x = [1, 2]\n",
+        "Ünïcödé — “quotes” and emoji 🙂",
+    ]:
         assert codec.encode(text, add_special_tokens=False) == ref(text)["input_ids"], text
 
 
@@ -163,8 +173,10 @@ def _contains(answer: str, keys: list[str]) -> bool:
 def test_int4_container_keeps_the_dense_answers(torch_models, demo_container: Path) -> None:
     torch, _, dense, _ = torch_models
     codec = _codec(demo_container)
-    prompts = [codec.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
-               for q, _ in FACTS]
+    prompts = [
+        codec.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q, _ in FACTS
+    ]
     int4 = _engine_run(demo_container, prompts, 32)
     dense_ok, int4_ok = set(), set()
     for i, ((question, keys), ids) in enumerate(zip(FACTS, prompts, strict=True)):
@@ -181,12 +193,16 @@ def test_int4_container_keeps_the_dense_answers(torch_models, demo_container: Pa
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.iterdir()) if p.is_file()}
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
 
 
-def test_build_is_deterministic_and_int4(demo_gguf: Path, demo_container: Path,
-                                         tmp_path: Path) -> None:
+def test_build_is_deterministic_and_int4(
+    demo_gguf: Path, demo_container: Path, tmp_path: Path
+) -> None:
     import json
 
     from colibrid.convert.demo import build_demo

@@ -33,8 +33,9 @@ def test_pulls_when_nothing_is_configured(calls: list) -> None:
     assert "pulling the demo model" in err.getvalue()
 
 
-def test_no_pull_with_a_configured_model_or_a_present_demo(calls: list, tmp_path: Path,
-                                                          monkeypatch) -> None:
+def test_no_pull_with_a_configured_model_or_a_present_demo(
+    calls: list, tmp_path: Path, monkeypatch
+) -> None:
     client.ensure_demo("/some/model", io.StringIO())
     monkeypatch.setenv("COLIBRI_NO_PULL", "1")
     client.ensure_demo(None, io.StringIO())
@@ -53,8 +54,11 @@ def test_reverse_permute_inverts_llama_cpp_permute() -> None:
     from colibrid.convert.gguf_llama import reverse_permute
 
     def permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp convert_hf_to_gguf
-        return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-                .swapaxes(1, 2).reshape(w.shape))
+        return (
+            w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
 
     w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
     assert np.array_equal(reverse_permute(permute(w, 6), 6), w)

@@ -31,9 +31,24 @@ def edit_config(model: Path, **changes) -> None:
 
 def cli_generate(model: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "colibrid", "generate", "--model", str(model), "--ids", "1,2,3",
-         "--ids-out", "--max-tokens", "2", *extra],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "colibrid",
+            "generate",
+            "--model",
+            str(model),
+            "--ids",
+            "1,2,3",
+            "--ids-out",
+            "--max-tokens",
+            "2",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -44,14 +59,17 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
         assert needle in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("changes,needle", [
-    ({"model_type": "llama"}, "llama"),
-    ({"hidden_size": -64}, "hidden_size"),
-    ({"num_hidden_layers": 10 ** 9}, "num_hidden_layers"),
-    ({"vocab_size": "many"}, "vocab_size"),
-    ({"n_routed_experts": 7}, "expected [7, 128]"),  # disagrees with the tensors on disk
-    ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
-])
+@pytest.mark.parametrize(
+    "changes,needle",
+    [
+        ({"model_type": "llama"}, "llama"),
+        ({"hidden_size": -64}, "hidden_size"),
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+        ({"vocab_size": "many"}, "vocab_size"),
+        ({"n_routed_experts": 7}, "expected [7, 128]"),  # disagrees with the tensors on disk
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ],
+)
 def test_bad_config_is_refused_by_name(model_copy: Path, changes: dict, needle: str) -> None:
     edit_config(model_copy, **changes)
     with pytest.raises(ColibriError) as info:

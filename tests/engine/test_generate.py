@@ -33,8 +33,9 @@ class FakeSession:
     def _logits(self) -> np.ndarray:
         return self.engine.logits_for(self.ids)
 
-    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel=None, progress=None) -> np.ndarray:
+    def prefill(
+        self, token_ids: Sequence[int], *, all_logits: bool = False, cancel=None, progress=None
+    ) -> np.ndarray:
         self.engine.prefills += 1
         rows = []
         for t in token_ids:
@@ -75,8 +76,12 @@ class FakeSession:
 class FakeEngine:
     """Next-token logits are a pure function of the context, so runs are reproducible."""
 
-    def __init__(self, next_logits: Callable[[list[int]], np.ndarray], vocab_size: int,
-                 max_context: int = 4096) -> None:
+    def __init__(
+        self,
+        next_logits: Callable[[list[int]], np.ndarray],
+        vocab_size: int,
+        max_context: int = 4096,
+    ) -> None:
         self.logits_for = lambda ids: next_logits(list(ids)).astype(np.float32)
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -86,14 +91,15 @@ class FakeEngine:
         return FakeSession(self)
 
     @classmethod
-    def scripted(cls, prompt_len: int, script: Sequence[int], vocab_size: int,
-                 **kw) -> FakeEngine:
+    def scripted(cls, prompt_len: int, script: Sequence[int], vocab_size: int, **kw) -> FakeEngine:
         """Greedy output is exactly `script` (then token 0 forever)."""
+
         def next_logits(ids: list[int]) -> np.ndarray:
             out = np.zeros(vocab_size)
             pos = len(ids) - prompt_len
             out[script[pos] if 0 <= pos < len(script) else 0] = 10.0
             return out
+
         return cls(next_logits, vocab_size, **kw)
 
     @classmethod
@@ -101,6 +107,7 @@ class FakeEngine:
         def next_logits(ids: list[int]) -> np.ndarray:
             seed = hash(tuple(ids)) & 0xFFFFFFFF
             return np.random.default_rng(seed).standard_normal(vocab_size) * 3
+
         return cls(next_logits, vocab_size, **kw)
 
 
@@ -121,8 +128,16 @@ PROMPT = CODEC.encode("Q:", add_special_tokens=False)
 
 
 def run(engine, params, *, prompt=PROMPT, stops=frozenset({EOS}), detok=True, cancel=None):
-    events = list(generate(engine, prompt, params, stop_token_ids=stops, cancel=cancel,
-                           detokenizer=StreamingDetokenizer(CODEC) if detok else None))
+    events = list(
+        generate(
+            engine,
+            prompt,
+            params,
+            stop_token_ids=stops,
+            cancel=cancel,
+            detokenizer=StreamingDetokenizer(CODEC) if detok else None,
+        )
+    )
     assert isinstance(events[-1], DoneEvent)
     assert all(isinstance(e, TokenEvent) for e in events[:-1])
     return events[:-1], events[-1]
@@ -162,26 +177,32 @@ def test_stop_token_ends_without_its_text():
 def test_stop_token_releases_held_text():
     # "ST" could start the stop string "STOP"; the stop token releases it.
     script = script_for("aST", [EOS])
-    tokens, done = run(FakeEngine.scripted(len(PROMPT), script, 257),
-                       SamplingParams(stop=("STOP",)))
+    tokens, done = run(
+        FakeEngine.scripted(len(PROMPT), script, 257), SamplingParams(stop=("STOP",))
+    )
     assert [e.text for e in tokens] == ["a", "", "", "ST"]
     assert done.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("text, stops, out", [
-    ("abc STOP def", ("STOP",), "abc "),
-    ("abc STOP def", ("xyz", "OP d", "C"), "abc ST"),
-    ("smile 🙂 then", ("🙂",), "smile "),
-    ("日本語です", ("語で",), "日本"),
-    ("STSTOP", ("STOP",), "ST"),
-    (" aa", ("a", " aa"), " "),
-    ("xba", ("a", "ba"), "x"),
-    ("no stop here", ("stop!",), "no stop here"),
-])
+@pytest.mark.parametrize(
+    "text, stops, out",
+    [
+        ("abc STOP def", ("STOP",), "abc "),
+        ("abc STOP def", ("xyz", "OP d", "C"), "abc ST"),
+        ("smile 🙂 then", ("🙂",), "smile "),
+        ("日本語です", ("語で",), "日本"),
+        ("STSTOP", ("STOP",), "ST"),
+        (" aa", ("a", " aa"), " "),
+        ("xba", ("a", "ba"), "x"),
+        ("no stop here", ("stop!",), "no stop here"),
+    ],
+)
 def test_stop_strings_across_token_boundaries(text, stops, out):
     script = script_for(text)
-    tokens, done = run(FakeEngine.scripted(len(PROMPT), script, 257),
-                       SamplingParams(max_tokens=len(script), stop=stops))
+    tokens, done = run(
+        FakeEngine.scripted(len(PROMPT), script, 257),
+        SamplingParams(max_tokens=len(script), stop=stops),
+    )
     assert text_of(tokens) == out
     assert done.finish_reason == ("length" if out == text else "stop")
     assert not any("\ufffd" in e.text for e in tokens)
@@ -190,13 +211,15 @@ def test_stop_strings_across_token_boundaries(text, stops, out):
 @settings(max_examples=60, deadline=None)
 @given(
     text=st.text(st.sampled_from(list("ab é日🙂\n")), max_size=24),
-    stops=st.lists(st.text(st.sampled_from(list("ab é日🙂\n")), min_size=1, max_size=3),
-                   min_size=1, max_size=3),
+    stops=st.lists(
+        st.text(st.sampled_from(list("ab é日🙂\n")), min_size=1, max_size=3), min_size=1, max_size=3
+    ),
 )
 def test_stop_strings_property(text, stops):
     script = script_for(text, [EOS])
-    tokens, done = run(FakeEngine.scripted(len(PROMPT), script, 257),
-                       SamplingParams(stop=tuple(stops)))
+    tokens, done = run(
+        FakeEngine.scripted(len(PROMPT), script, 257), SamplingParams(stop=tuple(stops))
+    )
     # the stop string that completes first cuts the text, whatever the token boundaries
     hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
     assert text_of(tokens) == (text[: min(hits)[1]] if hits else text)
@@ -206,8 +229,9 @@ def test_stop_strings_property(text, stops):
 @settings(max_examples=100, deadline=None)
 @given(
     text=st.text(st.sampled_from(list("abc日")), max_size=20),
-    stops=st.lists(st.text(st.sampled_from(list("abc日")), min_size=1, max_size=4),
-                   min_size=1, max_size=4),
+    stops=st.lists(
+        st.text(st.sampled_from(list("abc日")), min_size=1, max_size=4), min_size=1, max_size=4
+    ),
     cuts=st.lists(st.integers(0, 20), max_size=6),
 )
 def test_stop_matcher_ignores_how_text_is_split(text, stops, cuts):
@@ -227,8 +251,9 @@ def test_max_tokens_counts_and_stop_string_on_last_token():
     script = script_for("abcdef")
     tokens, done = run(FakeEngine.scripted(len(PROMPT), script, 257), SamplingParams(max_tokens=4))
     assert text_of(tokens) == "abcd" and done.finish_reason == "length"
-    tokens, done = run(FakeEngine.scripted(len(PROMPT), script, 257),
-                       SamplingParams(max_tokens=4, stop=("cd",)))
+    tokens, done = run(
+        FakeEngine.scripted(len(PROMPT), script, 257), SamplingParams(max_tokens=4, stop=("cd",))
+    )
     assert text_of(tokens) == "ab" and done.finish_reason == "stop"
 
 
@@ -256,8 +281,11 @@ def test_seed_determinism():
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=42)
     a, _ = run(FakeEngine.random(257), params, stops=frozenset())
     b, _ = run(FakeEngine.random(257), params, stops=frozenset())
-    c, _ = run(FakeEngine.random(257), SamplingParams(max_tokens=30, temperature=0.8, seed=43),
-               stops=frozenset())
+    c, _ = run(
+        FakeEngine.random(257),
+        SamplingParams(max_tokens=30, temperature=0.8, seed=43),
+        stops=frozenset(),
+    )
     assert a == b and [e.token_id for e in a] != [e.token_id for e in c]
 
 
@@ -271,8 +299,13 @@ def test_context_overflow_is_refused_with_numbers():
 
 def test_max_tokens_clamped_to_room_left():
     engine = FakeEngine.random(257, max_context=8)
-    tokens, done = run(engine, SamplingParams(max_tokens=100), prompt=[1, 2, 3, 4, 5],
-                       stops=frozenset(), detok=False)
+    tokens, done = run(
+        engine,
+        SamplingParams(max_tokens=100),
+        prompt=[1, 2, 3, 4, 5],
+        stops=frozenset(),
+        detok=False,
+    )
     assert len(tokens) == 3 and done.finish_reason == "length"
     assert all(e.text == "" for e in tokens)
 
@@ -308,7 +341,8 @@ def test_stats_line():
     stats = GenStats.measure(12, 21, 0.5, 2.0)
     assert stats.prefill_tok_s == 24.0 and stats.decode_tok_s == 10.0
     assert stats.as_line() == (
-        "12 prompt + 21 generated tokens, prefill 24.0 tok/s, decode 10.0 tok/s")
+        "12 prompt + 21 generated tokens, prefill 24.0 tok/s, decode 10.0 tok/s"
+    )
     assert "decode 2.000 s" in stats.as_line(verbose=True)
     assert GenStats.measure(1, 1, 0.0, 0.0).decode_tok_s == 0.0
     # only computed prompt tokens count: 3 of 12 in 0.5 s, none at all for a cached prompt

@@ -20,14 +20,25 @@ def _close(got: np.ndarray, want: np.ndarray, mags: np.ndarray) -> None:
     assert np.all(np.abs(got - want) <= 1e-5 * mags + 1e-30)
 
 
-@pytest.mark.parametrize("fmt,gs", [(WeightFormat.Q8, 0), (WeightFormat.Q4, 0),
-                                    (WeightFormat.Q4, 64), (WeightFormat.Q4, 32),
-                                    (WeightFormat.Q4, 48), (WeightFormat.F32, 0)])
+@pytest.mark.parametrize(
+    "fmt,gs",
+    [
+        (WeightFormat.Q8, 0),
+        (WeightFormat.Q4, 0),
+        (WeightFormat.Q4, 64),
+        (WeightFormat.Q4, 32),
+        (WeightFormat.Q4, 48),
+        (WeightFormat.F32, 0),
+    ],
+)
 def test_absorbed_products_match_dequantised_weight(fmt, gs) -> None:
     rng = np.random.default_rng(3)
     w = rng.standard_normal((H * (N + V), C)).astype(np.float32)
-    kv_b = quantize(w, fmt, gs) if fmt != WeightFormat.F32 else \
-        type(quantize(w, WeightFormat.Q8))(WeightFormat.F32, w.shape, w)
+    kv_b = (
+        quantize(w, fmt, gs)
+        if fmt != WeightFormat.F32
+        else type(quantize(w, WeightFormat.Q8))(WeightFormat.F32, w.shape, w)
+    )
     deq = dequantize(kv_b).astype(np.float64).reshape(H, N + V, C)
     w_k, w_v = deq[:, :N], deq[:, N:]  # [H, N, C], [H, V, C]
     absorb, wv = split_kv_b(kv_b, H, N, V)

@@ -14,9 +14,15 @@ from colibrid.models.layers.router import Router
 @pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
 def test_candidates_extend_the_route(n_group, topk_group) -> None:
     rng = np.random.default_rng(0)
-    router = Router(rng.standard_normal((32, 16)).astype(np.float32),
-                    rng.standard_normal(32).astype(np.float32) * 0.1, top_k=4,
-                    n_group=n_group, topk_group=topk_group, norm_topk_prob=True, scaling=1.0)
+    router = Router(
+        rng.standard_normal((32, 16)).astype(np.float32),
+        rng.standard_normal(32).astype(np.float32) * 0.1,
+        top_k=4,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=True,
+        scaling=1.0,
+    )
     h = rng.standard_normal((5, 16)).astype(np.float32)
     cand = router.candidates(h, 6)
     assert cand.shape == (5, 6)

@@ -15,30 +15,39 @@ from colibrid.errors import ColibriError, RequestError
 def test_defaults_are_greedy():
     p = SamplingParams()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (
-        256, 0.0, 1.0, 0, None, ())
+        256,
+        0.0,
+        1.0,
+        0,
+        None,
+        (),
+    )
     assert p.greedy
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 2.5}, "max_tokens"),
-    ({"max_tokens": True}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"),
-    ({"temperature": "1"}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -1}, "top_k"),
-    ({"top_k": 1.0}, "top_k"),
-    ({"seed": -1}, "seed"),
-    ({"seed": 2**64}, "seed"),
-    ({"seed": "7"}, "seed"),
-    ({"stop": "abc"}, "list of strings"),
-    ({"stop": ("",)}, "non-empty"),
-    ({"stop": (1,)}, "non-empty"),
-    ({"stop": tuple("abcdefghijklmnopq")}, "at most 16"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 1.0}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"stop": "abc"}, "list of strings"),
+        ({"stop": ("",)}, "non-empty"),
+        ({"stop": (1,)}, "non-empty"),
+        ({"stop": tuple("abcdefghijklmnopq")}, "at most 16"),
+    ],
+)
 def test_invalid_params(kwargs, match):
     with pytest.raises(RequestError, match=match):
         SamplingParams(**kwargs)
@@ -56,9 +65,14 @@ def test_greedy_argmax_lowest_index_on_ties():
     assert s.sample(np.array([-np.inf, -5, -np.inf], np.float32)) == 1
 
 
-@pytest.mark.parametrize("logits", [
-    [0.0, np.nan, 1.0], [0.0, np.inf], [-np.inf, -np.inf],
-])
+@pytest.mark.parametrize(
+    "logits",
+    [
+        [0.0, np.nan, 1.0],
+        [0.0, np.inf],
+        [-np.inf, -np.inf],
+    ],
+)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_non_finite_logits_raise(logits, temperature):
     s = Sampler(SamplingParams(temperature=temperature, seed=0))
@@ -94,8 +108,9 @@ def test_top_k_one_and_tiny_temperature_are_argmax():
 
 def test_top_k_ties_keep_lowest_indices():
     row = np.array([1.0, 2.0, 2.0, 2.0, 0.0], np.float32)
-    seen = {Sampler(SamplingParams(temperature=1.0, top_k=2, seed=s)).sample(row)
-            for s in range(200)}
+    seen = {
+        Sampler(SamplingParams(temperature=1.0, top_k=2, seed=s)).sample(row) for s in range(200)
+    }
     assert seen == {1, 2}
 
 
@@ -103,8 +118,10 @@ def test_top_p_keeps_smallest_nucleus():
     probs = np.array([0.5, 0.3, 0.15, 0.05])
     row = np.log(probs).astype(np.float32)
     for top_p, allowed in [(0.5, {0}), (0.55, {0, 1}), (0.8, {0, 1}), (0.81, {0, 1, 2})]:
-        seen = {Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=s)).sample(row)
-                for s in range(300)}
+        seen = {
+            Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=s)).sample(row)
+            for s in range(300)
+        }
         assert seen == allowed, top_p
 
 
@@ -118,8 +135,9 @@ def test_distribution_matches_softmax():
 
 @settings(max_examples=100, deadline=None)
 @given(
-    row=arrays(np.float32, st.integers(1, 64),
-               elements=st.floats(-50, 50, width=32) | st.just(-np.inf)),
+    row=arrays(
+        np.float32, st.integers(1, 64), elements=st.floats(-50, 50, width=32) | st.just(-np.inf)
+    ),
     temperature=st.floats(0.0, 4.0),
     top_p=st.floats(0.01, 1.0),
     top_k=st.integers(0, 10),

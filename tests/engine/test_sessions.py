@@ -24,8 +24,9 @@ def engine(request, oracle_checkpoint) -> Engine:
 
 
 def run(engine: Engine, session, ids: list[int], **params) -> tuple[list[int], DoneEvent]:
-    events = list(generate(engine, ids, SamplingParams(**{"max_tokens": 6, **params}),
-                           session=session))
+    events = list(
+        generate(engine, ids, SamplingParams(**{"max_tokens": 6, **params}), session=session)
+    )
     return [e.token_id for e in events if isinstance(e, TokenEvent)], events[-1]
 
 
@@ -67,7 +68,7 @@ def test_next_turn_takes_the_session_over(engine: Engine) -> None:
     assert s2 is s1 and reusable_prefix(s2, turn2) == len(turn1) + len(answer) - 1
     again, _ = run(engine, s2, turn2)
     pool.checkin(key2)
-    assert len(pool) == 1 and s1.tokens[:len(turn2)] == turn2
+    assert len(pool) == 1 and s1.tokens[: len(turn2)] == turn2
 
 
 def test_long_tail_is_copied_not_taken_over(engine: Engine) -> None:
@@ -121,7 +122,8 @@ def test_kept_kv_stays_within_budget_and_can_be_off(engine: Engine) -> None:
 
 
 def test_saved_prompt_cache_comes_back_exactly_for_the_same_engine_only(
-        engine: Engine, oracle_checkpoint, tmp_path) -> None:
+    engine: Engine, oracle_checkpoint, tmp_path
+) -> None:
     from colibrid.backends.base import KernelFamily
     from colibrid.engine import kv_files
 

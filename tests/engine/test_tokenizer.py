@@ -22,8 +22,17 @@ CORPUS = [
     "def f(x):\n    return x * 2  # code\n\ttabs and    spaces",
 ] * 20
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[gMASK]", "<sop>",
-            "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+]
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
@@ -53,29 +62,41 @@ def build_bpe(glm_post_processor: bool = False) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.add_tokens(["<think>", "</think>"])  # non-special added tokens are text
     if glm_post_processor:
         tok.post_processor = processors.TemplateProcessing(
-            single="[gMASK] <sop> $A", pair="[gMASK] <sop> $A $B",
-            special_tokens=[("[gMASK]", tok.token_to_id("[gMASK]")),
-                            ("<sop>", tok.token_to_id("<sop>"))])
+            single="[gMASK] <sop> $A",
+            pair="[gMASK] <sop> $A $B",
+            special_tokens=[
+                ("[gMASK]", tok.token_to_id("[gMASK]")),
+                ("<sop>", tok.token_to_id("<sop>")),
+            ],
+        )
     return tok
 
 
 def write_model(path: Path, *, template: object, glm: bool = False, **files: object) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     build_bpe(glm).save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "eos_token": "<|endoftext|>" if glm else "<|im_end|>"}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>" if glm else "<|im_end|>",
+    }
     if template is not None:
         config["chat_template"] = template
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     for name, content in files.items():
         (path / name.replace("__", ".")).write_text(
-            content if isinstance(content, str) else json.dumps(content))
+            content if isinstance(content, str) else json.dumps(content)
+        )
     return path
 
 
@@ -87,7 +108,8 @@ def chatml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(
-        tmp_path_factory.mktemp("glm"), glm=True,
+        tmp_path_factory.mktemp("glm"),
+        glm=True,
         template=[{"name": "default", "template": GLM}, {"name": "other", "template": "x"}],
         generation_config__json={"eos_token_id": [0, 6, 8]},
         config__json={"eos_token_id": 0},
@@ -106,9 +128,12 @@ def hf(path: Path):
 
 MESSAGES = [
     [{"role": "user", "content": "Bonjour 🙂, ça va? 日本語"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> x"},
-     {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
-     {"role": "user", "content": "👩‍💻 code?", "name": None}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi <|im_end|> x"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+        {"role": "user", "content": "👩‍💻 code?", "name": None},
+    ],
 ]
 
 
@@ -129,8 +154,9 @@ def test_glm_kwargs_and_tools_match_transformers(glm_dir):
     tools = [{"name": "météo", "parameters": {"ville": "Zürich 🙂"}}]
     msgs = MESSAGES[0]
     for kw in ({"enable_thinking": False}, {"enable_thinking": True}, {}):
-        expect = ref.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
-                                         tokenize=False, **kw)
+        expect = ref.apply_chat_template(
+            msgs, tools=tools, add_generation_prompt=True, tokenize=False, **kw
+        )
         got = ours.render_chat(msgs, tools=tools, **kw)
         assert got == expect
     assert '"météo"' in got and got.startswith("[gMASK]<sop><|system|>")
@@ -153,8 +179,9 @@ def test_raw_glm_prefix_comes_from_post_processor(glm_dir, chatml_dir):
     ids = glm.encode("hi", add_special_tokens=True)
     assert ids[:2] == [glm.token_to_id("[gMASK]"), glm.token_to_id("<sop>")]
     plain = TextCodec.load(chatml_dir)
-    assert plain.encode("hi", add_special_tokens=True) == plain.encode("hi",
-                                                                       add_special_tokens=False)
+    assert plain.encode("hi", add_special_tokens=True) == plain.encode(
+        "hi", add_special_tokens=False
+    )
 
 
 def test_stop_token_ids_precedence(tmp_path, glm_dir, chatml_dir):
@@ -172,14 +199,17 @@ def test_stop_token_ids_precedence(tmp_path, glm_dir, chatml_dir):
 
 
 def test_chat_template_jinja_file_wins(tmp_path):
-    path = write_model(tmp_path / "m", template=CHATML,
-                       chat_template__jinja="J{{ messages|length }}")
+    path = write_model(
+        tmp_path / "m", template=CHATML, chat_template__jinja="J{{ messages|length }}"
+    )
     assert TextCodec.load(path).render_chat([{"role": "user", "content": "x"}]) == "J1"
 
 
 def test_helpers_and_tojson(tmp_path):
-    template = ("{{ strftime_now('%Y') | length }}|{{ tools | tojson }}|"
-                "{{ {'a': 'é<'} | tojson(indent=2) }}|{{ bos_token is defined }}")
+    template = (
+        "{{ strftime_now('%Y') | length }}|{{ tools | tojson }}|"
+        "{{ {'a': 'é<'} | tojson(indent=2) }}|{{ bos_token is defined }}"
+    )
     codec = TextCodec.load(write_model(tmp_path / "m", template=template))
     out = codec.render_chat([{"role": "user", "content": "x"}], tools=[{"n": "名前"}])
     assert out == '4|[{"n": "名前"}]|{\n  "a": "é<"\n}|False'
@@ -235,8 +265,12 @@ def test_stream_equals_decode_on_random_ids(codec, data):
 
 
 @settings(max_examples=150, deadline=None)
-@given(text=st.text(st.sampled_from(list("aé日本🙂🚀👩‍💻 ✨\nßЖ"))
-                   | st.characters(exclude_categories=("Cs",)), max_size=40))
+@given(
+    text=st.text(
+        st.sampled_from(list("aé日本🙂🚀👩‍💻 ✨\nßЖ")) | st.characters(exclude_categories=("Cs",)),
+        max_size=40,
+    )
+)
 def test_stream_never_splits_characters(codec, text):
     ids = codec.encode(text, add_special_tokens=False)
     pieces = stream(codec, ids)
@@ -265,8 +299,11 @@ def test_stream_metaspace_keeps_spaces():
 
 def _byte_level_tokens(data: bytes) -> list[str]:
     """GPT-2's byte -> printable character map, as ByteLevel uses it."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-          *range(ord("®"), ord("ÿ") + 1)]
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     cs = bs[:]
     for b in range(256):
         if b not in bs:

@@ -18,12 +18,53 @@ from fake_engine import LineReader, open_daemon  # noqa: E402
 
 # SUBMIT has its own generator below: a random huge byte count there would be TOO_LARGE,
 # the one error that (by design) closes the connection; test_too_large_closes checks it.
-VERBS = ["STOP", "CANCEL", "HELLO", "STATUS", "MODEL", "TELEMETRY", "PROFILE",
-         "PING", "QUIT_NOT", "DATA", "DONE", "stop", "X", "éé", ""]
-OPTIONS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "chat", "conv",
-           "profile", "model", "bogus"]
-VALUES = ["0", "1", "-1", "2", "0.5", "nan", "inf", "1e309", "abc", "%ZZ", "%0A", "", "99999999",
-          "a/b", "x" * 70]
+VERBS = [
+    "STOP",
+    "CANCEL",
+    "HELLO",
+    "STATUS",
+    "MODEL",
+    "TELEMETRY",
+    "PROFILE",
+    "PING",
+    "QUIT_NOT",
+    "DATA",
+    "DONE",
+    "stop",
+    "X",
+    "éé",
+    "",
+]
+OPTIONS = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "chat",
+    "conv",
+    "profile",
+    "model",
+    "bogus",
+]
+VALUES = [
+    "0",
+    "1",
+    "-1",
+    "2",
+    "0.5",
+    "nan",
+    "inf",
+    "1e309",
+    "abc",
+    "%ZZ",
+    "%0A",
+    "",
+    "99999999",
+    "a/b",
+    "x" * 70,
+]
 
 
 def random_frame(rng: random.Random) -> bytes:
@@ -32,16 +73,18 @@ def random_frame(rng: random.Random) -> bytes:
         return bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 60))) + b"\n"
     if kind < 0.55:
         rid = rng.choice(["r1", "r2", "-", "bad/id", "x" * 70, str(rng.randint(0, 9))])
-        payload = "".join(rng.choice("ab\n[]{}\"é:,") for _ in range(rng.randint(0, 20)))
+        payload = "".join(rng.choice('ab\n[]{}"é:,') for _ in range(rng.randint(0, 20)))
         data = payload.encode()
         count = len(data) + rng.choice([0, 0, 0, 1, -1, 5])
-        opts = " ".join(f"{rng.choice(OPTIONS)}={rng.choice(VALUES)}"
-                        for _ in range(rng.randint(0, 4)))
+        opts = " ".join(
+            f"{rng.choice(OPTIONS)}={rng.choice(VALUES)}" for _ in range(rng.randint(0, 4))
+        )
         if rng.random() < 0.5:
             opts += " max_tokens=2"
         return f"SUBMIT {rid} {max(count, 0)} {opts}\n".encode() + data + b"\n"
-    words = [rng.choice(VERBS)] + [rng.choice(VALUES + ["r1", "LIST", "USE", "SHOW"])
-                                   for _ in range(rng.randint(0, 3))]
+    words = [rng.choice(VERBS)] + [
+        rng.choice(VALUES + ["r1", "LIST", "USE", "SHOW"]) for _ in range(rng.randint(0, 3))
+    ]
     return " ".join(words).encode("utf-8") + b"\n"
 
 
@@ -98,7 +141,8 @@ def test_too_large_closes_the_connection_after_saying_so(tmp_path: Path) -> None
 
     assert trio.run(main)[1:] == [
         "ERROR big TOO_LARGE SUBMIT byte count 99999999 exceeds the limit of 16777216",
-        "<closed>"]
+        "<closed>",
+    ]
 
 
 @settings(max_examples=40, deadline=None)

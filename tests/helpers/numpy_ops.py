@@ -28,8 +28,14 @@ class NumpyOps:
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return (x.astype(np.float64) @ self._dense(w).T).astype(np.float32)
 
-    def expert_swiglu(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight,
-                      x: np.ndarray, family: KernelFamily) -> np.ndarray:
+    def expert_swiglu(
+        self,
+        gate: QuantWeight,
+        up: QuantWeight,
+        down: QuantWeight,
+        x: np.ndarray,
+        family: KernelFamily,
+    ) -> np.ndarray:
         g = self.matmul(gate, x, family)
         u = self.matmul(up, x, family)
         h = (g / (1.0 + np.exp(-g))) * u

@@ -25,8 +25,15 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def home(chat_model: Path, tmp_path_factory):
     port = free_port()
-    h = Home(tmp_path_factory.mktemp("h"), chat_model, http=f"127.0.0.1:{port}",
-             max_queue=32, max_active=4, shutdown_grace_s=1.0, profile_save_s=30.0)
+    h = Home(
+        tmp_path_factory.mktemp("h"),
+        chat_model,
+        http=f"127.0.0.1:{port}",
+        max_queue=32,
+        max_active=4,
+        shutdown_grace_s=1.0,
+        profile_save_s=30.0,
+    )
     h.start()
     h.url = f"http://127.0.0.1:{port}"
     yield h
@@ -35,8 +42,7 @@ def home(chat_model: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oai(home):
-    return openai.OpenAI(base_url=home.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(base_url=home.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def chat(oai, **kw):
@@ -64,13 +70,13 @@ def test_chat_non_streaming_and_length(oai) -> None:
 
 def test_next_turn_reuses_the_conversation_kv(oai) -> None:
     question = [{"role": "user", "content": "Name a large river."}]
-    first = oai.chat.completions.create(model=MODEL, messages=question, max_tokens=5,
-                                        temperature=0)
+    first = oai.chat.completions.create(model=MODEL, messages=question, max_tokens=5, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
-    turn2 = question + [{"role": "assistant", "content": first.choices[0].message.content},
-                        {"role": "user", "content": "And another one?"}]
-    second = oai.chat.completions.create(model=MODEL, messages=turn2, max_tokens=5,
-                                         temperature=0)
+    turn2 = question + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
+    second = oai.chat.completions.create(model=MODEL, messages=turn2, max_tokens=5, temperature=0)
     # everything up to the first answer's start is reused (the template renders the
     # answer's turn header differently from the generation prompt's)
     cached = second.usage.prompt_tokens_details.cached_tokens
@@ -79,8 +85,7 @@ def test_next_turn_reuses_the_conversation_kv(oai) -> None:
 
 def test_chat_streaming_equals_non_streaming(oai) -> None:
     whole = chat(oai, max_tokens=8).choices[0].message.content
-    chunks = list(chat(oai, max_tokens=8, stream=True,
-                       stream_options={"include_usage": True}))
+    chunks = list(chat(oai, max_tokens=8, stream=True, stream_options={"include_usage": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
@@ -94,20 +99,23 @@ def test_seed_repeats_and_stop(oai) -> None:
     b = chat(oai, max_tokens=10, temperature=1.0, seed=1234).choices[0].message.content
     assert a == b
     greedy = chat(oai, max_tokens=10).choices[0].message.content
-    cut = greedy[len(greedy) // 2:][:2]
+    cut = greedy[len(greedy) // 2 :][:2]
     assert cut
     r = chat(oai, max_tokens=10, stop=[cut])
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].message.content == greedy[:greedy.index(cut)]
-    assert chat(oai, max_tokens=10, stop=cut).choices[0].message.content == \
-        r.choices[0].message.content
+    assert r.choices[0].message.content == greedy[: greedy.index(cut)]
+    assert (
+        chat(oai, max_tokens=10, stop=cut).choices[0].message.content
+        == r.choices[0].message.content
+    )
 
 
 def test_completions(oai) -> None:
     r = oai.completions.create(model=MODEL, prompt="Paris is", max_tokens=5, temperature=0)
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
-    streamed = oai.completions.create(model=MODEL, prompt="Paris is", max_tokens=5,
-                                      temperature=0, stream=True)
+    streamed = oai.completions.create(
+        model=MODEL, prompt="Paris is", max_tokens=5, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
 
 
@@ -124,10 +132,8 @@ def test_http_greedy_equals_serve(home, oai) -> None:
 
 
 def test_sse_framing(home) -> None:
-    body = {"model": MODEL, "messages": HI, "max_tokens": 4, "stream": True,
-            "temperature": 0}
-    with httpx.stream("POST", home.url + "/v1/chat/completions", json=body,
-                      timeout=30) as r:
+    body = {"model": MODEL, "messages": HI, "max_tokens": 4, "stream": True, "temperature": 0}
+    with httpx.stream("POST", home.url + "/v1/chat/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
@@ -138,22 +144,44 @@ def test_sse_framing(home) -> None:
         assert json.loads(event[6:])["object"] == "chat.completion.chunk"
 
 
-@pytest.mark.parametrize("method,path,body,status,code", [
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HI, "n": 2}, 400, None),
-    ("POST", "/v1/chat/completions", {"model": "other", "messages": HI}, 404,
-     "model_not_found"),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, None),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HI, "temperature": "x"},
-     400, None),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 250},
-     400, "context_length_exceeded"),
-    ("POST", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": "Paris " * 300}]}, 400,
-     "context_length_exceeded"),
-    ("POST", "/v1/completions", {"model": MODEL}, 400, None),
-    ("GET", "/v1/nothing", None, 404, None),
-    ("GET", "/v1/chat/completions", None, 405, None),
-])
+@pytest.mark.parametrize(
+    "method,path,body,status,code",
+    [
+        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HI, "n": 2}, 400, None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": "other", "messages": HI},
+            404,
+            "model_not_found",
+        ),
+        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, None),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": HI, "temperature": "x"},
+            400,
+            None,
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": HI, "max_tokens": 250},
+            400,
+            "context_length_exceeded",
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "Paris " * 300}]},
+            400,
+            "context_length_exceeded",
+        ),
+        ("POST", "/v1/completions", {"model": MODEL}, 400, None),
+        ("GET", "/v1/nothing", None, 404, None),
+        ("GET", "/v1/chat/completions", None, 405, None),
+    ],
+)
 def test_error_bodies(home, method, path, body, status, code) -> None:
     r = httpx.request(method, home.url + path, json=body, timeout=30)
     assert r.status_code == status, r.text
@@ -166,38 +194,48 @@ def test_error_bodies(home, method, path, body, status, code) -> None:
 def test_bad_json_and_streamed_context_error(home) -> None:
     r = httpx.post(home.url + "/v1/chat/completions", content=b"{nope", timeout=30)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    body = {"model": MODEL, "stream": True,
-            "messages": [{"role": "user", "content": "Paris " * 300}]}
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Paris " * 300}],
+    }
     r = httpx.post(home.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_anthropic_messages(home, oai) -> None:
     client = anthropic.Anthropic(base_url=home.url, api_key="unused", max_retries=0)
-    m = client.messages.create(model=MODEL, max_tokens=6, messages=HI,
-                               extra_body={"temperature": 0})
+    m = client.messages.create(
+        model=MODEL, max_tokens=6, messages=HI, extra_body={"temperature": 0}
+    )
     assert m.type == "message" and m.stop_reason == "max_tokens"
     assert m.usage.output_tokens == 6
     assert m.content[0].text == chat(oai, max_tokens=6).choices[0].message.content
-    with client.messages.stream(model=MODEL, max_tokens=6, messages=HI,
-                                extra_body={"temperature": 0}) as stream:
+    with client.messages.stream(
+        model=MODEL, max_tokens=6, messages=HI, extra_body={"temperature": 0}
+    ) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == m.content[0].text and final.stop_reason == "max_tokens"
     # a stop sequence names itself; with several, the one that ended the text
     whole = m.content[0].text
-    cut = whole[len(whole) // 2:][:2]
+    cut = whole[len(whole) // 2 :][:2]
     assert cut
     for kw in ({}, {"stream": True}):
-        ask = dict(model=MODEL, max_tokens=6, messages=HI, extra_body={"temperature": 0},
-                   stop_sequences=["never appears", cut])
+        ask = dict(
+            model=MODEL,
+            max_tokens=6,
+            messages=HI,
+            extra_body={"temperature": 0},
+            stop_sequences=["never appears", cut],
+        )
         if kw:
             with client.messages.stream(**ask) as stream:
                 s = stream.get_final_message()
         else:
             s = client.messages.create(**ask)
         assert s.stop_reason == "stop_sequence" and s.stop_sequence == cut
-        assert s.content[0].text == whole[:whole.index(cut)]
+        assert s.content[0].text == whole[: whole.index(cut)]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=MODEL, max_tokens=0, messages=HI)
 
@@ -206,9 +244,14 @@ def test_health_metrics_openapi(home, oai) -> None:
     assert httpx.get(home.url + "/health").json()["status"] == "ok"
     chat(oai, max_tokens=2)
     text = httpx.get(home.url + "/metrics").text
-    for name in ("colibri_http_requests_total", "colibri_generated_tokens_total",
-                 "colibri_decode_tokens_per_second", "colibri_expert_hit_rate",
-                 "colibri_expert_bytes_read_total", 'colibri_tier_experts{tier="ram"}'):
+    for name in (
+        "colibri_http_requests_total",
+        "colibri_generated_tokens_total",
+        "colibri_decode_tokens_per_second",
+        "colibri_expert_hit_rate",
+        "colibri_expert_bytes_read_total",
+        'colibri_tier_experts{tier="ram"}',
+    ):
         assert name in text
     assert "/v1/chat/completions" in httpx.get(home.url + "/openapi.json").json()["paths"]
 
@@ -218,8 +261,12 @@ def test_twenty_concurrent_streams(oai) -> None:
 
     def one(prompt: str) -> str:
         stream = oai.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12,
-            temperature=0, stream=True)
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+        )
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     expected = {p: one(p) for p in prompts}

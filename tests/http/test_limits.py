@@ -22,9 +22,18 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def home(chat_model: Path, tmp_path_factory):
     port = free_port()
-    h = Home(tmp_path_factory.mktemp("s"), chat_model, http=str(port), max_queue=1,
-             max_active=1, debug_layer_delay_s=0.01, http_api_key=KEY,
-             http_cors="https://ok.example", http_max_body_bytes=4000, shutdown_grace_s=1.0)
+    h = Home(
+        tmp_path_factory.mktemp("s"),
+        chat_model,
+        http=str(port),
+        max_queue=1,
+        max_active=1,
+        debug_layer_delay_s=0.01,
+        http_api_key=KEY,
+        http_cors="https://ok.example",
+        http_max_body_bytes=4000,
+        shutdown_grace_s=1.0,
+    )
     h.start()
     h.url = f"http://127.0.0.1:{port}"
     h.port = port
@@ -40,20 +49,29 @@ def gauge(home: Home, name: str) -> float:
 
 
 def raw_stream(home: Home, max_tokens: int) -> socket.socket:
-    body = json.dumps({"model": MODEL, "messages": HI, "max_tokens": max_tokens,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"model": MODEL, "messages": HI, "max_tokens": max_tokens, "stream": True}
+    ).encode()
     sock = socket.create_connection(("127.0.0.1", home.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                 b"authorization: Bearer " + KEY.encode() + b"\r\n"
-                 b"content-type: application/json\r\ncontent-length: " +
-                 str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+        b"authorization: Bearer " + KEY.encode() + b"\r\n"
+        b"content-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     return sock
 
 
 def small(home: Home) -> float:
     started = time.monotonic()
-    r = httpx.post(home.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
-        "model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0})
+    r = httpx.post(
+        home.url + "/v1/chat/completions",
+        headers=AUTH,
+        timeout=60,
+        json={"model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     return time.monotonic() - started
 
@@ -77,16 +95,25 @@ def test_full_queue_answers_429(home) -> None:
         assert wait_for(lambda: gauge(home, "colibri_running_requests") == 1, 10)
         queued = raw_stream(home, 5)
         assert wait_for(lambda: gauge(home, "colibri_queued_requests") == 1, 10)
-        r = httpx.post(home.url + "/v1/chat/completions", headers=AUTH, timeout=30,
-                       json={"model": MODEL, "messages": HI, "max_tokens": 2})
+        r = httpx.post(
+            home.url + "/v1/chat/completions",
+            headers=AUTH,
+            timeout=30,
+            json={"model": MODEL, "messages": HI, "max_tokens": 2},
+        )
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["type"] == "rate_limit_error"
     finally:
         running.close()
         if queued is not None:
             queued.close()
-    assert wait_for(lambda: gauge(home, "colibri_running_requests") == 0 and
-                    gauge(home, "colibri_queued_requests") == 0, 10)
+    assert wait_for(
+        lambda: (
+            gauge(home, "colibri_running_requests") == 0
+            and gauge(home, "colibri_queued_requests") == 0
+        ),
+        10,
+    )
 
 
 def test_api_key(home) -> None:
@@ -105,8 +132,7 @@ def test_cors_and_body_limit(home) -> None:
     assert ok.headers["access-control-allow-origin"] == "https://ok.example"
     other = httpx.get(url, headers={**AUTH, "origin": "https://evil.example"})
     assert "access-control-allow-origin" not in other.headers
-    pre = httpx.options(home.url + "/v1/chat/completions",
-                        headers={"origin": "https://ok.example"})
+    pre = httpx.options(home.url + "/v1/chat/completions", headers={"origin": "https://ok.example"})
     assert pre.status_code == 204 and "POST" in pre.headers["access-control-allow-methods"]
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
     r = httpx.post(home.url + "/v1/chat/completions", headers=AUTH, json=big)

@@ -15,8 +15,14 @@ from hypothesis import HealthCheck, given, settings
 @pytest.fixture(scope="module")
 def home(chat_model: Path, tmp_path_factory):
     port = free_port()
-    h = Home(tmp_path_factory.mktemp("f"), chat_model, http=f"127.0.0.1:{port}",
-             max_queue=32, max_active=4, http_max_body_bytes=65536)
+    h = Home(
+        tmp_path_factory.mktemp("f"),
+        chat_model,
+        http=f"127.0.0.1:{port}",
+        max_queue=32,
+        max_active=4,
+        http_max_body_bytes=65536,
+    )
     h.start()
     h.url = f"http://127.0.0.1:{port}"
     yield h
@@ -31,9 +37,11 @@ def test_no_500_no_hang(home) -> None:
     assert len(operations) == 7
 
     for operation in operations:
+
         @given(operation.as_strategy())
-        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
-                  database=None)
+        @settings(
+            max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None
+        )
         def check(case) -> None:
             response = case.call(base_url=home.url, timeout=30)
             assert response.status_code < 500, (case.path, response.text)
@@ -43,6 +51,9 @@ def test_no_500_no_hang(home) -> None:
         check()
     assert httpx.get(home.url + "/health").status_code == 200
     metrics = httpx.get(home.url + "/metrics").text
-    answered = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("colibri_http_requests_total{"))
+    answered = sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("colibri_http_requests_total{")
+    )
     assert answered >= 40  # the cases really went over the wire

@@ -11,9 +11,11 @@ from colibrid.http.parsing import Features, OutputSplitter, parse_tool_calls, sp
 from colibrid.serve.events import Done
 
 BOTH = Features(tools=True, think=True)
-GLM = ("<think>the user wants weather</think>\n\nLet me check. <tool_call>get_weather"
-       "<arg_key>city</arg_key><arg_value>Paris</arg_value>"
-       "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
+GLM = (
+    "<think>the user wants weather</think>\n\nLet me check. <tool_call>get_weather"
+    "<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+    "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+)
 
 
 def by_char(text: str, features: Features):
@@ -21,8 +23,11 @@ def by_char(text: str, features: Features):
     pieces = [p for ch in text for p in splitter.feed(ch)]
     rest, calls = splitter.finish()
     pieces += rest
-    return ("".join(t for k, t in pieces if k == "reasoning"),
-            "".join(t for k, t in pieces if k == "content"), calls)
+    return (
+        "".join(t for k, t in pieces if k == "reasoning"),
+        "".join(t for k, t in pieces if k == "content"),
+        calls,
+    )
 
 
 @pytest.mark.parametrize("split", [split_all, by_char])
@@ -30,8 +35,7 @@ def test_glm_reasoning_and_tool_call(split) -> None:
     reasoning, content, calls = split(GLM, BOTH)
     assert reasoning == "the user wants weather"
     assert content == "Let me check. "
-    assert [(c.name, c.arguments) for c in calls] == [("get_weather",
-                                                      {"city": "Paris", "days": 3})]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
     assert calls[0].arguments_json == '{"city": "Paris", "days": 3}'
 
 
@@ -44,13 +48,16 @@ def test_plain_text_and_near_tags_pass_through(split) -> None:
 
 
 def test_malformed_call_stays_text_and_json_calls_parse() -> None:
-    assert split_all("x <tool_call><oops</tool_call>", BOTH)[1:] == \
-        ("x <tool_call><oops</tool_call>", [])
-    calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a": [1]}}</tool_call>'
-                             "<tool_call>g<arg_key>q</arg_key><arg_value>hi there"
-                             "</arg_value>")
-    assert [(c.name, c.arguments) for c in calls] == [("f", {"a": [1]}),
-                                                      ("g", {"q": "hi there"})]
+    assert split_all("x <tool_call><oops</tool_call>", BOTH)[1:] == (
+        "x <tool_call><oops</tool_call>",
+        [],
+    )
+    calls = parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": {"a": [1]}}</tool_call>'
+        "<tool_call>g<arg_key>q</arg_key><arg_value>hi there"
+        "</arg_value>"
+    )
+    assert [(c.name, c.arguments) for c in calls] == [("f", {"a": [1]}), ("g", {"q": "hi there"})]
 
 
 def test_features_from_template() -> None:
@@ -64,22 +71,41 @@ DONE = Done("stop", 5, 3, 0, 0.1, 0.1, 50.0, 30.0)
 
 def test_chat_plan_messages_tools_and_errors() -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-    body = {"model": "m", "messages": [
-        {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
-        "tools": tools, "stop": "x", "max_tokens": 9, "seed": 3}
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+        "tools": tools,
+        "stop": "x",
+        "max_tokens": 9,
+        "seed": 3,
+    }
     plan = openai.chat_plan(body, features=BOTH, **COMMON)
     msgs = plan.request.messages
     assert msgs[0] == {"role": "system", "content": "be brief"}
     assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert msgs[3]["tool_call_id"] == "c1" and plan.request.tools == tuple(tools)
     assert plan.request.params.stop == ("x",) and plan.request.params.max_tokens == 9
-    for bad, param in (({"n": 3}, "n"), ({"tool_choice": "required"}, "tool_choice"),
-                       ({"temperature": 3}, "temperature"), ({"stop": 5}, "stop")):
+    for bad, param in (
+        ({"n": 3}, "n"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"temperature": 3}, "temperature"),
+        ({"stop": 5}, "stop"),
+    ):
         with pytest.raises(ApiError) as err:
             openai.chat_plan({**body, **bad}, features=BOTH, **COMMON)
         assert err.value.status == 400 and err.value.param == param
@@ -88,9 +114,15 @@ def test_chat_plan_messages_tools_and_errors() -> None:
 
 
 def test_chat_response_with_tool_calls_and_reasoning() -> None:
-    plan = openai.chat_plan({"model": "m", "messages": [{"role": "user", "content": "w?"}],
-                             "tools": [{"type": "function", "function": {"name": "f"}}]},
-                            features=BOTH, **COMMON)
+    plan = openai.chat_plan(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "w?"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        features=BOTH,
+        **COMMON,
+    )
     stream = openai.ChatStream(plan)
     for ch in GLM:
         stream.token(ch)
@@ -102,13 +134,25 @@ def test_chat_response_with_tool_calls_and_reasoning() -> None:
 
 
 def test_anthropic_plan_and_stream_events() -> None:
-    body = {"model": "m", "max_tokens": 5, "system": "sys", "tools": [
-        {"name": "get_weather", "input_schema": {"type": "object"}}], "messages": [
-        {"role": "user", "content": "w?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
-                                           "name": "get_weather", "input": {"c": 1}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                      "content": "sunny"}]}]}
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": "sys",
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "w?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"c": 1}}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}],
+            },
+        ],
+    }
     plan = anthropic.messages_plan(body, features=BOTH, **COMMON)
     roles = [m["role"] for m in plan.request.messages]
     assert roles == ["system", "user", "assistant", "tool"]

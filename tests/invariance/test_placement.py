@@ -23,10 +23,14 @@ from colibrid.store.options import StoreOptions
 from colibrid.store.tiered import TieredStore
 
 CACHES = (1, 2, 8, None)  # None: every expert of a layer fits (cache == n_experts)
-CONFIGS = [dict(cache=c, io_threads=t, direct=d, pilot="off")
-           for c, t, d in itertools.product(CACHES, (4, 0), (True, False))]
-CONFIGS += [dict(cache=c, io_threads=t, direct=True, pilot="on")
-            for c, t in itertools.product(CACHES, (4, 0))]
+CONFIGS = [
+    dict(cache=c, io_threads=t, direct=d, pilot="off")
+    for c, t, d in itertools.product(CACHES, (4, 0), (True, False))
+]
+CONFIGS += [
+    dict(cache=c, io_threads=t, direct=True, pilot="on")
+    for c, t in itertools.product(CACHES, (4, 0))
+]
 
 
 def run(ref: tiny_models.OracleReference, opts: StoreOptions | None) -> tuple[bytes, list[int]]:
@@ -34,8 +38,11 @@ def run(ref: tiny_models.OracleReference, opts: StoreOptions | None) -> tuple[by
     try:
         logits = np.asarray(engine.new_session().prefill(ref.tf_ids, all_logits=True))
         params = SamplingParams(max_tokens=20, temperature=0.0)
-        ids = [e.token_id for e in generate(engine, ref.prompt_ids, params)
-               if isinstance(e, TokenEvent)]
+        ids = [
+            e.token_id
+            for e in generate(engine, ref.prompt_ids, params)
+            if isinstance(e, TokenEvent)
+        ]
         if opts is not None and opts.mode == "tiered":
             assert isinstance(engine.experts, TieredStore)
             st = engine.experts.statistics()
@@ -58,8 +65,14 @@ def check_all(ref: tiny_models.OracleReference, n_experts: int) -> None:
     assert want_ids == ref.greedy_ids
     for cfg in CONFIGS:
         cache = n_experts if cfg["cache"] is None else cfg["cache"]
-        opts = StoreOptions(mode="tiered", cache=cache, io_threads=cfg["io_threads"],
-                            direct=cfg["direct"], pin="off", pilot=cfg["pilot"])
+        opts = StoreOptions(
+            mode="tiered",
+            cache=cache,
+            io_threads=cfg["io_threads"],
+            direct=cfg["direct"],
+            pin="off",
+            pilot=cfg["pilot"],
+        )
         logits, ids = run(ref, opts)
         assert ids == want_ids, cfg
         assert logits == want_logits, cfg
@@ -72,8 +85,7 @@ def test_f32_experts_every_placement_is_identical(oracle_checkpoint, arch: str) 
 
 
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)
-def test_int4_container_experts_every_placement_is_identical(oracle_checkpoint,
-                                                             arch: str) -> None:
+def test_int4_container_experts_every_placement_is_identical(oracle_checkpoint, arch: str) -> None:
     """U8 data and F32 .qs scales sit in different regions of the file: several extents."""
 
     def roundtrip(name: str, w: np.ndarray) -> np.ndarray:
@@ -82,8 +94,7 @@ def test_int4_container_experts_every_placement_is_identical(oracle_checkpoint,
     def as_container(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
         return container_tensors(name, quantize(w, WeightFormat.Q4, 64))
 
-    ref = oracle_checkpoint(arch, "f32", expert_transform=roundtrip,
-                            expert_container=as_container)
+    ref = oracle_checkpoint(arch, "f32", expert_transform=roundtrip, expert_container=as_container)
     check_all(ref, n_experts(ref))
 
 

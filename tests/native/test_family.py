@@ -58,11 +58,15 @@ def test_blocks_equal_per_block_matmuls(kit, isa, fmt_gs, family, nthreads):
     y = kit.native.matmul_blocks(w, x, family)
     assert y.shape == (3, blocks * rows)
     for b in range(blocks):
-        sub = type(w)(w.fmt, (rows, i), w.data[b * rows:(b + 1) * rows],
-                      None if w.scales is None else w.scales[b * rows:(b + 1) * rows],
-                      w.group_size)
+        sub = type(w)(
+            w.fmt,
+            (rows, i),
+            w.data[b * rows : (b + 1) * rows],
+            None if w.scales is None else w.scales[b * rows : (b + 1) * rows],
+            w.group_size,
+        )
         want = kit.native.matmul(sub, np.ascontiguousarray(x[:, b]), family)
-        got = y[:, b * rows:(b + 1) * rows]
+        got = y[:, b * rows : (b + 1) * rows]
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), b
     one = kit.native.matmul_blocks(w, np.ascontiguousarray(x[1]), family)
     assert np.array_equal(one.view(np.uint32), y[1].view(np.uint32))

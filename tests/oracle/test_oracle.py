@@ -48,8 +48,9 @@ QUANT_FORMATS = {"int8": (WeightFormat.Q8, 0), "int4-g64": (WeightFormat.Q4, 64)
 
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)
 @pytest.mark.parametrize("fmt", sorted(QUANT_FORMATS))
-def test_quantised_experts_match_dequantised_reference(oracle_checkpoint, arch: str,
-                                                       fmt: str) -> None:
+def test_quantised_experts_match_dequantised_reference(
+    oracle_checkpoint, arch: str, fmt: str
+) -> None:
     weight_format, group_size = QUANT_FORMATS[fmt]
 
     def roundtrip(name: str, w: np.ndarray) -> np.ndarray:
@@ -58,8 +59,7 @@ def test_quantised_experts_match_dequantised_reference(oracle_checkpoint, arch: 
     def as_container(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
         return container_tensors(name, quantize(w, weight_format, group_size))
 
-    ref = oracle_checkpoint(arch, "f32", expert_transform=roundtrip,
-                            expert_container=as_container)
+    ref = oracle_checkpoint(arch, "f32", expert_transform=roundtrip, expert_container=as_container)
     engine = Engine.load(ref.out_dir)
     try:
         layer = engine.experts.layout.moe_layers[0]

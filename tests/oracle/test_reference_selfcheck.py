@@ -20,9 +20,10 @@ def _tf_logits(model, ids):
 
 def _greedy(model, prompt):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=tm.GEN_LEN, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=tm.GEN_LEN, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _dtypes(folder):
@@ -130,8 +131,16 @@ def test_fp8_files_hold_fp8_blocks(oracle_checkpoint):
             assert s_dt == "F32" and s_shape == (-(-o // 128), -(-i // 128)), n
         assert any(table[n + "_scale_inv"][1] != (1, 1) for n in fp8)  # multi-block weights
         for n, (dt, _) in table.items():
-            if n.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight",
-                           "norm.weight", ".bias", "e_score_correction_bias")):
+            if n.endswith(
+                (
+                    "embed_tokens.weight",
+                    "lm_head.weight",
+                    "mlp.gate.weight",
+                    "norm.weight",
+                    ".bias",
+                    "e_score_correction_bias",
+                )
+            ):
                 assert dt == "F32", (arch, n, dt)
         # scales are small and non-trivial
         with safe_open(str(ref.out_dir / tm.MAIN_SHARD), framework="pt") as fh:
@@ -155,7 +164,8 @@ def test_saved_layout_per_expert(oracle_checkpoint):
                 assert table[p + "down_proj.weight"] == (h, i)
             assert table[f"model.layers.{layer}.mlp.gate.weight"] == (cfg.n_routed_experts, h)
             assert table[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] == (
-                cfg.n_routed_experts,)
+                cfg.n_routed_experts,
+            )
         assert table["model.layers.0.mlp.gate_proj.weight"] == (cfg.intermediate_size, h)
 
 
@@ -169,10 +179,20 @@ def test_mtp_shard(oracle_checkpoint, arch):
     assert not (ref.out_dir / "model.safetensors").exists()
     mtp = {name for name, _, _, f in table if f == tm.MTP_SHARD}
     assert mtp == {k for k in index["weight_map"] if k.startswith(f"model.layers.{n}.")}
-    for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-              "shared_head.head.weight", "embed_tokens.weight", "input_layernorm.weight",
-              "post_attention_layernorm.weight", "mlp.gate.weight", "mlp.experts.0.up_proj.weight",
-              "mlp.shared_experts.down_proj.weight", "self_attn.o_proj.weight"):
+    for k in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "embed_tokens.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate.weight",
+        "mlp.experts.0.up_proj.weight",
+        "mlp.shared_experts.down_proj.weight",
+        "self_attn.o_proj.weight",
+    ):
         assert f"model.layers.{n}.{k}" in mtp, k
     if arch == "glm_moe_dsa":
         assert f"model.layers.{n}.self_attn.indexer.wk.weight" in mtp
@@ -199,12 +219,17 @@ def test_mtp_naming_loads_in_transformers_mtp_model(oracle_checkpoint, arch):
     model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
     mtp = MtpModel.from_pretrained(model)
     with safe_open(str(ref.out_dir / tm.MTP_SHARD), framework="pt") as fh:
-        assert torch.equal(mtp.layers[0].eh_proj.weight,
-                           fh.get_tensor(f"model.layers.{n}.eh_proj.weight"))
-        assert torch.equal(mtp.layers[0].post_norm.weight,
-                           fh.get_tensor(f"model.layers.{n}.shared_head.norm.weight"))
-        assert torch.equal(mtp.layers[0].mtp_block.mlp.experts.down_proj[5],
-                           fh.get_tensor(f"model.layers.{n}.mlp.experts.5.down_proj.weight"))
+        assert torch.equal(
+            mtp.layers[0].eh_proj.weight, fh.get_tensor(f"model.layers.{n}.eh_proj.weight")
+        )
+        assert torch.equal(
+            mtp.layers[0].post_norm.weight,
+            fh.get_tensor(f"model.layers.{n}.shared_head.norm.weight"),
+        )
+        assert torch.equal(
+            mtp.layers[0].mtp_block.mlp.experts.down_proj[5],
+            fh.get_tensor(f"model.layers.{n}.mlp.experts.5.down_proj.weight"),
+        )
 
 
 def test_expert_transform_and_container(oracle_checkpoint):
@@ -215,8 +240,10 @@ def test_expert_transform_and_container(oracle_checkpoint):
         return np.round(w * 8.0) / 8.0
 
     def container(name, w):
-        return {name: np.zeros(w.shape, dtype=np.uint8),
-                name + ".qs": np.ones(w.shape[0], np.float32)}
+        return {
+            name: np.zeros(w.shape, dtype=np.uint8),
+            name + ".qs": np.ones(w.shape[0], np.float32),
+        }
 
     base = oracle_checkpoint("deepseek_v3")
     ref = oracle_checkpoint("deepseek_v3", expert_transform=transform)
@@ -227,8 +254,9 @@ def test_expert_transform_and_container(oracle_checkpoint):
     # the transform reached the reference
     assert np.abs(ref.tf_logits - base.tf_logits).max() > 1e-3
     model = tm.load_reference_model(ref.out_dir)  # stored values are the transformed ones
-    np.testing.assert_allclose(_tf_logits(model, ref.tf_ids).numpy(), ref.tf_logits,
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        _tf_logits(model, ref.tf_ids).numpy(), ref.tf_logits, atol=1e-4, rtol=0
+    )
     assert _greedy(model, ref.prompt_ids) == ref.greedy_ids
 
     both = oracle_checkpoint("deepseek_v3", expert_transform=transform, expert_container=container)

@@ -139,7 +139,9 @@ _ARCH_CONFIG = {
         rms_norm_eps=1e-5,
         # partial_rotary_factor MUST be explicit (leaving it out also means 0.5 in transformers)
         rope_parameters={
-            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
         },
         attention_bias=True,
         use_qk_norm=True,
@@ -261,14 +263,12 @@ def _mtp_tensors(main: dict, config, gen: torch.Generator) -> dict:
     ``shared_head.head``) as the real checkpoints carry them.
     """
     n = config.num_hidden_layers
-    moe_layer = next(
-        i for i in range(n) if f"model.layers.{i}.mlp.gate.weight" in main
-    )
+    moe_layer = next(i for i in range(n) if f"model.layers.{i}.mlp.gate.weight" in main)
     src, dst = f"model.layers.{moe_layer}.", f"model.layers.{n}."
     out = {}
     for k in sorted(main):
         if k.startswith(src):
-            name = dst + k[len(src):]
+            name = dst + k[len(src) :]
             out[name] = _init_tensor(name, tuple(main[k].shape), gen)
     h = config.hidden_size
     out[dst + "enorm.weight"] = _init_tensor("enorm.weight", (h,), gen)
@@ -290,8 +290,14 @@ def is_routed_expert(name: str) -> bool:
 def _fp8_eligible(name: str, t: torch.Tensor) -> bool:
     if t.ndim != 2 or not name.endswith(".weight"):
         return False
-    skip = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "weights_proj.weight",
-            "eh_proj.weight", "shared_head.head.weight")
+    skip = (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "mlp.gate.weight",
+        "weights_proj.weight",
+        "eh_proj.weight",
+        "shared_head.head.weight",
+    )
     return not any(name.endswith(s) for s in skip) and "norm" not in name.rsplit(".", 2)[-2]
 
 
@@ -338,8 +344,11 @@ def _encode(
             if expert_container is not None:
                 for k, v in expert_container(name, w.copy()).items():
                     # a torch tensor is stored as-is (bf16 / fp8 encodings numpy lacks)
-                    stored[k] = v.contiguous() if isinstance(v, torch.Tensor) else \
-                        torch.from_numpy(np.ascontiguousarray(v))
+                    stored[k] = (
+                        v.contiguous()
+                        if isinstance(v, torch.Tensor)
+                        else torch.from_numpy(np.ascontiguousarray(v))
+                    )
             else:
                 stored[name] = effective[name].clone()
             continue
@@ -440,7 +449,8 @@ class _Probe:
             idx = getattr(layer.self_attn, "indexer", None)
             if idx is not None:
                 self.handles.append(
-                    idx.register_forward_hook(self._indexer_hook(idx, cfg), with_kwargs=True))
+                    idx.register_forward_hook(self._indexer_hook(idx, cfg), with_kwargs=True)
+                )
 
     def close(self):
         for h in self.handles:
@@ -455,9 +465,10 @@ class _Probe:
             gs = g.topk(2, dim=-1).values.sum(-1)
             if mod.topk_group < mod.num_group:
                 s = gs.sort(dim=-1, descending=True).values
-                self.group_margin = min(self.group_margin,
-                                        float((s[:, mod.topk_group - 1]
-                                               - s[:, mod.topk_group]).min()))
+                self.group_margin = min(
+                    self.group_margin,
+                    float((s[:, mod.topk_group - 1] - s[:, mod.topk_group]).min()),
+                )
             sel = torch.zeros_like(scores, dtype=torch.bool).scatter(1, topk_idx, True)
             allowed = gs.topk(mod.topk_group, dim=-1).indices
             gmask = torch.zeros_like(gs, dtype=torch.bool).scatter(1, allowed, True)
@@ -466,7 +477,9 @@ class _Probe:
             nxt = scores.masked_fill(sel | ~emask, -math.inf).max(-1).values
             self.router_margin = min(self.router_margin, float((kth - nxt).min()))
             self.routing.setdefault(layer_idx, []).extend(
-                tuple(sorted(r)) for r in topk_idx.tolist())
+                tuple(sorted(r)) for r in topk_idx.tolist()
+            )
+
         return hook
 
     def _indexer_hook(self, mod, cfg):
@@ -491,17 +504,19 @@ class _Probe:
                     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
                         apply_rotary_pos_emb_interleave,
                     )
+
                     _, kr = apply_rotary_pos_emb_interleave(qr, kr, *pos, unsqueeze_dim=2)
                     k = torch.cat([kr, kp], -1).squeeze(2)
                 qr, qp = q.split([m.qk_rope_head_dim, m.head_dim - m.qk_rope_head_dim], -1)
                 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
                     apply_rotary_pos_emb_interleave,
                 )
+
                 qr, _ = apply_rotary_pos_emb_interleave(qr, qr[..., :1, :], *pos, unsqueeze_dim=2)
                 q = torch.cat([qr, qp], -1)
                 sc = q.float() @ k.transpose(-1, -2).float().unsqueeze(1)
                 sc = torch.relu(sc * m.softmax_scale)
-                w = m.weights_proj(hidden.float()).float() * m.n_heads ** -0.5
+                w = m.weights_proj(hidden.float()).float() * m.n_heads**-0.5
                 idx = (w.unsqueeze(-2) @ sc).squeeze(-2)  # [B, S, T]
                 t = idx.shape[-1]
                 if mask.dtype == torch.bool:
@@ -521,6 +536,7 @@ class _Probe:
                     theirs = out.long()
                     for r in rows.nonzero().tolist():
                         assert set(mine[tuple(r)].tolist()) == set(theirs[tuple(r)].tolist())
+
         return hook
 
 
@@ -541,7 +557,7 @@ def _reference(model, prompt_ids, tf_ids):
             )
     finally:
         probe.close()
-    greedy = gen.sequences[0, len(prompt_ids):].tolist()
+    greedy = gen.sequences[0, len(prompt_ids) :].tolist()
     greedy_logits = torch.cat([x.float() for x in gen.logits], 0)
     cfg = model.config
     diag = {
@@ -632,9 +648,13 @@ def build_checkpoint(
         save_file(mtp_stored, str(out_dir / MTP_SHARD), metadata=meta)
         total = sum(t.numel() * t.element_size() for t in (*stored.values(), *mtp_stored.values()))
         weight_map = {k: MAIN_SHARD for k in stored} | {k: MTP_SHARD for k in mtp_stored}
-        index.write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2) + "\n")
+        index.write_text(
+            json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                indent=2,
+            )
+            + "\n"
+        )
     else:
         save_file(stored, str(out_dir / "model.safetensors"), metadata=meta)
 

@@ -50,6 +50,7 @@ def test_payload_with_newlines_and_crlf() -> None:
 
 def test_byte_at_a_time_equals_all_at_once() -> None:
     data = b"SUBMIT a 3\nabc\nSTATUS\nSUBMIT b 2\nxyz\nPING\n"
+
     def key(items: list) -> list:
         return [i.code if isinstance(i, ProtocolError) else i for i in items]
 
@@ -93,21 +94,40 @@ def test_upstream_submit_with_grammar_bytes_is_framed_then_refused() -> None:
     (plain,) = feed_all(b"SUBMIT 9 1 2 4 0.5 0.9\nhi\n")
     req = parse_request(plain)
     assert (req.prompt, req.max_tokens, req.temperature, req.top_p, req.conv) == (
-        "hi", 4, 0.5, 0.9, "slot1")
+        "hi",
+        4,
+        0.5,
+        0.9,
+        "slot1",
+    )
 
 
 texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
 
 
 @settings(max_examples=150, deadline=None)
-@given(prompt=texts, stops=st.lists(texts.filter(bool), max_size=3),
-       max_tokens=st.integers(1, 10**6), temperature=st.floats(0, 5),
-       seed=st.none() | st.integers(0, 2**64 - 1), chat=st.booleans(), chunk=st.integers(1, 7))
+@given(
+    prompt=texts,
+    stops=st.lists(texts.filter(bool), max_size=3),
+    max_tokens=st.integers(1, 10**6),
+    temperature=st.floats(0, 5),
+    seed=st.none() | st.integers(0, 2**64 - 1),
+    chat=st.booleans(),
+    chunk=st.integers(1, 7),
+)
 def test_submit_round_trip(prompt, stops, max_tokens, temperature, seed, chat, chunk) -> None:
     messages = ({"role": "user", "content": prompt},) if chat else None
-    req = Submit("id-1", prompt=None if chat else prompt, messages=messages,
-                 max_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stops),
-                 conv="c1", profile="code")
+    req = Submit(
+        "id-1",
+        prompt=None if chat else prompt,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop=tuple(stops),
+        conv="c1",
+        profile="code",
+    )
     (frame,) = feed_all(encode_submit(req), chunk=chunk)
     back = parse_request(frame)
     assert back.prompt == req.prompt and back.messages == req.messages
@@ -123,7 +143,11 @@ def test_data_and_done_round_trip(text: str) -> None:
     assert parse_response(frames[0]) == Data("r", text)
     back = parse_response(frames[1])
     assert (back.emitted, back.prompt_tokens, back.finish, back.extras["cached"]) == (
-        3, 7, "length", "2")
+        3,
+        7,
+        "length",
+        "2",
+    )
 
 
 @settings(max_examples=300, deadline=None)

@@ -65,9 +65,14 @@ class FakeSession:
         self.tokens: list[int] = []
         self.prefilled = 0  # tokens computed, for KV-reuse tests
 
-    def prefill(self, token_ids: Sequence[int], *, all_logits: bool = False,
-                cancel: threading.Event | None = None,
-                progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        *,
+        all_logits: bool = False,
+        cancel: threading.Event | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> np.ndarray:
         for layer in range(N_LAYERS):
             time.sleep(self.engine.layer_delay_s)
             if cancel is not None and cancel.is_set():
@@ -147,8 +152,9 @@ class InProcessDaemon:
 
 
 @asynccontextmanager
-async def open_daemon(tmp: Path, *, max_queue: int = 16, max_active: int = 4,
-                      layer_delay_s: float = 0.0) -> AsyncIterator[InProcessDaemon]:
+async def open_daemon(
+    tmp: Path, *, max_queue: int = 16, max_active: int = 4, layer_delay_s: float = 0.0
+) -> AsyncIterator[InProcessDaemon]:
     engine = FakeEngine(layer_delay_s=layer_delay_s)
     book = ProfileBook(tmp / "profiles", (N_LAYERS, 4), "test", "default", RecordedPins(), 2)
     host = EngineHost(engine, FakeCodec(), usage=book)  # type: ignore[arg-type]

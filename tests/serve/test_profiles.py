@@ -45,8 +45,7 @@ def test_requests_count_into_their_profile(tmp_path: Path) -> None:
     pins.set_pinned(book.pin_set())
     assert pins.pinned == {(1, 1)}
     book.save_all()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["code.coli_usage",
-                                                           "default.coli_usage"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["code.coli_usage", "default.coli_usage"]
     assert [row["name"] for row in book.listing()] == ["code", "default"]
 
 

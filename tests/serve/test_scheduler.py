@@ -22,11 +22,14 @@ async def test_round_robin_across_clients(tmp_path: Path) -> None:
     async with open_daemon(tmp_path, max_active=1, layer_delay_s=0.01) as daemon:
         started: list[str] = []
         real_start = daemon.state.host.start
-        daemon.state.host.start = lambda job: (started.append(job.request.id),  # type: ignore
-                                               real_start(job))
+        daemon.state.host.start = lambda job: (
+            started.append(job.request.id),  # type: ignore
+            real_start(job),
+        )
         a, b = await daemon.connect(), await daemon.connect()
-        await a.send_all(submit("a1", max_tokens=3) + submit("a2", max_tokens=3)
-                         + submit("a3", max_tokens=3))
+        await a.send_all(
+            submit("a1", max_tokens=3) + submit("a2", max_tokens=3) + submit("a3", max_tokens=3)
+        )
         await trio.sleep(0.01)
         await b.send_all(submit("b1", max_tokens=3))
         ra, rb = LineReader(a), LineReader(b)
@@ -136,8 +139,7 @@ async def test_conversation_reuses_kv(tmp_path: Path) -> None:
         await conn.send_all(submit("t1", "hello world", max_tokens=4, conv="k"))
         await reader.until("DONE t1")
         before = engine.computed
-        await conn.send_all(submit("t2", "hello world" + "efgh" + " more", max_tokens=1,
-                                   conv="k"))
+        await conn.send_all(submit("t2", "hello world" + "efgh" + " more", max_tokens=1, conv="k"))
         done = (await reader.until("DONE t2"))[-1]
         assert "cached=14" in done  # prompt + 3 of the 4 answer tokens were in the KV
         assert engine.computed - before == 20 - 14

@@ -48,7 +48,7 @@ def test_demand_overtakes_background_and_withdrawn_never_completes(tmp_path) -> 
         assert _drain(pool, 3) == [3, 2, 0]
         assert pool.done.empty()
         assert not pool.cancel(0)  # already done: nothing to withdraw
-        assert np.array_equal(arena.slot(3), _data()[3 * ALIGN:])
+        assert np.array_equal(arena.slot(3), _data()[3 * ALIGN :])
     finally:
         pool.close()
         pool.files.close()

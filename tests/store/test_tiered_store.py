@@ -88,8 +88,9 @@ def test_memwatch_shrinks_and_grows_between_tokens(oracle_checkpoint) -> None:
     engine = tiered(ref, cache=16)
     store = engine.experts
     free = [100 * GiB]
-    store.memwatch = MemWatch(low=GiB, band=1, available=lambda: free[0], rss=lambda: 0,
-                              sample_thread=False)
+    store.memwatch = MemWatch(
+        low=GiB, band=1, available=lambda: free[0], rss=lambda: 0, sample_thread=False
+    )
     try:
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
         assert store.cache_per_layer == 16
@@ -125,10 +126,10 @@ def test_memwatch_follows_another_process(oracle_checkpoint) -> None:
     # Margins of 1.5 GiB either way, so other processes on a shared machine moving a few
     # hundred MB cannot decide the outcome; resizes happen between tokens, so generate
     # until the watcher has acted (bounded).
-    store.memwatch = MemWatch(low=mem_available() - int(1.5 * GiB), band=64 << 20,
-                              interval_s=0.05)
-    hog = subprocess.Popen([sys.executable, "-c", HOG, str(3 * GiB)],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    store.memwatch = MemWatch(low=mem_available() - int(1.5 * GiB), band=64 << 20, interval_s=0.05)
+    hog = subprocess.Popen(
+        [sys.executable, "-c", HOG, str(3 * GiB)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     try:
         assert hog.stdout is not None and hog.stdout.readline().strip() == b"held"
         for _ in range(10):
@@ -179,8 +180,7 @@ def test_profile_and_pins_do_not_change_tokens(oracle_checkpoint, tmp_path, pin)
     finally:
         engine.close()
     assert profile.read_text().startswith("-1 ")
-    engine = tiered(ref, cache=2 if pin == "all" else None, ram_gb=4, pin=pin,
-                    profile=str(profile))
+    engine = tiered(ref, cache=2 if pin == "all" else None, ram_gb=4, pin=pin, profile=str(profile))
     try:
         if pin == "all":
             assert engine.experts.pinned

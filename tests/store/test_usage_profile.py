@@ -83,8 +83,7 @@ while True:
 def test_survives_kill_9_at_any_moment(tmp_path: Path) -> None:
     for delay in (0.05, 0.13, 0.31):
         path = tmp_path / f"{delay}" / ".coli_usage"
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)],
-                                stdout=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdout=subprocess.PIPE)
         assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
         deadline = time.monotonic() + 30
         while not path.exists() and time.monotonic() < deadline:  # a busy disk: first save

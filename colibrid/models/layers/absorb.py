@@ -64,20 +64,23 @@ def split_kv_b(w: QuantWeight, heads: int, nope: int, v: int) -> tuple[KeyAbsorb
 
 def _take_rows(w: QuantWeight, rows: np.ndarray) -> QuantWeight:
     scales = None if w.scales is None else np.ascontiguousarray(w.scales[rows])
-    return QuantWeight(w.fmt, (len(rows), w.shape[1]), np.ascontiguousarray(w.data[rows]),
-                       scales, w.group_size)
+    return QuantWeight(
+        w.fmt, (len(rows), w.shape[1]), np.ascontiguousarray(w.data[rows]), scales, w.group_size
+    )
 
 
 def _transpose_keys(wk: QuantWeight, heads: int, nope: int, c: int) -> KeyAbsorb:
     q4 = wk.fmt == WeightFormat.Q4
     codes = unpack_nibbles(wk.data, c).astype(np.int8) if q4 else wk.data  # [H * N, C]
-    t = np.ascontiguousarray(codes.reshape(heads, nope, c).transpose(0, 2, 1)
-                             .reshape(heads * c, nope))
+    t = np.ascontiguousarray(
+        codes.reshape(heads, nope, c).transpose(0, 2, 1).reshape(heads * c, nope)
+    )
     shape = (heads * c, nope)
     if wk.scales is None:  # F32 / BF16: nothing to move onto the query
         return KeyAbsorb(QuantWeight(wk.fmt, shape, t), None, heads, 1)
     scales = wk.scales.reshape(heads, nope, -1)  # one group per row unless grouped Q4
-    weight = QuantWeight(wk.fmt, shape, pack_nibbles(t) if q4 else t,
-                         np.ones(heads * c, dtype=np.float32))
+    weight = QuantWeight(
+        wk.fmt, shape, pack_nibbles(t) if q4 else t, np.ones(heads * c, dtype=np.float32)
+    )
     block_scales = np.ascontiguousarray(scales.transpose(0, 2, 1), dtype=np.float32)
     return KeyAbsorb(weight, block_scales, heads, scales.shape[2])

@@ -42,23 +42,32 @@ class Indexer:
         self.k_norm_w = src.vector(f"{prefix}.k_norm.weight", (s.head_dim,))
         self.k_norm_b = src.vector(f"{prefix}.k_norm.bias", (s.head_dim,))
         self.weights_proj = Linear.load(src, ops, f"{prefix}.weights_proj", s.heads, s.hidden)
-        self.softmax_scale = np.float32(s.head_dim ** -0.5)
-        self.head_scale = np.float32(s.heads ** -0.5)
+        self.softmax_scale = np.float32(s.head_dim**-0.5)
+        self.head_scale = np.float32(s.heads**-0.5)
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {"index_k": (self.shape.head_dim,)}
 
-    def __call__(self, x: np.ndarray, q_resid: np.ndarray, layer: int, cache, step: Step,
-                 rope: tuple[np.ndarray, np.ndarray], allowed: np.ndarray) -> np.ndarray:
+    def __call__(
+        self,
+        x: np.ndarray,
+        q_resid: np.ndarray,
+        layer: int,
+        cache,
+        step: Step,
+        rope: tuple[np.ndarray, np.ndarray],
+        allowed: np.ndarray,
+    ) -> np.ndarray:
         """bool [S, T]: the keys each new row keeps (before the causal mask is applied)."""
         s = self.shape
         rows = x.shape[0]
         cos, sin = rope
         q = self.wq_b(q_resid, step.family).reshape(rows, s.heads, s.head_dim)
-        q = np.concatenate([apply_interleave(q[..., :s.rope], cos, sin), q[..., s.rope:]], -1)
+        q = np.concatenate([apply_interleave(q[..., : s.rope], cos, sin), q[..., s.rope :]], -1)
         k = layer_norm(self.wk(x, step.family), self.k_norm_w, self.k_norm_b, INDEX_NORM_EPS)
-        k = np.concatenate([apply_interleave(k[:, None, :s.rope], cos, sin)[:, 0],
-                            k[:, s.rope:]], axis=-1)
+        k = np.concatenate(
+            [apply_interleave(k[:, None, : s.rope], cos, sin)[:, 0], k[:, s.rope :]], axis=-1
+        )
         keys = cache.write(layer, "index_k", k)  # [T, Di]
         scores = np.matmul(q, keys.T) * self.softmax_scale  # [S, Hi, T]
         np.maximum(scores, 0, out=scores)

@@ -31,26 +31,37 @@ class GQAAttention:
     def __init__(self, src: WeightSource, ops: Ops, prefix: str, shape: GQAShape) -> None:
         s = shape
         self.shape = s
-        self.q_proj = Linear.load(src, ops, f"{prefix}.q_proj", s.heads * s.head_dim, s.hidden,
-                                  bias=s.bias)
-        self.k_proj = Linear.load(src, ops, f"{prefix}.k_proj", s.kv_heads * s.head_dim,
-                                  s.hidden, bias=s.bias)
-        self.v_proj = Linear.load(src, ops, f"{prefix}.v_proj", s.kv_heads * s.head_dim,
-                                  s.hidden, bias=s.bias)
+        self.q_proj = Linear.load(
+            src, ops, f"{prefix}.q_proj", s.heads * s.head_dim, s.hidden, bias=s.bias
+        )
+        self.k_proj = Linear.load(
+            src, ops, f"{prefix}.k_proj", s.kv_heads * s.head_dim, s.hidden, bias=s.bias
+        )
+        self.v_proj = Linear.load(
+            src, ops, f"{prefix}.v_proj", s.kv_heads * s.head_dim, s.hidden, bias=s.bias
+        )
         self.o_proj = Linear.load(src, ops, f"{prefix}.o_proj", s.hidden, s.heads * s.head_dim)
         self.q_norm = self.k_norm = None
         if s.qk_norm:
             self.q_norm = src.vector(f"{prefix}.q_norm.weight", (s.head_dim,))
             self.k_norm = src.vector(f"{prefix}.k_norm.weight", (s.head_dim,))
-        self.scale = np.float32(s.head_dim ** -0.5)
+        self.scale = np.float32(s.head_dim**-0.5)
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
-        return {"k": (self.shape.kv_heads, self.shape.head_dim),
-                "v": (self.shape.kv_heads, self.shape.head_dim)}
+        return {
+            "k": (self.shape.kv_heads, self.shape.head_dim),
+            "v": (self.shape.kv_heads, self.shape.head_dim),
+        }
 
-    def __call__(self, x: np.ndarray, layer: int, cache, step: Step,
-                 rope: tuple[np.ndarray, np.ndarray],
-                 selection: np.ndarray | None = None) -> tuple[np.ndarray, None]:
+    def __call__(
+        self,
+        x: np.ndarray,
+        layer: int,
+        cache,
+        step: Step,
+        rope: tuple[np.ndarray, np.ndarray],
+        selection: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, None]:
         """Returns the attention output [S, D]; GQA has no sparse key selection."""
         s = self.shape
         rows = x.shape[0]

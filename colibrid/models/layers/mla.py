@@ -57,42 +57,58 @@ def softmax_scale(shape: MLAShape, rope_params: dict[str, Any]) -> float:
 
 
 class MLAAttention:
-    def __init__(self, src: WeightSource, ops: Ops, prefix: str, shape: MLAShape,
-                 scale: float, indexer: Indexer | None = None) -> None:
+    def __init__(
+        self,
+        src: WeightSource,
+        ops: Ops,
+        prefix: str,
+        shape: MLAShape,
+        scale: float,
+        indexer: Indexer | None = None,
+    ) -> None:
         s = shape
         self.shape = s
         qk = s.nope + s.rope
         if s.q_lora_rank is None:
             self.q_proj = Linear.load(src, ops, f"{prefix}.q_proj", s.heads * qk, s.hidden)
         else:
-            self.q_a_proj = Linear.load(src, ops, f"{prefix}.q_a_proj", s.q_lora_rank, s.hidden,
-                                        bias=s.bias)
+            self.q_a_proj = Linear.load(
+                src, ops, f"{prefix}.q_a_proj", s.q_lora_rank, s.hidden, bias=s.bias
+            )
             self.q_a_norm = src.vector(f"{prefix}.q_a_layernorm.weight", (s.q_lora_rank,))
-            self.q_b_proj = Linear.load(src, ops, f"{prefix}.q_b_proj", s.heads * qk,
-                                        s.q_lora_rank)
-        self.kv_a_proj = Linear.load(src, ops, f"{prefix}.kv_a_proj_with_mqa",
-                                     s.kv_lora_rank + s.rope, s.hidden, bias=s.bias)
+            self.q_b_proj = Linear.load(src, ops, f"{prefix}.q_b_proj", s.heads * qk, s.q_lora_rank)
+        self.kv_a_proj = Linear.load(
+            src, ops, f"{prefix}.kv_a_proj_with_mqa", s.kv_lora_rank + s.rope, s.hidden, bias=s.bias
+        )
         self.kv_a_norm = src.vector(f"{prefix}.kv_a_layernorm.weight", (s.kv_lora_rank,))
-        kv_b = src.weight(f"{prefix}.kv_b_proj.weight", (s.heads * (s.nope + s.v),
-                                                         s.kv_lora_rank))
+        kv_b = src.weight(f"{prefix}.kv_b_proj.weight", (s.heads * (s.nope + s.v), s.kv_lora_rank))
         self.absorb_k, self.w_v = split_kv_b(kv_b, s.heads, s.nope, s.v)  # W_v: [H * V, C]
         self.ops = ops
-        self.o_proj = Linear.load(src, ops, f"{prefix}.o_proj", s.hidden, s.heads * s.v,
-                                  bias=s.bias)
+        self.o_proj = Linear.load(
+            src, ops, f"{prefix}.o_proj", s.hidden, s.heads * s.v, bias=s.bias
+        )
         self.scale = np.float32(scale)
         self.indexer = indexer
         self._rotate = apply_interleave if s.interleave else _apply_half_full
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
-        layout: dict[str, tuple[int, ...]] = {"latent": (self.shape.kv_lora_rank,),
-                                              "k_rope": (self.shape.rope,)}
+        layout: dict[str, tuple[int, ...]] = {
+            "latent": (self.shape.kv_lora_rank,),
+            "k_rope": (self.shape.rope,),
+        }
         if self.indexer is not None:
             layout.update(self.indexer.cache_layout())
         return layout
 
-    def __call__(self, x: np.ndarray, layer: int, cache, step: Step,
-                 rope: tuple[np.ndarray, np.ndarray],
-                 selection: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(
+        self,
+        x: np.ndarray,
+        layer: int,
+        cache,
+        step: Step,
+        rope: tuple[np.ndarray, np.ndarray],
+        selection: np.ndarray | None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Returns the attention output [S, D] and the DSA key selection [S, T] (or None)."""
         s = self.shape
         rows = x.shape[0]
@@ -105,11 +121,11 @@ class MLAAttention:
             q = self.q_b_proj(q_resid, family)
         q = q.reshape(rows, s.heads, s.nope + s.rope)
         cos, sin = rope
-        q_nope = q[..., :s.nope]  # [S, H, N]
-        q_rope = self._rotate(q[..., s.nope:], cos, sin)  # [S, H, R]
+        q_nope = q[..., : s.nope]  # [S, H, N]
+        q_rope = self._rotate(q[..., s.nope :], cos, sin)  # [S, H, R]
         kv = self.kv_a_proj(x, family)  # [S, C + R]
-        latent = rms_norm(kv[:, :s.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
-        k_rope = self._rotate(kv[:, None, s.kv_lora_rank:], cos, sin)[:, 0, :]  # [S, R]
+        latent = rms_norm(kv[:, : s.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
+        k_rope = self._rotate(kv[:, None, s.kv_lora_rank :], cos, sin)[:, 0, :]  # [S, R]
         latents = cache.write(layer, "latent", latent)  # [T, C]
         rope_keys = cache.write(layer, "k_rope", k_rope)  # [T, R]
         allowed = causal_mask(step.start, rows, latents.shape[0])  # [S, T]
@@ -124,8 +140,9 @@ class MLAAttention:
         scores *= self.scale
         probs = masked_softmax(scores, allowed)  # [H, S, T]
         o_latent = np.matmul(probs, latents)  # [H, S, C]
-        out = self.ops.matmul_blocks(self.w_v, np.ascontiguousarray(o_latent.transpose(1, 0, 2)),
-                                     family)  # [S, H * V]
+        out = self.ops.matmul_blocks(
+            self.w_v, np.ascontiguousarray(o_latent.transpose(1, 0, 2)), family
+        )  # [S, H * V]
         return self.o_proj(out, family), selection
 
 

@@ -24,8 +24,9 @@ from colibrid.models.layers.router import Route, Router
 
 
 class MoE:
-    def __init__(self, layer: int, router: Router, experts: ExpertSource, ops: Ops,
-                 shared: MLP | None) -> None:
+    def __init__(
+        self, layer: int, router: Router, experts: ExpertSource, ops: Ops, shared: MLP | None
+    ) -> None:
         self.layer = layer
         self.router = router
         self.experts = experts
@@ -50,8 +51,9 @@ class MoE:
             return ready(self.layer, union)
         return zip(union, self.experts.get_many(self.layer, union), strict=True)
 
-    def combine(self, x: np.ndarray, route: Route, pairs: Iterable[tuple[int, Any]],
-                family: KernelFamily) -> np.ndarray:
+    def combine(
+        self, x: np.ndarray, route: Route, pairs: Iterable[tuple[int, Any]], family: KernelFamily
+    ) -> np.ndarray:
         """Apply each expert as it arrives; sum per row in ascending expert order."""
         rows, top_k = route.experts.shape
         # Each (row, slot) writes straight to its expert's rank within the row, so summing
@@ -62,8 +64,9 @@ class MoE:
         ordered = np.zeros((rows, top_k, x.shape[1]), dtype=np.float32)  # [S, rank, D]
         for expert, w in pairs:
             row_idx, slot_idx = np.nonzero(route.experts == expert)
-            y = self.ops.expert_swiglu(w.gate, w.up, w.down, np.ascontiguousarray(x[row_idx]),
-                                       family)  # [n, D]
+            y = self.ops.expert_swiglu(
+                w.gate, w.up, w.down, np.ascontiguousarray(x[row_idx]), family
+            )  # [n, D]
             y *= route.gates[row_idx, slot_idx][:, None]
             ordered[row_idx, rank[row_idx, slot_idx]] = y
         out = np.zeros((rows, x.shape[1]), dtype=np.float32)

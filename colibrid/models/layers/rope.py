@@ -33,11 +33,13 @@ class Rotary:
         inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
         self.attention_factor = 1.0
         if rope_type == "yarn":
-            inv_freq, self.attention_factor = _yarn(inv_freq, dim, float(theta), params,
-                                                    max_positions)
+            inv_freq, self.attention_factor = _yarn(
+                inv_freq, dim, float(theta), params, max_positions
+            )
         elif rope_type != "default":
-            raise ConfigError(f"config.json: rope type {rope_type!r} is not supported "
-                              "(supported: default, yarn)")
+            raise ConfigError(
+                f"config.json: rope type {rope_type!r} is not supported (supported: default, yarn)"
+            )
         self.inv_freq = inv_freq
 
     def tables(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -57,11 +59,11 @@ def apply_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     c = cos[:, None, :]
     s = sin[:, None, :]
     x1 = x[..., :half]
-    x2 = x[..., half:2 * half]
+    x2 = x[..., half : 2 * half]
     out = np.empty_like(x)
     out[..., :half] = x1 * c - x2 * s
-    out[..., half:2 * half] = x2 * c + x1 * s
-    out[..., 2 * half:] = x[..., 2 * half:]
+    out[..., half : 2 * half] = x2 * c + x1 * s
+    out[..., 2 * half :] = x[..., 2 * half :]
     return out
 
 
@@ -74,8 +76,9 @@ def apply_interleave(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndar
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def _yarn(inv_freq: np.ndarray, dim: int, theta: float, params: dict[str, Any],
-          max_positions: int) -> tuple[np.ndarray, float]:
+def _yarn(
+    inv_freq: np.ndarray, dim: int, theta: float, params: dict[str, Any], max_positions: int
+) -> tuple[np.ndarray, float]:
     """YaRN frequency blend (as transformers' `_compute_yarn_parameters`)."""
     try:
         factor = float(params.get("factor") or 1.0)
@@ -113,7 +116,7 @@ def _yarn(inv_freq: np.ndarray, dim: int, theta: float, params: dict[str, Any],
     ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
     ramp = np.clip(ramp, 0, 1).astype(np.float32)
     extrapolation = (1 - ramp).astype(np.float32)
-    pos_freqs = (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
     interpolation = (1.0 / (np.float32(factor) * pos_freqs)).astype(np.float32)
     extrap = (1.0 / pos_freqs).astype(np.float32)
     blended = interpolation * (1 - extrapolation) + extrap * extrapolation

@@ -25,8 +25,17 @@ class Route:
 
 
 class Router:
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, *, top_k: int, n_group: int,
-                 topk_group: int, norm_topk_prob: bool, scaling: float) -> None:
+    def __init__(
+        self,
+        weight: np.ndarray,
+        bias: np.ndarray | None,
+        *,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        scaling: float,
+    ) -> None:
         self.weight = weight  # f32 [E, D]
         self.bias = bias  # f32 [E] or None
         self.top_k = top_k
@@ -56,8 +65,7 @@ class Router:
         """The ``n`` best experts per row by the selection score, best first [S, n]: the
         top-k that `route` picks, then the runners-up (PILOT's ranked guesses)."""
         choice = self._selection(self.scores(h))
-        return _top_indices(np.where(np.isfinite(choice), choice, -np.inf),
-                            min(n, self.n_experts))
+        return _top_indices(np.where(np.isfinite(choice), choice, -np.inf), min(n, self.n_experts))
 
     def _selection(self, scores: np.ndarray) -> np.ndarray:
         """Scores as selection sees them: bias added, losing groups masked to -inf."""

@@ -34,8 +34,9 @@ def make_policy(name: str) -> Policy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})") \
-            from None
+        raise ValueError(
+            f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})"
+        ) from None
 
 
 def simulate(policy: Policy, accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, int]:

@@ -33,8 +33,9 @@ def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
                 candidates = [k for k in cached if k not in need]
                 if not candidates:
                     continue
-                victim = max(candidates,
-                             key=lambda k: future[k][-1] if future[k] else len(steps) + 1)
+                victim = max(
+                    candidates, key=lambda k: future[k][-1] if future[k] else len(steps) + 1
+                )
                 nxt_new = future[key][-1] if future[key] else len(steps) + 1
                 nxt_victim = future[victim][-1] if future[victim] else len(steps) + 1
                 if nxt_new >= nxt_victim:
