@@ -31,9 +31,7 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
-        return cls(
-            **read_mla_fields(ConfigReader(config, ARCH), default_dense=3, interleave_default=True)
-        )
+        return cls(**read_mla_fields(ConfigReader(config, ARCH), default_dense=3, interleave=None))
 
     def attention_at(self, src: WeightSource, ops: Ops, layer: int) -> MLAAttention:
         return MLAAttention(
@@ -50,9 +48,14 @@ class ModelArgs:
 
 
 def read_mla_fields(
-    r: ConfigReader, *, default_dense: int, interleave_default: bool
+    r: ConfigReader, *, default_dense: int, interleave: bool | None
 ) -> dict[str, Any]:
+    """Trunk, MoE and MLA fields. `interleave=None` reads `rope_interleave` (default True) as
+    transformers' DeepSeek-V3 does; a bool fixes the RoPE layout whatever the config says
+    (GLM-5: transformers' glm_moe_dsa always interleaves and ignores `rope_interleave`)."""
     trunk = read_trunk(r)
+    if interleave is None:
+        interleave = r.bool("rope_interleave", True)
     q_lora = r.optional_int("q_lora_rank")
     attention = MLAShape(
         hidden=trunk.hidden_size,
@@ -63,7 +66,7 @@ def read_mla_fields(
         rope=r.int("qk_rope_head_dim"),
         v=r.int("v_head_dim"),
         bias=r.bool("attention_bias", False),
-        interleave=r.bool("rope_interleave", interleave_default),
+        interleave=interleave,
     )
     if attention.rope % 2:
         raise r._fail("qk_rope_head_dim", "must be even")

@@ -25,7 +25,8 @@ class ModelArgs(deepseek_v3.ModelArgs):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
         r = ConfigReader(config, ARCH)
-        fields = deepseek_v3.read_mla_fields(r, default_dense=3, interleave_default=True)
+        # always interleaved: a `rope_interleave` key is ignored, as transformers ignores it
+        fields = deepseek_v3.read_mla_fields(r, default_dense=3, interleave=True)
         trunk: TrunkArgs = fields["trunk"]
         attention: MLAShape = fields["attention"]
         if attention.q_lora_rank is None:

@@ -5,7 +5,11 @@ the reference), saved in the real Hugging Face layout, and a float32 reference i
 exactly the values stored in the folder:
 
 * ``greedy_ids``: ``model.generate(prompt_ids, max_new_tokens=20, do_sample=False)`` (new tokens);
-* ``tf_pred``: the argmax of one forward over the fixed 32-token sequence ``tf_ids``.
+* ``tf_pred``: the argmax of one forward over the fixed 32-token sequence ``tf_ids`` (with
+  ``tf_len=None``: over the prompt followed by the greedy continuation, as the config sweep uses).
+
+The GLM-5 reference keeps transformers' DSA arithmetic but pins its top-k tie rule to the
+engine's (earlier position wins; ``pin_dsa_ties``), because torch leaves it unspecified.
 
 Plain module (no pytest imports) so engine tests and scripts can import it. Usage::
 
@@ -59,6 +63,7 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
 ARCHS = ("glm_moe_dsa", "glm4_moe", "deepseek_v3")
 DTYPES = ("f32", "bf16", "fp8")
@@ -77,6 +82,15 @@ INDEX_FILE = "model.safetensors.index.json"
 # some seeds give EXACT ties in the DSA index scores (e.g. glm_moe_dsa seeds 6, 7, 8), where the
 # selection is implementation-defined.
 DEFAULT_SEEDS = {"glm_moe_dsa": 9, "glm4_moe": 3, "deepseek_v3": 12}
+
+# Exact ties in the DSA index scores are common on tiny models: a key every index head scores
+# below zero gets exactly 0 after the ReLU, so with few index heads several keys tie at 0. Which
+# tied key `torch.topk` keeps is unspecified, and on CPU it depends on the row length, so
+# transformers' cached decode (rows of t keys) and its uncached forward (rows of T keys, the
+# future masked) pick differently (colibrid/models/NUMERICS.md has a reproduction). The
+# reference therefore pins the tie rule the engine follows: among equal index scores the earlier
+# position wins. Without exact ties this changes nothing (the diagnostics count the tied rows:
+# "dsa_tied_rows").
 
 ExpertTransform = Callable[[str, np.ndarray], np.ndarray]
 ExpertContainer = Callable[[str, np.ndarray], dict]
@@ -169,7 +183,7 @@ def tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
     if arch not in _CLASSES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     kwargs = {**_COMMON, **_ARCH_CONFIG[arch], **overrides}
-    if arch == "glm_moe_dsa" and "indexer_types" in kwargs:
+    if arch == "glm_moe_dsa" and kwargs.get("indexer_types") is not None:
         n = kwargs["num_hidden_layers"]
         kwargs["indexer_types"] = list(kwargs["indexer_types"])[:n] + ["full"] * max(
             0, n - len(kwargs["indexer_types"])
@@ -425,6 +439,48 @@ def load_reference_model_any(folder: Path, config=None):
         return load_reference_model(Path(tmp), config)
 
 
+def stable_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """``torch.topk`` with ties to the lower index: a stable sort, cut after ``k``."""
+    order = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk(
+        (order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k))
+    )
+
+
+class _StableTopkMode(TorchFunctionMode):
+    """Routes ``torch.topk`` / ``Tensor.topk`` to ``stable_topk`` while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.topk or func is torch.Tensor.topk:
+            return stable_topk(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _under_stable_topk(forward):
+    def pinned(*args, **kwargs):
+        with _StableTopkMode():
+            return forward(*args, **kwargs)
+
+    return pinned
+
+
+def pin_dsa_ties(model) -> bool:
+    """Pin the DSA top-k tie rule of a transformers GLM-5 model to "the earlier position wins"
+    (see the note at DEFAULT_SEEDS). Only the indexer's own top-k is affected: its scores are
+    computed by transformers' code unchanged. Returns whether the model has an indexer."""
+    found = False
+    for layer in model.model.layers:
+        indexer = getattr(layer.self_attn, "indexer", None)
+        if indexer is None:
+            continue
+        found = True
+        if not getattr(indexer, "_ties_pinned", False):
+            indexer.forward = _under_stable_topk(indexer.forward)
+            indexer._ties_pinned = True
+    return found
+
+
 def _top2_gap(logits: torch.Tensor) -> float:
     top = logits.float().topk(2, dim=-1).values
     return float((top[..., 0] - top[..., 1]).min())
@@ -433,8 +489,10 @@ def _top2_gap(logits: torch.Tensor) -> float:
 class _Probe:
     """Forward hooks recording routing and DSA selection margins (diagnostics only)."""
 
-    def __init__(self, model):
+    def __init__(self, model, ties_pinned: bool = False):
         self.model = model
+        self.ties_pinned = ties_pinned
+        self.dsa_tied_rows = 0
         self.handles = []
         self.routing: dict[int, list] = {}
         self.router_margin = math.inf
@@ -531,33 +589,44 @@ class _Probe:
                     gap = srt[..., m.index_topk - 1] - srt[..., m.index_topk]
                     self.dsa_margin = min(self.dsa_margin, float(gap[rows].min()))
                     self.dsa_rows_selecting += int(rows.sum())
-                    # my re-derivation must select exactly what transformers selected
-                    mine = idx.masked_fill(~valid, -math.inf).topk(min(m.index_topk, t), -1).indices
+                    tied = rows & (gap == 0)
+                    self.dsa_tied_rows += int(tied.sum())
+                    # my re-derivation must select exactly what transformers selected (on a
+                    # tied row only when the tie rule is pinned: torch's own is unspecified)
+                    scores = idx.masked_fill(~valid, -math.inf)
+                    mine = stable_topk(scores, min(m.index_topk, t), -1).indices
                     theirs = out.long()
-                    for r in rows.nonzero().tolist():
+                    check = rows if self.ties_pinned else rows & ~tied
+                    for r in check.nonzero().tolist():
                         assert set(mine[tuple(r)].tolist()) == set(theirs[tuple(r)].tolist())
 
         return hook
 
 
-def _reference(model, prompt_ids, tf_ids):
-    probe = _Probe(model)
+def _reference(model, prompt_ids, tf_ids, *, gen_len=GEN_LEN, pin_ties=True):
+    """(tf_logits, greedy, greedy_logits, diagnostics, tf_ids); ``tf_ids=None`` teacher-forces
+    the prompt followed by the greedy continuation but its last token."""
+    pinned = pin_ties and pin_dsa_ties(model)
+    probe = _Probe(model, ties_pinned=pinned)
     try:
         with torch.no_grad():
-            out = model(torch.tensor([tf_ids]))
-            tf_logits = out.logits[0].float()
-            routing_tf = {k: list(v) for k, v in probe.routing.items()}
             gen = model.generate(
                 torch.tensor([prompt_ids]),
-                max_new_tokens=GEN_LEN,
+                max_new_tokens=gen_len,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,
                 pad_token_id=0,
             )
+            greedy = gen.sequences[0, len(prompt_ids) :].tolist()
+            if tf_ids is None:
+                tf_ids = list(prompt_ids) + greedy[:-1]
+            probe.routing.clear()
+            out = model(torch.tensor([tf_ids]), use_cache=False)
+            tf_logits = out.logits[0].float()
+            routing_tf = {k: list(v) for k, v in probe.routing.items()}
     finally:
         probe.close()
-    greedy = gen.sequences[0, len(prompt_ids) :].tolist()
     greedy_logits = torch.cat([x.float() for x in gen.logits], 0)
     cfg = model.config
     diag = {
@@ -570,7 +639,9 @@ def _reference(model, prompt_ids, tf_ids):
     if cfg.model_type == "glm_moe_dsa":
         diag["dsa_min_topk_gap"] = probe.dsa_margin
         diag["dsa_rows_selecting"] = probe.dsa_rows_selecting
-    return tf_logits, greedy, greedy_logits, diag
+        diag["dsa_tied_rows"] = probe.dsa_tied_rows
+        diag["dsa_ties_pinned"] = pinned
+    return tf_logits, greedy, greedy_logits, diag, tf_ids
 
 
 def build_checkpoint(
@@ -583,10 +654,17 @@ def build_checkpoint(
     expert_container: ExpertContainer | None = None,
     with_mtp: bool = True,
     config_overrides: dict | None = None,
+    prompt_len: int = PROMPT_LEN,
+    tf_len: int | None = TF_LEN,
+    gen_len: int = GEN_LEN,
+    pin_ties: bool = True,
 ) -> OracleReference:
     """Build the tiny ``arch`` checkpoint into ``out_dir`` and compute its float32 reference.
 
     ``seed=None`` uses ``DEFAULT_SEEDS[arch]``. ``config_overrides`` go to ``tiny_config``.
+    ``tf_len=None`` teacher-forces the prompt plus the greedy continuation (the config sweep)
+    instead of a separate random sequence. ``pin_ties`` pins the DSA top-k tie rule (see the
+    note at DEFAULT_SEEDS); ``False`` is transformers exactly as shipped.
     """
     if seed is None:
         seed = DEFAULT_SEEDS[arch]
@@ -602,8 +680,8 @@ def build_checkpoint(
     model = cls(config).eval()
     _init_model(model, seed)
     rng = np.random.default_rng(seed)
-    prompt_ids = rng.integers(2, config.vocab_size, PROMPT_LEN).tolist()
-    tf_ids = rng.integers(2, config.vocab_size, TF_LEN).tolist()
+    prompt_ids = rng.integers(2, config.vocab_size, prompt_len).tolist()
+    tf_ids = None if tf_len is None else rng.integers(2, config.vocab_size, tf_len).tolist()
 
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp) / "stage"
@@ -623,7 +701,9 @@ def build_checkpoint(
         shutil.copy(stage / "config.json", eff_dir / "config.json")
         save_file(effective, str(eff_dir / "model.safetensors"), metadata={"format": "pt"})
         ref_model = load_reference_model(eff_dir)
-        tf_logits, greedy, greedy_logits, diag = _reference(ref_model, prompt_ids, tf_ids)
+        tf_logits, greedy, greedy_logits, diag, tf_ids = _reference(
+            ref_model, prompt_ids, tf_ids, gen_len=gen_len, pin_ties=pin_ties
+        )
 
         for f in out_dir.glob("*.safetensors"):
             f.unlink()

@@ -4,8 +4,15 @@ Per "full" layer: index queries from the q-LoRA residual (`wq_b`), one index key
 (`wk`, then LayerNorm), interleaved RoPE on the first R dims of both, and a score per key
     score(t) = sum_h w_h * ReLU(q_h . k_t / sqrt(d_idx)),   w = weights_proj(x) / sqrt(H_idx)
 Each query keeps its `index_topk` best causal keys; below that many keys it keeps all of
-them, which is exactly dense attention. Ties go to the earlier position. "Shared" layers
-reuse the selection of the previous full layer.
+them, which is exactly dense attention. "Shared" layers reuse the selection of the previous
+full layer. colibrid/models/NUMERICS.md walks through it with the shapes.
+
+Ties go to the earlier position, and this is a choice, not a detail: a key that every index
+head scores below zero scores exactly 0 after the ReLU, so ties at the top-k cut are common
+(few index heads, a negative head weight). `torch.topk` leaves the tie order unspecified and on
+CPU it depends on the row length, so transformers' cached decode and its full forward pick
+different tied keys (issue 13). A rule that looks only at (score, position) makes a row's
+selection independent of how many later keys exist, which keeps decode equal to prefill.
 
 Shape legend: S new rows, T cached keys, Hi index heads, Di index head dim, R rope dims.
 """
@@ -77,7 +84,8 @@ class Indexer:
 
 
 def select_top_keys(index_scores: np.ndarray, allowed: np.ndarray, topk: int) -> np.ndarray:
-    """bool [S, T]: per row the `topk` best allowed keys (all of them when fewer)."""
+    """bool [S, T]: per row the `topk` best allowed keys (all of them when fewer); among equal
+    scores the earlier position wins (a stable sort), whatever the row's length."""
     keep = allowed.copy()
     counts = allowed.sum(axis=1)
     for row in np.nonzero(counts > topk)[0]:
