@@ -227,9 +227,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     stats = event.stats.as_line(verbose=args.verbose)
     print(f"colibri: {stats}, finish={event.finish_reason}", file=sys.stderr)
-    store_stats = getattr(engine.experts, "statistics", None)
-    if args.verbose and store_stats is not None:
-        for line in store_stats().lines():
+    if args.verbose:
+        for line in engine.experts.statistics().lines():
             print(f"colibri: {line}", file=sys.stderr)
     engine.close()
     return 0

@@ -36,7 +36,7 @@ class Settings:
     max_context: int | None = None  # context length (default: the engine's)
     shutdown_grace_s: float = 10.0  # how long `stop` lets running requests finish
     profile: str = "default"  # active usage profile at start
-    pin_fraction: float = 0.25  # share of all experts pinned from the active profile
+    pin: str = "auto"  # pins from the active profile: auto (AUTOPIN) | all | off
     profile_save_s: float = 60.0  # how often usage profiles are saved while serving
     http: str | None = None  # HTTP API: "HOST:PORT" or "PORT" (on 127.0.0.1); off if unset
     http_api_key: str | None = None  # bearer key the HTTP API requires (needed off loopback)
@@ -77,7 +77,8 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
 def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
     """The expert placement the settings ask for; any placement key selects the tiered
     store (so a knob is never silently ignored), none keeps the automatic choice. Pins
-    follow the active usage profile (the daemon's profile book), so AUTOPIN is off here."""
+    follow the active usage profile (the daemon's profile book) by the store's one pin rule;
+    the profile file itself is the book's to read and write, not the store's."""
     from colibrid.store.options import StoreOptions
 
     given = {
@@ -87,7 +88,7 @@ def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
     }
     try:
         return StoreOptions(
-            mode="tiered" if given else "auto", pin="off", save_profile=False, **given
+            mode="tiered" if given else "auto", pin=settings.pin, save_profile=False, **given
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -42,6 +42,13 @@ def configure_daemon(p: argparse.ArgumentParser) -> None:
         help="experts per layer in the RAM cache (overrides the budget)",
     )
     p.add_argument(
+        "--pin",
+        choices=("auto", "all", "off"),
+        help="pins from the active profile: auto (AUTOPIN, the default: none below 5,000 "
+        "recorded selections, then more as the profile grows), all (as many used experts as "
+        "the budget holds), off",
+    )
+    p.add_argument(
         "--pilot",
         choices=("on", "off", "auto"),
         help="lookahead prefetch (auto: on when experts stream from disk)",
@@ -110,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             ram_gb=args.ram_gb,
             socket=args.socket,
             cache=args.cache,
+            pin=args.pin,
             pilot=args.pilot,
             io_threads=args.io_threads,
             http=args.http,
@@ -165,6 +173,7 @@ def start(args: argparse.Namespace) -> int:
         ("--ram-gb", args.ram_gb),
         ("--socket", args.socket),
         ("--cache", args.cache),
+        ("--pin", args.pin),
         ("--pilot", args.pilot),
         ("--io-threads", args.io_threads),
         ("--direct", args.direct),

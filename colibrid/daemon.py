@@ -24,18 +24,22 @@ import logging
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from colibrid.config import Settings, store_options
-from colibrid.engine.host import EngineHost
 from colibrid.http.app import parse_bind, serve_http
 from colibrid.paths import Paths
-from colibrid.serve.profiles import ProfileBook, pin_target
+from colibrid.serve.host import EngineHost
+from colibrid.serve.profiles import ProfileBook
 from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
 from colibrid.serve.socket_server import serve_socket
 from colibrid.serve.state import DaemonState
+
+if TYPE_CHECKING:
+    from colibrid.engine.engine import Engine
 
 log = logging.getLogger("colibrid")
 
@@ -50,17 +54,11 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[object, object]:
     return engine, codec
 
 
-def make_profiles(paths: Paths, settings: Settings, engine: object, name: str) -> ProfileBook:
-    store = engine.experts  # type: ignore[attr-defined]
-    total = len(store.layers) * store.layout.n_experts
-    model_type = engine.info.model_type  # type: ignore[attr-defined]
+def make_profiles(paths: Paths, settings: Settings, engine: Engine, name: str) -> ProfileBook:
+    """The model's profile book; the active profile's counts choose the pins."""
+    store = engine.experts
     return ProfileBook(
-        paths.profiles / name,
-        tuple(store.counts.shape),
-        model_type,
-        settings.profile,
-        pin_target(store),
-        int(total * settings.pin_fraction),
+        paths.profiles / name, tuple(store.counts.shape), engine.info.model_type, settings.profile
     )
 
 
@@ -105,6 +103,11 @@ async def serve(
     log.info("loading %s", model_dir)
     engine, codec = await trio.to_thread.run_sync(load_model, model_dir, settings)
     book = make_profiles(paths, settings, engine, name)
+    # Pin from the active profile before serving (no engine thread exists yet, so this
+    # thread may touch the store): `ps` right after start already shows the pins.
+    store = engine.experts
+    await trio.to_thread.run_sync(lambda: store.apply_pins(book.counts(book.active)))
+    log.info("pins from profile %r: %s", book.active, store.pins.note)
     host = EngineHost(
         engine,
         codec,
@@ -127,7 +130,6 @@ async def serve(
             )
             await daemon.start(scheduler.serve)
             state = DaemonState(name, model_dir, engine, host, scheduler, book)
-            state.repin_soon()
             daemon.start_soon(save_profiles, book, settings.profile_save_s)
             try:  # a front that fails to start must still end the engine thread
                 async with trio.open_nursery() as front:

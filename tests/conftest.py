@@ -1,9 +1,12 @@
-"""Repository-wide pytest configuration and the shared oracle-checkpoint fixture."""
+"""Repository-wide pytest configuration: the shared oracle-checkpoint, chat-model and demo
+fixtures, and the opt-in `matrix` marker (the full daemon invariance matrix,
+tests/invariance/test_daemon_matrix.py: run with ``COLIBRI_MATRIX=1`` or ``-m matrix``)."""
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +19,7 @@ if _ORACLE not in sys.path:
     sys.path.insert(0, _ORACLE)
 
 import tiny_models  # noqa: E402
+from daemon_helpers import install_chat_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -60,44 +64,62 @@ def oracle_checkpoint(tmp_path_factory):
     return get
 
 
-GLM_TEMPLATE = (
-    "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}"
-)
-
-
 @pytest.fixture(scope="session")
 def chat_model(oracle_checkpoint, tmp_path_factory) -> Path:
     """The tiny GLM-4 checkpoint plus a byte-level BPE tokenizer and a GLM-style template
     (shared by the generate CLI and the daemon tests)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     ref = oracle_checkpoint("glm4_moe")
     model = tmp_path_factory.mktemp("chat") / "model"
     shutil.copytree(ref.out_dir, model)
-    specials = [
-        "<|endoftext|>",
-        "[gMASK]",
-        "<sop>",
-        "<|system|>",
-        "<|user|>",
-        "<|assistant|>",
-        "<think>",
-        "</think>",
-    ]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=specials,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["What is the capital of France? Paris, café, 🙂 naïve."] * 50, trainer)
-    assert tok.get_vocab_size() <= json.loads((model / "config.json").read_text())["vocab_size"]
-    tok.save(str(model / "tokenizer.json"))
-    (model / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": GLM_TEMPLATE, "eos_token": "<|endoftext|>"})
-    )
+    install_chat_tokenizer(model)
     return model
+
+
+# ---- the built-in demo model (tests/demo, tests/invariance/test_daemon_matrix.py) ---------
+@pytest.fixture(scope="session")
+def demo_gguf() -> Path:
+    from colibrid.convert.demo import fetch_gguf
+    from colibrid.errors import ConvertError
+
+    try:
+        return fetch_gguf(lambda msg: None)
+    except ConvertError as exc:
+        pytest.skip(f"demo GGUF unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def demo_home(tmp_path_factory, demo_gguf: Path) -> Path:
+    """A COLIBRI_HOME with the demo pulled (`pull --from`, offline path)."""
+    home = tmp_path_factory.mktemp("colibri-home")
+    env = {**os.environ, "COLIBRI_HOME": str(home)}
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "pull", "demo", "--from", str(demo_gguf), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "demo model ready" in r.stdout
+    return home
+
+
+@pytest.fixture(scope="session")
+def demo_container(demo_home: Path) -> Path:
+    return demo_home / "models" / "demo"
+
+
+# ---- the opt-in `matrix` marker ------------------------------------------------------------
+def matrix_enabled(config: pytest.Config) -> bool:
+    """`matrix` tests run with COLIBRI_MATRIX=1 or when `-m` names the marker."""
+    return os.environ.get("COLIBRI_MATRIX") == "1" or "matrix" in (config.option.markexpr or "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if matrix_enabled(config):
+        return
+    skip = pytest.mark.skip(
+        reason="full daemon invariance matrix (slow): run with COLIBRI_MATRIX=1 or -m matrix"
+    )
+    for item in items:
+        if item.get_closest_marker("matrix") is not None:
+            item.add_marker(skip)

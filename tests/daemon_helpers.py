@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ class Home:
     def __init__(self, path: Path, model: Path, **settings: object) -> None:
         self.path = path
         self.model = model
+        self.settings = settings
         path.mkdir(parents=True, exist_ok=True)
         lines = [f'default_model = "{model}"'] + [f"{k} = {_toml(v)}" for k, v in settings.items()]
         (path / "config.toml").write_text("\n".join(lines) + "\n")
@@ -125,3 +127,41 @@ def wait_for(predicate, timeout_s: float = 10.0, step_s: float = 0.02) -> bool:
             return True
         time.sleep(step_s)
     return predicate()
+
+
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think></think>{% endif %}"
+)
+
+
+def install_chat_tokenizer(model: Path) -> None:
+    """Give a tiny oracle checkpoint folder a byte-level BPE tokenizer (vocabulary 320, within
+    the tiny configs' 384) and a GLM-style chat template, so text clients can talk to it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = [
+        "<|endoftext|>",
+        "[gMASK]",
+        "<sop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<think>",
+        "</think>",
+    ]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["What is the capital of France? Paris, café, 🙂 naïve."] * 50, trainer)
+    assert tok.get_vocab_size() <= json.loads((model / "config.json").read_text())["vocab_size"]
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": GLM_TEMPLATE, "eos_token": "<|endoftext|>"})
+    )

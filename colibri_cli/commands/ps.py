@@ -31,7 +31,11 @@ def render(status: dict) -> str:
     for tier in ("vram", "ram", "disk"):
         t = status["tiers"].get(tier, {})
         rows.append([tier, t.get("experts", 0), f"{t.get('gb', 0.0):.3f}", t.get("pinned", "-")])
-    return f"{head}\n\n{table(rows)}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}"
+    ram = status["tiers"].get("ram", {})
+    pins = ""
+    if ram.get("pins"):
+        pins = f"\npins ({ram.get('pin_mode', '-')}): {ram['pins']}"
+    return f"{head}\n\n{table(rows)}{pins}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}"
 
 
 def main(argv: Sequence[str]) -> int:

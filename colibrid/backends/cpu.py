@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from colibrid.backends import native
-from colibrid.backends.base import KernelFamily, QuantWeight
-from colibrid.convert.quant import dequantize_rows
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.quant import dequantize_rows
+from colibrid.formats.weights import QuantWeight
 
 
 class CpuOps:

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from colibrid.backends import native_build
-from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.weights import QuantWeight, WeightFormat
 
 ISA_NAMES = ("ref", "avx2", "avx512vnni", "neon")
 _FMT_CODE = {WeightFormat.F32: 0, WeightFormat.BF16: 1, WeightFormat.Q8: 2, WeightFormat.Q4: 3}

@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.weights import QuantWeight, WeightFormat
 
 SHAPES = [(6144, 2048), (2048, 6144)]
 FORMATS = {"q4g64": (WeightFormat.Q4, 64), "q8": (WeightFormat.Q8, 0)}

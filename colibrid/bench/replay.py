@@ -20,25 +20,9 @@ from pathlib import Path
 import numpy as np
 
 
-class TracingStore:
-    """Wraps an expert store and remembers every record() call, split by forward pass."""
-
-    def __init__(self, inner) -> None:  # noqa: ANN001
-        self.inner = inner
-        self.steps: list[list[tuple[int, list[int]]]] = [[]]
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.inner, name)
-
-    def record(self, layer: int, experts) -> None:  # noqa: ANN001
-        self.steps[-1].append((int(layer), [int(e) for e in experts]))
-        self.inner.record(layer, experts)
-
-    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
-        self.steps.append([])
-        hook = getattr(self.inner, "between_tokens", None)
-        if hook is not None:
-            hook(wall_s, attention_s)
+def take_pass(store) -> list[tuple[int, list[int]]]:  # noqa: ANN001
+    """The routing of the forward pass just run: (layer, experts) per MoE layer."""
+    return [(int(layer), [int(e) for e in experts]) for layer, experts in store.take_usage()]
 
 
 def add_store_flags(p: argparse.ArgumentParser) -> None:
@@ -77,17 +61,16 @@ def record(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) ->
 
     engine = Engine.load(model, store=StoreOptions(mode="resident"))
     stop = load_stop_token_ids(model)
-    tracer = TracingStore(engine.experts)
-    engine.experts = tracer
-    for layer in engine.model.layers:  # the MoE blocks hold the store too
-        if hasattr(layer.mlp, "experts"):
-            layer.mlp.experts = tracer
+    store = engine.experts
+    store.take_usage()  # starts the feed: from now on every pass is kept
+    steps: list[list[tuple[int, list[int]]]] = []
     requests, prefill_steps = [], []
     try:
         for prompt in prompts:
-            prefill_steps.append(sum(1 for s in tracer.steps if s))  # index among passes
+            prefill_steps.append(len(steps))  # index among passes
             session = engine.new_session()
             logits = session.prefill(prompt)
+            steps.append(take_pass(store))
             generated: list[int] = []
             while len(generated) < max_tokens:
                 token = int(np.argmax(logits))
@@ -99,10 +82,11 @@ def record(model: Path, prompts: list[list[int]], max_tokens: int, out: Path) ->
                 ):
                     break
                 logits = session.decode(token)
+                steps.append(take_pass(store))
             requests.append({"prompt_ids": prompt, "generated_ids": generated})
     finally:
         engine.close()
-    steps = [s for s in tracer.steps if s]
+    steps = [s for s in steps if s]
     doc = {
         "model": str(model),
         "requests": requests,
@@ -134,8 +118,7 @@ def replay(doc: dict, model: Path, args: argparse.Namespace) -> dict:
 
     engine = Engine.load(model, store=store_options(args))
     try:
-        stats0 = getattr(engine.experts, "stats", None)
-        base = stats0.copy() if stats0 is not None else None
+        base = engine.experts.stats.copy()
         agree = n = passes = 0
         prefill_s = decode_s = 0.0
         for req in requests_of(doc):
@@ -159,8 +142,7 @@ def replay(doc: dict, model: Path, args: argparse.Namespace) -> dict:
             "tok_s": passes / decode_s if decode_s else 0.0,
             "agree": agree,
         }
-        if base is not None:
-            out["stats"] = engine.experts.statistics(since=base)
+        out["stats"] = engine.experts.statistics(since=base)
         return out
     finally:
         engine.close()

@@ -42,8 +42,6 @@ def count_selections(
     engine = Engine.load(model)
     codec = TextCodec.load(model)
     store = engine.experts
-    if not hasattr(store, "counts"):
-        raise SystemExit("this expert store keeps no selection counters")
     layers = list(store.layout.moe_layers)
     out: dict[str, np.ndarray] = {}
     try:

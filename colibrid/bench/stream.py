@@ -72,10 +72,11 @@ def main(argv: list[str]) -> int:
     if args.ram_gb is None and args.cache is None:
         p.error("give --ram-gb N (or --cache N)")
     from colibrid.engine.engine import Engine
+    from colibrid.store.tiered import TieredStore
 
     engine = Engine.load(args.model, store=store_options(args))
     store = engine.experts
-    if not hasattr(store, "extents"):
+    if not isinstance(store, TieredStore):
         print("bench stream: experts are resident for this model; nothing streams")
         return 1
     threads = store.pool.threads or 1
@@ -84,7 +85,8 @@ def main(argv: list[str]) -> int:
         f"probe: {nbytes / 1e9:.2f} GB in expert-sized reads ({store.files.mode}, "
         f"{threads} threads): {gbs:.2f} GB/s"
     )
-    print(store.plan.describe())
+    print(store.budget_plan.describe())
+    print(f"slots: {store.plan.describe()}; pins: {store.pins.note}")
     session = engine.new_session()
     logits = session.prefill([int(x) for x in args.ids.split(",") if x])
     for _ in range(args.warmup):

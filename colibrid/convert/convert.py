@@ -33,8 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.backends.base import WeightFormat
-from colibrid.convert import quant
 from colibrid.convert.order import ExpertOrderProfile
 from colibrid.convert.plan import (
     CONVERTER_VERSION,
@@ -47,6 +45,8 @@ from colibrid.convert.plan import (
 from colibrid.convert.source import Source
 from colibrid.convert.writer import ShardWriter, write_atomic
 from colibrid.errors import ColibriError, ConvertError
+from colibrid.formats import quant
+from colibrid.formats.weights import WeightFormat
 
 PROGRESS_NAME = ".colibri-convert.json"
 MANIFEST_NAME = "manifest.json"

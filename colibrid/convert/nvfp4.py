@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibrid.convert.quant import E4M3FN
 from colibrid.errors import ConvertError
+from colibrid.formats.quant import E4M3FN
 
 BLOCK = 16
 SCALE_SUFFIX = "_scale"

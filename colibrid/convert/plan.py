@@ -30,9 +30,9 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
-from colibrid.convert import quant
 from colibrid.convert.writer import Entry, shard_size
 from colibrid.errors import ConvertError
+from colibrid.formats import quant
 from colibrid.store.checkpoint import (
     GROUP_SIZE_KEY,
     INT4_GROUPED,

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.convert import nvfp4, quant
+from colibrid.convert import nvfp4
 from colibrid.errors import ColibriError, ConvertError
+from colibrid.formats import quant
 from colibrid.store.checkpoint import CONFIG_NAME, Checkpoint
 
 ROW_BLOCK_ELEMENTS = 1 << 22

@@ -35,8 +35,8 @@ import numpy as np
 
 from colibrid.convert.convert import SIDE_FILES, finish, prepare_dst, run_shards
 from colibrid.convert.plan import ConvertParams, Group, Shard, build_groups, pack_shards
-from colibrid.convert.validate import expected_from_config
 from colibrid.convert.writer import write_atomic
+from colibrid.engine.validate import expected_from_config
 from colibrid.errors import ColibriError, ConvertError
 
 SPECIAL_TOKENS = (

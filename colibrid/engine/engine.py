@@ -17,6 +17,7 @@ import numpy as np
 
 from colibrid.backends.base import KernelFamily
 from colibrid.engine.kv import KVCache
+from colibrid.engine.validate import validate
 from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
 from colibrid.models.base import PassClock, Step
@@ -24,6 +25,7 @@ from colibrid.models.mtp import MTPLayer
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout
 from colibrid.store.options import StoreOptions, allocate_store, open_store
+from colibrid.store.protocol import ExpertStore
 
 DEFAULT_MAX_CONTEXT = 4096
 PROMPT_LOGITS_KEPT = 2  # prompt ends remembered per session (a vocabulary of floats each)
@@ -42,7 +44,7 @@ class Engine:
         checkpoint: Checkpoint,
         model: Any,
         args: Any,
-        experts: Any,
+        experts: ExpertStore,
         family: KernelFamily,
         max_context: int,
         info: LoadInfo,
@@ -81,8 +83,6 @@ class Engine:
             ops = CpuOps()
         started = time.perf_counter()
         checkpoint = Checkpoint.open(model_dir)
-        from colibrid.convert.validate import validate
-
         try:
             validate(checkpoint)  # every tensor vs config.json before any weight is mapped
         except BaseException:
@@ -104,12 +104,11 @@ class Engine:
             for layout in model.cache_layouts()
             for shape in layout.values()
         )
-        if hasattr(experts, "allocate"):
-            allocate_store(experts, store_opts, kv_bytes=kv)
-            if pilot_wanted(store_opts.pilot, experts):
-                from colibrid.engine.pilot import attach
+        allocate_store(experts, store_opts, kv_bytes=kv)
+        if pilot_wanted(store_opts.pilot, experts):
+            from colibrid.engine.pilot import attach
 
-                attach(model, experts)
+            attach(model, experts)
         info = LoadInfo(
             str(model_type), args.trunk.num_hidden_layers, time.perf_counter() - started
         )
@@ -120,24 +119,20 @@ class Engine:
 
     def request_finished(self) -> None:
         """A request ended: the store persists its usage profile and re-pins."""
-        hook = getattr(self.experts, "request_finished", None)
-        if hook is not None:
-            hook()
+        self.experts.request_finished()
 
     def close(self) -> None:
-        closer = getattr(self.experts, "close", None)
-        if closer is not None:
-            closer()
+        self.experts.close()
         self.checkpoint.close()
 
 
-def pilot_wanted(mode: str, store: Any) -> bool:
+def pilot_wanted(mode: str, store: ExpertStore) -> bool:
     """PILOT "auto" is on exactly when experts stream (the cache cannot hold them all): there
     it measured as a win (`colibri bench stream` on a synthetic GLM-5 container 3x larger
     than the budget: 1.52 vs 0.91 tok/s); with every expert cached it can only cost."""
     if mode != "auto":
         return mode == "on"
-    return getattr(store, "cache_per_layer", 0) < store.layout.n_experts
+    return store.streams()
 
 
 def expert_layout(args: Any, checkpoint: Checkpoint) -> ExpertLayout:
@@ -253,13 +248,15 @@ class Session:
         step = Step(
             start=self.cache.length, family=self.engine.family, between_layers=hook, clock=clock
         )
-        tick = getattr(self.engine.experts, "between_tokens", None)
+        store = self.engine.experts
         t0 = time.perf_counter()
         try:  # a failed pass leaves `length` unchanged, so rows it wrote are never read
             hidden = self.engine.model.hidden_states(tokens, self.cache, step)
-        finally:
-            if tick is not None:  # a token boundary: the store may resize, never mid-layer
-                tick(time.perf_counter() - t0, clock.attention_s)
+        except BaseException:
+            store.abort_pass()  # reads land, slots free: the store is as before the pass
+            raise
+        finally:  # a token boundary: the store may resize, never mid-layer
+            store.between_tokens(time.perf_counter() - t0, clock.attention_s)
         self.cache.advance(len(tokens))
         self.tokens.extend(int(t) for t in tokens)
         return hidden

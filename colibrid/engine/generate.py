@@ -238,9 +238,7 @@ def _run(
     generated, prefill_s, decode_s, reuse = 0, 0.0, 0.0, 0
 
     def done(reason: str) -> DoneEvent:
-        finished = getattr(engine, "request_finished", None)  # store: save profile, re-pin
-        if finished is not None:
-            finished()
+        engine.request_finished()  # the store saves its profile and re-pins
         stats = GenStats.measure(len(ids), generated, prefill_s, decode_s, len(ids) - reuse)
         return DoneEvent(reason, stats, matcher.matched)
 

@@ -91,11 +91,14 @@ class SessionPool:
             return session
         return session.fork(shared)
 
-    def checkin(self, key: SessionKey) -> None:
-        """The request ended: keep its session for the next one (or drop it)."""
+    def checkin(self, key: SessionKey, *, keep: int | None = None) -> None:
+        """The request ended: keep its session for the next one (or drop it). ``keep``:
+        the request failed; only its first ``keep`` tokens (what it started from) stay."""
         session = self._busy.pop(key, None)
         if session is None:
             return
+        if keep is not None:
+            session.truncate(min(keep, len(session.tokens)))
         if key in self._dropped:
             self._dropped.discard(key)
             return

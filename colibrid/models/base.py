@@ -9,14 +9,15 @@ the engine, so the store and the backends can change without touching model code
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily, QuantWeight
+from colibrid.backends.base import KernelFamily
 from colibrid.errors import ConfigError
+from colibrid.formats.weights import QuantWeight
 
 # Hard bounds on config values: anything outside is refused before a byte is allocated,
 # because config.json comes from untrusted mirrors (an absurd size is an attack, not a model).
@@ -43,9 +44,10 @@ class WeightSource(Protocol):
 class ExpertSource(Protocol):
     """Where routed experts come from (implemented by the store; placement is its business)."""
 
-    def get_many(self, layer: int, experts: Sequence[int]) -> list[Any]: ...
-
     def record(self, layer: int, experts: Sequence[int]) -> None: ...
+
+    def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, Any]]:
+        """(expert, weights) pairs in any order; each valid until the next is asked for."""
 
 
 class Ops(Protocol):

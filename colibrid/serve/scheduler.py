@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import trio
 
-from colibrid.engine.host import EngineHost, Job
 from colibrid.errors import ColibriError
 from colibrid.serve.events import Event, Failed
+from colibrid.serve.host import EngineHost, Job
 from colibrid.serve.requests import GenerateRequest
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from colibrid import __version__
-from colibrid.engine.host import EngineHost
+from colibrid.serve.host import EngineHost
 from colibrid.serve.profiles import ProfileBook, ProfileError
 from colibrid.serve.scheduler import Scheduler
 
@@ -38,51 +38,28 @@ class DaemonState:
     def hello(self) -> list[str]:
         return ["1", f"colibrid/{__version__}", f"model={self.model_name}"]
 
-    def expert_bytes(self) -> int:
-        """Bytes of one resident expert as stored (int4 experts take a fraction of f32)."""
-        store = self.engine.experts
-        getter = getattr(store, "get", None)
-        if getter is not None and store.layers:
-            return int(getter(store.layers[0], 0).nbytes)
-        layout = store.layout
-        return 3 * layout.hidden * layout.ffn * 4
-
     def tiers(self) -> dict[str, Any]:
-        store = self.engine.experts
-        layout = store.layout
-        total = len(store.layers) * layout.n_experts
-        size = getattr(store, "slot_bytes", None) or self.expert_bytes()
-        pinned = len(self.pinned())
-        stats = getattr(store, "statistics", None)
-        if callable(stats):  # a tiered store: pinned + cached experts in RAM, the rest on disk
-            snap = stats()
-            ram = snap.pinned + snap.cache_bytes // size
-            return {
-                "vram": {"experts": 0, "gb": 0.0},
-                "ram": {
-                    "experts": ram,
-                    "gb": ram * size / GB,
-                    "pinned": snap.pinned,
-                    "pinned_gb": snap.pinned * size / GB,
-                },
-                "disk": {"experts": total - ram, "gb": (total - ram) * size / GB},
-                "hit_rate": snap.hit_rate if snap.lookups else None,
-                "store": dataclasses.asdict(snap),
-            }
+        """Where the experts are, from the snapshot the engine thread last published."""
+        snap = self.host.store_view.stats
+        size, total, ram = snap.expert_bytes, snap.total_experts, snap.resident_experts
         return {
             "vram": {"experts": 0, "gb": 0.0},
             "ram": {
-                "experts": total,
-                "gb": total * size / GB,
-                "pinned": pinned,
-                "pinned_gb": pinned * size / GB,
+                "experts": ram,
+                "gb": ram * size / GB,
+                "pinned": snap.pinned,
+                "pinned_gb": snap.pinned * size / GB,
+                "pin_capacity": snap.pin_capacity,
+                "pin_mode": snap.pin_mode,
+                "pins": snap.pin_note,
             },
-            "disk": {"experts": 0, "gb": 0.0},
-            "hit_rate": 1.0,
+            "disk": {"experts": total - ram, "gb": (total - ram) * size / GB},
+            "hit_rate": snap.hit_rate if snap.lookups else None,
+            "store": dataclasses.asdict(snap),
         }
 
     def pinned(self) -> frozenset[tuple[int, int]]:
-        return frozenset(getattr(self.profiles.pins, "pinned", frozenset()))
+        return self.host.store_view.pinned
 
     def status(self) -> dict[str, Any]:
         host, sched = self.host.statistics(), self.scheduler.statistics()
@@ -167,10 +144,10 @@ class DaemonState:
     def repin_soon(self) -> None:
         """Choose the pins from the active profile and hand them to the store between two
         engine steps: serving continues, no token changes."""
-        book = self.profiles
+        book, store = self.profiles, self.engine.experts
 
-        def repin() -> None:
-            book.pins.set_pinned(book.pin_set())
+        def repin() -> None:  # runs on the engine thread; the host publishes the result
+            store.apply_pins(book.counts(book.active))
 
         self.host.call_soon(repin)
 

@@ -29,9 +29,9 @@ from types import TracebackType
 
 import numpy as np
 
-from colibrid.backends.base import QuantWeight, WeightFormat
-from colibrid.convert import quant
 from colibrid.errors import CheckpointError, ColibriError, ConfigError
+from colibrid.formats import quant
+from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.store.safetensors_file import (
     SafetensorsFile,
     TensorInfo,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.backends.base import QuantWeight, WeightFormat
+from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import PROJECTIONS, ExpertLayout, ExpertWeights
 

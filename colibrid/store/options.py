@@ -14,20 +14,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+
+import numpy as np
 
 from colibrid.store import budget as budgets
 from colibrid.store.checkpoint import Checkpoint
-from colibrid.store.experts import ExpertLayout, ResidentExpertStore
+from colibrid.store.experts import ExpertLayout
 from colibrid.store.extents import NotStreamable
-from colibrid.store.pinning import Repinner, autopin_slots, hottest
+from colibrid.store.pins import PIN_MODES, PinBudget
 from colibrid.store.policy import DEFAULT_POLICY
+from colibrid.store.protocol import ExpertStore
+from colibrid.store.resident import ResidentExpertStore
 from colibrid.store.tiered import TieredStore
 from colibrid.store.usage import UsageProfile
 
 log = logging.getLogger("colibri.store")
-PIN_MODES = ("off", "auto", "all")
 PILOT_MODES = ("on", "off", "auto")
 # Slots PILOT may read into ahead of the router: top-8 plus its runners-up on GLM-5
 # (engine/pilot.py EXTRA_GUESSES); a guess beyond them waits for a slot.
@@ -65,14 +68,24 @@ class StoreOptions:
             raise ValueError(f"--io-threads must be >= 0, got {self.io_threads}")
 
 
+@dataclass(frozen=True)
+class StoreSizing:
+    """What the budget plan needs to know of a tiered store before it allocates."""
+
+    total: int  # the RAM budget in bytes
+    source: str  # where the budget came from ("auto", "--ram-gb")
+    dense: int  # bytes of everything that is not a routed expert
+    model_type: str
+
+
 def dense_bytes(checkpoint: Checkpoint, expert_names: set[str]) -> int:
     return sum(checkpoint.info(n).nbytes for n in checkpoint.names() if n not in expert_names)
 
 
 def open_store(
     checkpoint: Checkpoint, layout: ExpertLayout, opts: StoreOptions, model_type: str
-) -> Any:
-    """The expert store for ``opts``; a TieredStore still needs :func:`allocate_store`."""
+) -> ExpertStore:
+    """The expert store for ``opts``; it still needs :func:`allocate_store`."""
     total, source = budgets.resolve_total(opts.ram_gb)
     if opts.mode == "resident":
         return ResidentExpertStore(checkpoint, layout)
@@ -88,25 +101,29 @@ def open_store(
     if opts.mode == "auto" and dense + store.payload_bytes() <= total // 2:
         store.close()
         return ResidentExpertStore(checkpoint, layout)
-    store.model_type = model_type
-    store.budget_total, store.budget_source, store.dense_bytes = total, source, dense
+    store.sizing = StoreSizing(total, source, dense, model_type)
     return store
 
 
-def allocate_store(store: TieredStore, opts: StoreOptions, *, kv_bytes: int) -> None:
-    """Plan the budget (now that the KV size is known), load the profile, pin, allocate."""
+def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> None:
+    """Plan every slot from one budget (now that the KV size is known), allocate, and pin
+    what the pin rule chooses from the usage profile. A resident store needs nothing."""
+    if not isinstance(store, TieredStore):
+        return
+    sizing: StoreSizing = store.sizing
     layers = store.layers
     n_exp = store.layout.n_experts
-    usage = UsageProfile(max(layers) + 1, n_exp, getattr(store, "model_type", ""), layers)
+    usage = UsageProfile(max(layers) + 1, n_exp, sizing.model_type, layers)
     if opts.profile:
         usage.merge_file(Path(opts.profile))
-    store.usage = usage
+    store.recorder.profile = usage
     work = min(n_exp, WORK_SLOTS)
     pilot_slots = 0 if opts.pilot == "off" else min(n_exp, PILOT_SLOTS)
-    base = budgets.plan(
-        total=store.budget_total,
-        source=store.budget_source,
-        dense=store.dense_bytes,
+    plan = partial(
+        budgets.plan,
+        total=sizing.total,
+        source=sizing.source,
+        dense=sizing.dense,
         kv=kv_bytes,
         slot_bytes=store.slot_bytes,
         n_layers=store.n_layers,
@@ -114,33 +131,28 @@ def allocate_store(store: TieredStore, opts: StoreOptions, *, kv_bytes: int) -> 
         work_slots=work + pilot_slots,
         cache=opts.cache,
     )
+    base = plan()
     room = base.total - base.dense - base.kv - base.reserve - base.work
-    n_pins = 0
-    if opts.pin == "all":
-        n_pins = max(0, min(n_exp * len(layers), room // store.slot_bytes))
-        n_pins = (
-            min(n_pins, int(usage.counts[list(layers)].astype(bool).sum()))
-            if usage.total
-            else n_pins
-        )
-    elif opts.pin == "auto" and opts.cache is None:
-        n_pins = autopin_slots(usage.total, room, store.slot_bytes, len(layers), n_exp)
-    pins = (
-        hottest(usage.counts, layers, n_pins)
-        if usage.total
-        else [(la, e) for la in layers for e in range(n_exp)][:n_pins]
+    pin_first = opts.pin == "all" and opts.cache is None  # --pin all: pins before the cache
+    budget = PinBudget.plan(
+        opts.pin,
+        expert_room=room,
+        cache_room=0 if pin_first else base.cache_bytes,
+        slot_bytes=store.slot_bytes,
+        n_experts_total=n_exp * len(layers),
     )
-    cache = base.cache_per_layer
-    if opts.cache is None and pins:
-        left = room - len(pins) * store.slot_bytes
-        cache = max(0, min(n_exp, left // max(1, store.n_layers * store.slot_bytes)))
-    store.plan = base
+    if budget.capacity:
+        base = plan(pins=budget.capacity * store.slot_bytes)
+    store.budget_plan = base
     store.profile_path = opts.profile if opts.save_profile else None
-    if pins and opts.pin != "off":
-        store.repinner = Repinner(max(layers) + 1, n_exp)
-    store.allocate(cache, work_slots=work, pilot_slots=pilot_slots, pins=pins)
+    if budget.capacity:
+        store.recorder.heat = np.zeros(store.counts.shape, dtype=np.float64)  # REPIN
+    store.allocate(
+        base.cache_per_layer, work_slots=work, pilot_slots=pilot_slots, pin_budget=budget
+    )
+    store.apply_pins(usage.counts)
     if opts.memwatch:
         from colibrid.store.memwatch import default_watch
 
         store.memwatch = default_watch(base.total, store)
-    log.info("colibri: %s; %d pinned", base.describe(), len(pins))
+    log.info("colibri: %s; %s; pins: %s", base.describe(), store.plan.describe(), store.pins.note)

@@ -67,6 +67,14 @@ class StoreStats:
     io_mode: str
     policy: str
     memwatch: str
+    # What `colibri ps` shows of placement (filled by each store's statistics()).
+    resident_experts: int = 0  # experts in RAM now (pinned + cached, or all when resident)
+    expert_bytes: int = 0  # one expert as stored (a slot for the tiered store)
+    total_experts: int = 0  # routed experts of every served layer
+    pin_capacity: int = 0  # slots the plan reserved for pins
+    pin_mode: str = "off"
+    pin_note: str = "off"  # what the pin controller did, in words
+    streams: bool = False  # experts are read from disk (the cache cannot hold them all)
 
     @property
     def hit_rate(self) -> float:

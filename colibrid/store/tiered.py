@@ -1,44 +1,49 @@
 """The tiered expert store: pinned hot store -> per-layer cache -> disk (DESIGN §3 step 3).
 
-Why this shape: dense weights stay resident elsewhere; routed experts live in fixed-size
-slots of one pre-faulted arena (:mod:`slabs`). A lookup is a dict hit (pinned, then the
-layer's cache); the misses of a layer are all handed to the I/O pool at once, the
-resident experts are given to the model first, and each miss is given as its read lands
-(:meth:`iter_ready`). The model reduces contributions in ascending expert order, so
-arrival order cannot change a token. Everything that decides placement runs on the
-engine thread; reader threads only fill slots.
+Composed from parts with one job each: :mod:`slots` (which expert is in which slot; no
+I/O), :mod:`reader` (extents, slabs, the I/O pool), :mod:`prefetch` (PILOT),
+:mod:`recorder` (usage counts), :mod:`pins` (the pin controller) and MEMWATCH. This module
+only serves layers: a lookup is a dict hit (pinned, then the layer's cache); the misses
+of a layer are all handed to the I/O pool at once, the resident experts are given to the
+model first, and each miss is given as its read lands (:meth:`iter_ready`). The model
+reduces contributions in ascending expert order, so arrival order cannot change a token.
+Everything here runs on the engine thread; reader threads only fill slots.
 
-Slot accounting (all counts of slots): pins + cache_per_layer x layers + work + pilot.
-The work slots hold the misses of the current layer until they are admitted to the
-cache (evicting the policy's victim, never an expert the layer still needs — upstream's
-"swap the ws buffer into the LRU"). With ``iter_ready`` a union larger than the work
-slots streams through them; ``get_many`` (which must keep every returned expert valid
-until the next call) needs all its misses in work slots at once.
+A failure is contained: whatever raises inside a pass (a read error, a cancel, a bug in
+the model), the delivery's clean-up lets its reads land and frees their slots, so the
+next request is served exactly as on a fresh store (:meth:`abort_pass`, DESIGN §4).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-
-import numpy as np
+from dataclasses import replace
 
 from colibrid.errors import CheckpointError, ColibriError
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, ExpertWeights
-from colibrid.store.extents import ExpertExtents, ExtentPlanner
-from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
-from colibrid.store.policy import DEFAULT_POLICY, Policy, make_policy
-from colibrid.store.slabs import SlabArena
+from colibrid.store.pins import PinBudget, PinController, repin_swaps
+from colibrid.store.policy import DEFAULT_POLICY
+from colibrid.store.prefetch import Prefetcher
+from colibrid.store.reader import ExpertReader
+from colibrid.store.recorder import UsageRecorder
+from colibrid.store.slots import (
+    DEMAND,
+    FREE,
+    HELD,
+    LANDED,
+    PREFETCH,
+    Key,
+    Placement,
+    SlotPlan,
+    StoreError,
+)
 from colibrid.store.telemetry import Counters, StoreStats, now, snapshot
 
 log = logging.getLogger("colibri.store")
 
-FREE, DEMAND, PREFETCH, LANDED, CACHED, PINNED, HELD = range(7)
-
-
-class StoreError(ColibriError):
-    """The store cannot serve a request as configured (e.g. too few work slots)."""
+__all__ = ["StoreError", "TieredStore"]
 
 
 class TieredStore:
@@ -60,37 +65,33 @@ class TieredStore:
         extra_layers: dict[int, str] | None = None,
     ) -> None:
         self.layout = layout
-        planner = ExtentPlanner(checkpoint, layout)
-        templates = {layer: layout.name_template for layer in layout.moe_layers}
-        templates.update(extra_layers or {})
-        self.extents: dict[int, list[ExpertExtents]] = {
-            layer: [planner.plan(layer, e, t) for e in range(layout.n_experts)]
-            for layer, t in sorted(templates.items())
-        }
-        self.expert_names = {
-            layout.tensor_name(la, e, p, t) + sfx
-            for la, t in templates.items()
-            for e in range(layout.n_experts)
-            for p in ("gate_proj", "up_proj", "down_proj")
-            for sfx in ("", ".qs")
-        }
-        self.slot_bytes = max(x.slab_bytes for row in self.extents.values() for x in row)
-        self.expert_bytes = max(x.payload_bytes for row in self.extents.values() for x in row)
-        self.files = ReadFiles(planner.files, direct=direct)
-        self.pool = IOPool(self.files, io_threads)
-        self.policy_name = policy
-        self.counts = np.zeros((max(self.extents) + 1, layout.n_experts), dtype=np.int64)
-        self.usage = None  # a UsageProfile when learning is on (set by the engine)
-        self.profile_path: str | None = None  # where usage is saved after each request
-        self.repinner = None  # a pinning.Repinner when REPIN is on
-        self.memwatch = None  # a memwatch.MemWatch when it is on
         self.stats = Counters()
+        self.reader = ExpertReader(
+            checkpoint,
+            layout,
+            direct=direct,
+            io_threads=io_threads,
+            stats=self.stats,
+            extra_layers=extra_layers,
+        )
+        self.extents = self.reader.extents
+        self.slot_bytes = self.reader.slot_bytes
+        self.expert_bytes = self.reader.expert_bytes
+        self.expert_names = self.reader.expert_names
+        self.files = self.reader.files
+        self.pool = self.reader.pool
+        self.policy_name = policy
+        self.recorder = UsageRecorder(max(self.extents) + 1, layout.n_experts, self.extents)
+        self.counts = self.recorder.counts
+        self.profile_path: str | None = None  # where usage is saved after each request
+        self.pins = PinController(PinBudget("off", 0, 0))
+        self.memwatch = None  # a memwatch.MemWatch when it is on
         self.memwatch_note = "off"
-        self.arena: SlabArena | None = None
-        self._landed: list[int] = []  # slots whose prefetch read completed
+        self.placement: Placement | None = None
+        self.prefetcher: Prefetcher | None = None
+        self._landed: list[int] = []  # slots whose background read completed
         self._delivery = None  # (generator, waiting reads, owned slots) of the layer served
-        self.pin_on_land: set[tuple[int, int]] = set()  # background REPIN reads in flight
-        self._predictions: dict[int, set[int]] = {}  # PILOT's guess per layer, for recall
+        self._held: list[tuple[int, int, int]] = []  # (layer, expert, slot) of get_many
 
     # ---- set-up --------------------------------------------------------------------------
     @property
@@ -102,7 +103,7 @@ class TieredStore:
         return len(self.extents)
 
     def payload_bytes(self) -> int:
-        return sum(x.payload_bytes for row in self.extents.values() for x in row)
+        return self.reader.payload_bytes()
 
     def allocate(
         self,
@@ -110,164 +111,202 @@ class TieredStore:
         *,
         work_slots: int | None = None,
         pilot_slots: int = 0,
-        pins: Sequence[tuple[int, int]] = (),
+        pins: Sequence[Key] = (),
+        pin_budget: PinBudget | None = None,
     ) -> None:
-        """Create the arena (pre-faulted) and load the pins."""
+        """Create the arena from one slot plan, pre-fault what it needs now, load pins."""
         n_exp = self.layout.n_experts
-        self.cache_max = max(0, min(int(cache_per_layer), n_exp))
-        self.cache_per_layer = self.cache_max
-        self.work_slots = work_slots if work_slots is not None else min(n_exp, 64)
-        self.pilot_slots = pilot_slots
-        n = len(pins) + self.cache_max * self.n_layers + self.work_slots + pilot_slots
-        self.arena = SlabArena(self.slot_bytes, max(1, n))
-        self.state = [FREE] * self.arena.n_slots
-        self.slot_key: list[tuple[int, int] | None] = [None] * self.arena.n_slots
-        self.free: list[int] = list(range(self.arena.n_slots - 1, -1, -1))
-        self.parked: list[int] = []  # slots whose pages MEMWATCH gave back
-        self.cache: dict[int, dict[int, int]] = {layer: {} for layer in self.extents}
-        self.policies: dict[int, Policy] = {
-            la: make_policy(self.policy_name) for la in self.extents
-        }
-        self.prefetched: set[tuple[int, int]] = set()  # cached by PILOT, not yet used
-        self.inflight: dict[tuple[int, int], int] = {}  # key -> slot (prefetch reads)
-        self.pinned: dict[tuple[int, int], int] = {}
-        self._views: list[tuple[tuple[int, int] | None, ExpertWeights | None]] = [
-            (None, None)
-        ] * self.arena.n_slots
-        self._held: list[tuple[int, int, int]] = []  # (layer, expert, slot) of get_many
+        budget = pin_budget or PinBudget("all" if pins else "off", len(pins), len(pins))
+        plan = SlotPlan(
+            pins=budget.capacity,
+            cache_per_layer=max(0, min(int(cache_per_layer), n_exp)),
+            n_layers=self.n_layers,
+            work=work_slots if work_slots is not None else min(n_exp, 64),
+            pilot=pilot_slots,
+        )
+        if len(pins) > plan.pins:
+            raise StoreError(f"{len(pins)} pins asked for a pin capacity of {plan.pins}")
+        self.reader.allocate(plan.total)
+        self.placement = Placement(
+            plan,
+            self.layers,
+            self.policy_name,
+            fault_in=self.reader.fault_in,
+            park=self.reader.park,
+        )
+        for slot in self.placement.free:  # pre-fault: untouched RAM fills slowly later
+            self.reader.fault_in(slot)
+        self.prefetcher = Prefetcher(self.placement, self.reader, self.stats)
+        self.pins = PinController(budget)
         self.pin(pins)
 
-    def pin(self, keys: Sequence[tuple[int, int]]) -> None:
-        """Load ``keys`` into pinned slots (parallel reads; waits for all)."""
-        todo = [(int(la), int(e)) for la, e in keys if (la, e) not in self.pinned]
-        for layer, expert in todo:
-            slot = self._uncache(layer, expert)  # already in the cache: move it, no read
-            if slot is None:
-                if len(self.free) <= self.work_slots + self.pilot_slots:
-                    raise StoreError("no free slot to pin into (the rest are work slots)")
-                slot = self._take_slot()
-                self._read(slot, layer, expert, DEMAND)
+    # Views of the placement state (tests, telemetry, bench).
+    @property
+    def cache(self) -> dict[int, dict[int, int]]:
+        return self._placed().cache
+
+    @property
+    def pinned(self) -> dict[Key, int]:
+        return self._placed().pinned
+
+    @property
+    def free(self) -> list[int]:
+        return self._placed().free
+
+    @property
+    def parked(self) -> list[int]:
+        return self._placed().parked
+
+    @property
+    def pin_on_land(self) -> set[Key]:
+        return self._placed().pin_on_land
+
+    @property
+    def inflight(self) -> dict[Key, int]:
+        return self._pilot().inflight
+
+    @property
+    def cache_per_layer(self) -> int:
+        return self.placement.cache_per_layer if self.placement is not None else 0
+
+    @property
+    def cache_max(self) -> int:
+        return self._placed().cache_max
+
+    @property
+    def plan(self) -> SlotPlan:
+        return self._placed().plan
+
+    def _placed(self) -> Placement:
+        if self.placement is None:
+            raise StoreError("the store has no memory yet: call allocate()")
+        return self.placement
+
+    def _pilot(self) -> Prefetcher:
+        assert self.prefetcher is not None, "allocate() first"
+        return self.prefetcher
+
+    # ---- pins (PinnedTier for the controller) --------------------------------------------
+    def pinned_keys(self) -> list[Key]:
+        return list(self._placed().pinned)
+
+    def pin_room(self) -> int:
+        return self._placed().pin_room()
+
+    def pin(self, keys: Sequence[Key]) -> None:
+        """Load ``keys`` into pinned slots (reads wait here), within the pin capacity."""
+        for la, e in keys:
+            if (int(la), int(e)) not in self._placed().pinned:
+                self.pin_one((int(la), int(e)))
+
+    def pin_one(self, key: Key) -> None:
+        pl = self._placed()
+        self._quiesce()
+        if pl.pin_room() <= 0:
+            raise StoreError(f"no pin room left (capacity {pl.plan.pins})")
+        slot = pl.uncache(*key)  # already cached: move it, no read
+        if slot is None:
+            pl.pin_on_land.add(key)  # reserves the pin place: rebalance faults a slot in
+            pl.rebalance()
+            try:
+                slot = pl.take()
+                pl.fill(slot, key, DEMAND)
+                self.reader.read(slot, key, background=False)
                 self._wait_slot(slot)
-            self._settle_pin((layer, expert), slot)
+            except BaseException:
+                pl.pin_on_land.discard(key)
+                pl.rebalance()
+                raise
+        pl.settle_pin(key, slot)
+        pl.rebalance()
 
-    def unpin(self, key: tuple[int, int]) -> None:
-        """Move a pinned expert into its layer's cache (or free it when there is no room)."""
-        slot = self.pinned.pop(key)
-        self._admit(key[0], key[1], slot, protected=())
+    def unpin(self, key: Key) -> None:
+        self._quiesce()
+        self._placed().unpin(key)
 
-    # ---- slots ---------------------------------------------------------------------------
-    def _take_slot(self) -> int | None:
-        return self.free.pop() if self.free else None
+    def apply_pins(self, counts) -> int:
+        """Pin what the controller's rule chooses for ``counts`` (a profile's usage)."""
+        keys = self.pins.choose(counts, self.layers)
+        return self.pins.apply(self, keys)
 
-    def _release(self, slot: int) -> None:
-        self.state[slot] = FREE
-        self.slot_key[slot] = None
-        self.free.append(slot)
+    def _quiesce(self) -> None:
+        """Between passes: finish the last delivery and admit what landed."""
+        self._abandon_delivery()
+        self._finish_held()
+        self._poll()
+        self._drain_landed()
 
-    def _uncache(self, layer: int, expert: int) -> int | None:
-        """Take ``expert`` out of its layer's cache; its slot, or None if not cached."""
-        slot = self.cache[layer].pop(expert, None)
-        if slot is not None:
-            self.policies[layer].remove(expert)
-            self.prefetched.discard((layer, expert))
-        return slot
-
-    def _read(self, slot: int, layer: int, expert: int, kind: int) -> None:
-        ext = self.extents[layer][expert]
-        self.state[slot] = kind
-        self.slot_key[slot] = (layer, expert)
-        self.stats.bytes_read += ext.read_bytes
-        self.pool.submit(
-            slot,
-            ext.reads,
-            self.arena.memview(slot),
-            BACKGROUND if kind == PREFETCH else DEMAND_READ,
-        )
-
-    def _withdraw(self, key: tuple[int, int]) -> bool:
-        """Cancel a background read no worker has started; frees its slot."""
-        slot = self.inflight[key]
-        if not self.pool.cancel(slot):
-            return False
-        del self.inflight[key]
-        nbytes = self.extents[key[0]][key[1]].read_bytes
-        self.stats.bytes_read -= nbytes
-        self.stats.prefetch_bytes -= nbytes
-        self.stats.pilot_cancelled += 1
-        self._release(slot)
-        return True
-
+    # ---- completions ---------------------------------------------------------------------
     def _poll(self) -> None:
         """Take every completion already queued (non-blocking) so landed prefetches and
         REPIN reads are admitted before a layer is looked up."""
-        while not self.pool.done.empty():
+        while self.reader.completed():
             self._pump()
 
     def _wait_slot(self, slot: int) -> None:
-        while self.state[slot] in (DEMAND, PREFETCH):
+        pl = self._placed()
+        while pl.state[slot] in (DEMAND, PREFETCH):
             self._pump()
 
     def _pump(self) -> int:
-        """Take one completion; returns its slot. Failed prefetches are dropped quietly,
-        failed demand reads raise once the slot is safe to reuse."""
-        t0 = now()
-        tag, _n, err = self.pool.done.get()
-        self.stats.io_wait_s += now() - t0
-        if self.state[tag] == PREFETCH:
-            self._landed_background(tag, err)
-            return tag
-        self.state[tag] = HELD
+        """Take one completion; returns its slot. Failed background reads are dropped
+        quietly, failed demand reads raise once the slot is safe to reuse."""
+        pl = self._placed()
+        slot, err = self.reader.next_completion()
+        if pl.state[slot] == PREFETCH:
+            self._landed_background(slot, err)
+            return slot
+        pl.state[slot] = HELD
         if err is not None:
-            self._release(tag)
+            self.reader.forget_view(slot)
+            pl.release(slot)
             if isinstance(err, ColibriError):
                 raise err
             raise CheckpointError(f"expert read failed: {err}") from err
-        return tag
+        return slot
+
+    def _pump_quiet(self) -> int:
+        """One completion during clean-up: background reads land as usual, a demand read's
+        slot is returned for the caller to free (its error is moot now)."""
+        slot, err = self.reader.next_completion()
+        if self._placed().state[slot] == PREFETCH:
+            self._landed_background(slot, err)
+        return slot
 
     def _landed_background(self, slot: int, err: BaseException | None) -> None:
-        key = self.slot_key[slot]
-        if key is not None:
-            self.inflight.pop(key, None)
+        pl = self._placed()
+        key = self._pilot().landed(slot)
         if err is not None:  # a guess or a promotion that failed costs nothing but itself
-            if key is not None:
-                self.pin_on_land.discard(key)
-            self._release(slot)
+            if key is not None and key in pl.pin_on_land:
+                pl.pin_on_land.discard(key)
+            self.reader.forget_view(slot)
+            pl.release(slot)
+            pl.rebalance()
         else:
-            self.state[slot] = LANDED
+            pl.state[slot] = LANDED
             self._landed.append(slot)
 
-    def _view(self, slot: int) -> ExpertWeights:
-        key = self.slot_key[slot]
-        cached_key, weights = self._views[slot]
-        if cached_key != key or weights is None:
-            assert key is not None
-            weights = self.extents[key[0]][key[1]].views(self.arena.slot(slot))
-            self._views[slot] = (key, weights)
-        return weights
-
-    def _admit(
-        self, layer: int, expert: int, slot: int, protected, *, prefetched: bool = False
-    ) -> bool:
-        """Put a filled slot into the layer's cache, evicting victims; False = freed."""
-        cache, policy = self.cache[layer], self.policies[layer]
-        while len(cache) >= self.cache_per_layer and cache:
-            victim = policy.victim(protected)
-            if victim is None:
-                break
-            self._evict(layer, victim)
-        if len(cache) >= self.cache_per_layer:
-            self._release(slot)
-            return False
-        cache[expert] = slot
-        policy.admit(expert)
-        self.state[slot] = CACHED
-        self.slot_key[slot] = (layer, expert)
-        if prefetched:
-            self.prefetched.add((layer, expert))
-        return True
-
-    def _evict(self, layer: int, expert: int) -> None:
-        self._release(self._uncache(layer, expert))
+    def _drain_landed(self, layer: int = -1, need: set[int] | None = None) -> dict[int, int]:
+        """Admit completed background reads to their tiers. Those ``layer`` is about to use
+        are handed back instead ({expert: slot}, state HELD): a small cache must not drop
+        a correct guess before the layer has used it; the layer admits them afterwards."""
+        pl = self._placed()
+        landed, self._landed = self._landed, []
+        mine: dict[int, int] = {}
+        for slot in landed:
+            key = pl.slot_key[slot]
+            if key is None or pl.state[slot] != LANDED:
+                continue
+            if key in pl.pin_on_land:
+                pl.settle_pin(key, slot)
+            elif key in pl.pinned or key[1] in pl.cache[key[0]]:
+                pl.release(slot)
+            elif need is not None and key[0] == layer and key[1] in need:
+                pl.state[slot] = HELD
+                mine[key[1]] = slot
+            else:
+                pl.admit(key[0], key[1], slot, protected=(), prefetched=True)
+        return mine
 
     def _finish_held(self) -> None:
         held, self._held = self._held, []
@@ -275,61 +314,22 @@ class TieredStore:
             self._keep(layer, expert, slot, protected=())
 
     def _keep(self, layer: int, expert: int, slot: int, protected) -> None:
-        """A demand-read slot the layer is done with: pinned when REPIN asked for it,
-        else admitted to the cache."""
-        if (layer, expert) in self.pin_on_land:
-            self._settle_pin((layer, expert), slot)
+        """A demand-read slot the layer is done with: pinned when REPIN asked for it, else
+        admitted to the cache."""
+        pl = self._placed()
+        if (layer, expert) in pl.pin_on_land:
+            pl.settle_pin((layer, expert), slot)
         else:
-            self._admit(layer, expert, slot, protected=protected)
-
-    def _settle_pin(self, key: tuple[int, int], slot: int) -> None:
-        self.pin_on_land.discard(key)
-        self.state[slot] = PINNED
-        self.slot_key[slot] = key
-        self.pinned[key] = slot
-
-    def _drain_landed(self, layer: int = -1, need: set[int] | None = None) -> dict[int, int]:
-        """Admit completed prefetches to their caches. Those ``layer`` is about to use are
-        handed back instead ({expert: slot}, state HELD): a small cache must not drop a
-        correct guess before the layer has used it; the layer admits them afterwards,
-        like its own reads."""
-        landed, self._landed = self._landed, []
-        mine: dict[int, int] = {}
-        for slot in landed:
-            key = self.slot_key[slot]
-            if key is None or self.state[slot] != LANDED:
-                continue
-            if key in self.pin_on_land:
-                self._settle_pin(key, slot)
-            elif key in self.pinned or key[1] in self.cache[key[0]]:
-                self._release(slot)
-            elif need is not None and key[0] == layer and key[1] in need:
-                self.state[slot] = HELD
-                mine[key[1]] = slot
-            else:
-                self._admit(key[0], key[1], slot, protected=(), prefetched=True)
-        return mine
+            pl.admit(layer, expert, slot, protected=protected)
 
     # ---- the ExpertStore protocol -------------------------------------------------------
     def record(self, layer: int, experts: Sequence[int]) -> None:
-        if layer not in self.extents:
-            raise KeyError(f"layer {layer} has no routed experts in this store")
-        idx = np.asarray(experts, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.layout.n_experts):
-            raise KeyError(f"expert index out of range in {list(idx)}")
-        np.add.at(self.counts[layer], idx, 1)
-        if self.usage is not None:
-            self.usage.record(layer, idx)
-        if self.repinner is not None:
-            self.repinner.record(layer, idx)
-        self._score_pilot(layer, idx)
+        idx = self.recorder.record(layer, experts)
+        if self.prefetcher is not None:
+            self.prefetcher.score(layer, idx)
 
-    def _score_pilot(self, layer: int, idx: np.ndarray) -> None:
-        predicted = self._predictions.pop(layer, None)
-        if predicted is not None:
-            chosen = set(idx.tolist())
-            self.stats.pilot_chosen += len(chosen)
-            self.stats.pilot_correct += len(chosen & predicted)
+    def take_usage(self):
+        return self.recorder.take()
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.get_many(layer, [expert])[0]
@@ -351,12 +351,9 @@ class TieredStore:
         """
         return self._serve(layer, [int(e) for e in experts], streaming=True)
 
-    def _serve(
-        self, layer: int, keys: list[int], streaming: bool
-    ) -> Iterator[tuple[int, ExpertWeights]]:
+    def _serve(self, layer: int, keys: list[int], streaming: bool):
         """Look the layer up and dispatch its misses now; deliver through a generator."""
-        if self.arena is None:
-            raise StoreError("the store has no memory yet: call allocate()")
+        pl, pilot = self._placed(), self._pilot()
         if layer not in self.extents:
             raise KeyError(f"layer {layer} has no routed experts in this store")
         n_exp = self.layout.n_experts
@@ -367,12 +364,12 @@ class TieredStore:
         need = set(keys)
         self._poll()
         landed = self._drain_landed(layer, need)
-        st, cache, policy = self.stats, self.cache[layer], self.policies[layer]
+        st, cache, policy = self.stats, pl.cache[layer], pl.policies[layer]
         hits: list[tuple[int, int]] = []
         misses: list[int] = []
         waiting: dict[int, int] = {}  # slot -> expert (reads this layer waits for)
         for e in sorted(need):
-            slot = self.pinned.get((layer, e))
+            slot = pl.pinned.get((layer, e))
             if slot is not None:
                 st.hits_pinned += 1
                 hits.append((e, slot))
@@ -380,38 +377,43 @@ class TieredStore:
                 st.hits_prefetched += 1
                 hits.append((e, landed[e]))
             elif e in cache:
-                if (layer, e) in self.prefetched:
-                    self.prefetched.discard((layer, e))
+                if (layer, e) in pl.prefetched:
+                    pl.prefetched.discard((layer, e))
                     st.hits_prefetched += 1
                 else:
                     st.hits_cache += 1
                 policy.touch(e)
                 hits.append((e, cache[e]))
-            elif (layer, e) in self.inflight:  # PILOT is reading it: wait for that read
+            elif (layer, e) in pilot.inflight:  # PILOT or REPIN is reading it: wait for it
                 st.hits_prefetched += 1
-                slot = self.inflight.pop((layer, e))
-                self.state[slot] = DEMAND
-                self.pool.promote(slot)
+                slot = pilot.claim((layer, e))
+                pl.state[slot] = DEMAND
                 waiting[slot] = e
             else:
                 st.misses += 1
                 misses.append(e)
-        for key in [k for k in self.inflight if k[0] == layer and k not in self.pin_on_land]:
-            self._withdraw(key)  # PILOT guessed wrong: don't spend the disk on it now
-        if not streaming and len(misses) > len(self.free):
-            raise StoreError(
-                f"layer {layer} needs {len(misses)} reads at once but only "
-                f"{len(self.free)} work slots are free; use iter_ready"
-            )
-        pending = list(reversed(misses))
-        while pending and self.free:
-            slot = self.free.pop()
-            self._read(slot, layer, pending.pop(), DEMAND)
-            waiting[slot] = self.slot_key[slot][1]  # type: ignore[index]
+        pilot.withdraw_layer(layer)  # PILOT guessed wrong: don't spend the disk on it now
         owned = set(landed.values())
+        pending = list(reversed(misses))
+        if not streaming and len(misses) > len(pl.free):
+            self._drop_unused(waiting, owned)
+            raise StoreError(
+                f"layer {layer} needs {len(misses)} reads at once but only {len(pl.free)} "
+                "work slots are free; use iter_ready"
+            )
+        self._dispatch(layer, pending, waiting)
         delivery = self._deliver(layer, hits, owned, waiting, pending, need, streaming)
         self._delivery = (delivery, waiting, owned)
         return delivery
+
+    def _dispatch(self, layer: int, pending: list[int], waiting: dict[int, int]) -> None:
+        pl = self._placed()
+        while pending and pl.free:
+            slot = pl.take()
+            expert = pending.pop()
+            pl.fill(slot, (layer, expert), DEMAND)
+            self.reader.read(slot, (layer, expert), background=False)
+            waiting[slot] = expert
 
     def _abandon_delivery(self) -> None:
         """The previous layer's delivery was dropped unfinished (an exception in the
@@ -426,32 +428,28 @@ class TieredStore:
     def _drop_unused(self, waiting: dict[int, int], owned: set[int]) -> None:
         """Free the slots of a delivery that ends early: unused landed guesses at once,
         reads still in flight once they land (a slot must not be reused mid-read)."""
+        pl = self._placed()
         for slot in owned:
-            self._release(slot)
+            pl.release(slot)
         owned.clear()
+        for slot in [s for s in waiting if pl.state[s] == FREE]:
+            del waiting[slot]  # its read failed and was freed by _pump: nothing will land
         while waiting:
             slot = self._pump_quiet()
             if slot in waiting:
                 waiting.pop(slot)
-                self._release(slot)
+                self.reader.forget_view(slot)
+                pl.release(slot)
 
-    def _deliver(
-        self,
-        layer: int,
-        hits: list[tuple[int, int]],
-        owned: set[int],
-        waiting: dict[int, int],
-        pending: list[int],
-        need: set[int],
-        streaming: bool,
-    ) -> Iterator[tuple[int, ExpertWeights]]:
-        """``owned``: hit slots that are not in a tier yet (landed prefetches): they are
-        kept like the layer's own reads once used."""
-        st = self.stats
+    def _deliver(self, layer, hits, owned, waiting, pending, need, streaming):
+        """``owned``: slots not in a tier yet (landed prefetches, the read in the consumer's
+        hands): kept like the layer's own reads once used, freed if the delivery ends
+        early."""
+        st, pl = self.stats, self._placed()
         try:
             for e, slot in hits:
                 t0 = now()
-                yield e, self._view(slot)
+                yield e, self.reader.view(slot, (layer, e))
                 st.compute_s += now() - t0
                 if slot in owned:
                     owned.discard(slot)
@@ -461,17 +459,18 @@ class TieredStore:
                 if slot not in waiting:
                     continue
                 e = waiting.pop(slot)
-                self.state[slot] = HELD
+                pl.state[slot] = HELD
+                owned.add(slot)  # in the consumer's hands: freed if it never comes back
                 t0 = now()
-                yield e, self._view(slot)
+                yield e, self.reader.view(slot, (layer, e))
                 st.compute_s += now() - t0
+                owned.discard(slot)
                 self._done_with(layer, e, slot, need, streaming)
-                while pending and self.free:
-                    nslot = self.free.pop()
-                    self._read(nslot, layer, pending.pop(), DEMAND)
-                    waiting[nslot] = self.slot_key[nslot][1]  # type: ignore[index]
-                if pending and not waiting:
-                    raise StoreError(f"layer {layer}: no slot free for {len(pending)} reads")
+                self._dispatch(layer, pending, waiting)
+            if pending:  # the plan guarantees work slots: never skip an expert silently
+                raise StoreError(
+                    f"layer {layer}: no slot free for {len(pending)} reads ({pl.plan.describe()})"
+                )
         finally:
             self._drop_unused(waiting, owned)  # empty unless abandoned (exception, close)
 
@@ -484,42 +483,15 @@ class TieredStore:
         else:
             self._held.append((layer, e, slot))
 
-    def _pump_quiet(self) -> int:
-        """Take one completion during clean-up: background reads land as usual, a demand
-        read's slot is returned for the caller to free (its error is moot now)."""
-        tag, n, err = self.pool.done.get()
-        if self.state[tag] == PREFETCH:
-            self._landed_background(tag, err)
-        return tag
-
     # ---- PILOT ---------------------------------------------------------------------------
     def hint(self, layer: int, experts: Sequence[int]) -> int:
-        """Start background reads of predicted experts of ``layer``, in the order given
-        (surest first); returns reads issued.
-
-        Never blocks, never evicts: a read needs a free slot beyond the work slots, and it
-        is admitted to the cache only when ``layer`` is next served.
-        """
-        if self.arena is None or layer not in self.extents:
+        """Start background reads of predicted experts of ``layer`` (surest first) within
+        the plan's PILOT slots; returns reads issued. Never blocks, never evicts."""
+        if self.placement is None or layer not in self.extents:
             return 0
-        order = list(dict.fromkeys(int(e) for e in experts))
-        predicted = set(order)
-        self._predictions[layer] = predicted
-        issued = 0
-        for e in order:
-            key = (layer, e)
-            if key in self.pinned or e in self.cache[layer] or key in self.inflight:
-                continue
-            if len(self.free) <= self.work_slots or self.cache_per_layer == 0:
-                break
-            slot = self.free.pop()
-            self._read(slot, layer, e, PREFETCH)
-            self.inflight[key] = slot
-            self.stats.prefetch_bytes += self.extents[layer][e].read_bytes
-            issued += 1
-        self.stats.pilot_loads += issued
-        self.stats.pilot_predicted += len(predicted)
-        return issued
+        pilot = self._pilot()
+        room = self.placement.plan.pilot - len(pilot.inflight) - len(self._landed)
+        return pilot.hint(layer, experts, room)
 
     # ---- boundaries, resizing, telemetry -------------------------------------------------
     def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
@@ -529,96 +501,97 @@ class TieredStore:
         self.stats.tokens += 1
         self.stats.token_wall_s += wall_s
         self.stats.attention_s += attention_s
-        self._predictions.clear()
-        if self.usage is not None:
-            self.usage.end_forward()
+        self._pilot().end_pass()
+        self.recorder.end_pass()
         if self.memwatch is not None:
             self.memwatch.tick(self)
 
+    def abort_pass(self) -> None:
+        """A forward pass raised: end its delivery (reads land, slots free) so the store is
+        as consistent as before the pass; called before :meth:`between_tokens`."""
+        self._abandon_delivery()
+        self._finish_held()
+
     def request_finished(self) -> None:
         """A request boundary: persist the usage profile, then start the REPIN swaps."""
-        self._finish_held()
-        if self.usage is not None and self.profile_path and self.usage.dirty:
-            self.usage.save(self.profile_path)
-        if self.repinner is not None and self.pinned:
-            for cold, hot in self.repinner.swaps(list(self.pinned)):
+        self._quiesce()
+        usage = self.recorder.profile
+        if usage is not None and self.profile_path and usage.dirty:
+            usage.save(self.profile_path)
+        heat = self.recorder.heat
+        if heat is not None and self._placed().pinned:
+            for cold, hot in repin_swaps(heat, list(self._placed().pinned)):
                 self.repin(cold, hot)
 
-    def repin(self, cold: tuple[int, int], hot: tuple[int, int]) -> None:
-        """Demote ``cold`` to the cache now and promote ``hot`` in the background: a read
-        at background priority that nobody waits for; the expert becomes pinned when the
-        read lands (or at once when it is already cached). Slot count is conserved: the
-        demoted slot (or the cache victim it displaced) carries the new pin."""
-        self.unpin(cold)
-        layer, expert = hot
-        log.info("colibri: repin layer %d: expert %d -> %d", layer, cold[1], expert)
-        slot = self._uncache(layer, expert)
+    def repin(self, cold: Key, hot: Key) -> None:
+        """Demote ``cold`` to the cache now and promote ``hot`` in the background: a read at
+        background priority nobody waits for; ``hot`` is pinned when it lands (or at once
+        when it is cached). The pin count never exceeds the capacity."""
+        pl, pilot = self._placed(), self._pilot()
+        self._quiesce()
+        pl.unpin(cold)
+        log.info("colibri: repin layer %d: expert %d -> %d", hot[0], cold[1], hot[1])
+        slot = pl.uncache(*hot)
         if slot is not None:
-            self._settle_pin(hot, slot)
+            pl.settle_pin(hot, slot)
+            pl.rebalance()
             return
-        self.pin_on_land.add(hot)
-        if hot in self.inflight:  # PILOT is already reading it: pin it when it lands
+        if pl.pin_room() <= 0:
             return
-        if len(self.free) <= self.work_slots + self.pilot_slots:
-            self.pin_on_land.discard(hot)  # no room after all: skip this swap
+        pl.pin_on_land.add(hot)
+        if hot in pilot.inflight:  # PILOT is already reading it: pin it when it lands
             return
-        slot = self.free.pop()
-        self._read(slot, layer, expert, PREFETCH)
-        self.inflight[hot] = slot
+        pl.rebalance()
+        if pl.spare() <= 0:
+            pl.pin_on_land.discard(hot)  # no room after all: skip this swap
+            pl.rebalance()
+            return
+        pilot.start(hot)
 
     def set_cache_per_layer(self, n: int) -> int:
         """Resize every layer's cache to ``n`` (clamped to what was allocated); evicts the
         coldest entries and gives their pages back, or faults parked slots in again."""
-        n = max(0, min(int(n), self.cache_max))
-        self._finish_held()
-        self._drain_landed()
-        if n < self.cache_per_layer:
-            self.cache_per_layer = n
-            for layer, cache in self.cache.items():
-                while len(cache) > n:
-                    victim = self.policies[layer].victim(())
-                    if victim is None:
-                        break
-                    self._evict(layer, victim)
-            keep = self.work_slots + self.pilot_slots
-            target_free = keep + (self.cache_max - n) * self.n_layers
-            while len(self.free) > keep and len(self.parked) < target_free - keep:
-                slot = self.free.pop(0)
-                self.arena.release(slot)
-                self.parked.append(slot)
-        elif n > self.cache_per_layer:
-            want = (n - self.cache_per_layer) * self.n_layers
-            for _ in range(min(want, len(self.parked))):
-                slot = self.parked.pop()
-                self.arena.fault_in(slot)
-                self.free.append(slot)
-            self.cache_per_layer = n
-        return n
+        self._quiesce()
+        return self._placed().resize_cache(n)
+
+    def streams(self) -> bool:
+        return self.cache_per_layer < self.layout.n_experts
+
+    def check_consistency(self) -> None:
+        """Assert the placement bookkeeping is whole (tests; after faults)."""
+        self._quiesce()
+        self._placed().check(idle=True)
 
     def resident_bytes(self) -> int:
-        assert self.arena is not None
-        return (self.arena.n_slots - len(self.parked)) * self.arena.slot_bytes
+        pl = self._placed()
+        return (pl.n_slots - len(pl.parked)) * self.reader.arena.slot_bytes
 
     def statistics(self, since: Counters | None = None) -> StoreStats:
         self.stats.io_active_s = self.pool.busy_seconds()
         c = self.stats if since is None else self.stats.minus(since)
-        cache_bytes = (
-            sum(len(x) for x in self.cache.values()) * self.slot_bytes
-            if self.arena is not None
-            else 0
-        )
-        return snapshot(
+        pl = self.placement
+        cached = sum(len(x) for x in pl.cache.values()) if pl is not None else 0
+        snap = snapshot(
             c,
-            cache_per_layer=getattr(self, "cache_per_layer", 0),
-            cache_bytes=cache_bytes,
-            pinned=len(getattr(self, "pinned", {})),
+            cache_per_layer=self.cache_per_layer,
+            cache_bytes=cached * self.slot_bytes,
+            pinned=len(pl.pinned) if pl is not None else 0,
             io_mode=self.files.mode,
             policy=self.policy_name,
             memwatch=self.memwatch_note,
+        )
+        return replace(
+            snap,
+            resident_experts=cached + snap.pinned,
+            expert_bytes=self.slot_bytes,
+            total_experts=self.n_layers * self.layout.n_experts,
+            pin_capacity=self.pins.budget.capacity,
+            pin_mode=self.pins.budget.mode,
+            pin_note=self.pins.note,
+            streams=self.streams(),
         )
 
     def close(self) -> None:
         if self.memwatch is not None:
             self.memwatch.close()
-        self.pool.close()
-        self.files.close()
+        self.reader.close()

@@ -4,7 +4,8 @@
  * lines (#...) and feeds the rest to cffi, so keep it to plain declarations.
  *
  * Weights are [O, I] row-major; activations x are float32 [S, I]; outputs y are
- * float32 [S, O] = x @ W^T.  Formats and families follow colibrid/backends/base.py.
+ * float32 [S, O] = x @ W^T.  Formats follow colibrid/formats/weights.py, kernel families
+ * colibrid/backends/base.py.
  * Every function that runs a kernel returns 0 on success, a negative code on error
  * (-1 bad argument, -2 out of memory).
  */

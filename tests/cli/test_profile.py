@@ -13,9 +13,10 @@ from daemon_helpers import Home, wait_for
 
 @pytest.fixture(scope="module", params=["resident", "tiered"])
 def home(request, chat_model: Path, tmp_path_factory) -> Home:
-    """The daemon with experts resident, and with the tiered store (`cache = 4` in
-    config.toml), where pins really move experts into the pinned tier."""
-    settings = {"cache": 4} if request.param == "tiered" else {}
+    """The daemon with experts resident (nothing to pin: every expert is in RAM), and with
+    the tiered store (`cache = 4`, `pin = "all"` in config.toml: a tiny model's history
+    stays below AUTOPIN's 5,000 selections), where pins really move experts."""
+    settings = {"cache": 4, "pin": "all"} if request.param == "tiered" else {}
     h = Home(tmp_path_factory.mktemp("prof"), chat_model, **settings)
     h.start()
     yield h
@@ -39,10 +40,18 @@ def test_warm_list_show_use_save(home: Home, tmp_path: Path) -> None:
     pins_default = pinned(home)
     use = home.colibri("profile", "use", "code")
     assert use.returncode == 0, use.stderr
-    assert wait_for(lambda: pinned(home) != pins_default, timeout_s=5)
-    assert pinned(home)  # the code profile pins its hot experts
     ps = home.colibri("ps")
     assert "code" in ps.stdout and "PINNED" in ps.stdout
+    if home.settings.get("cache") is None:  # resident: nothing moves, ps says why
+        assert pinned(home) == [] and "every expert is in RAM" in ps.stdout
+    else:
+        assert wait_for(lambda: pinned(home) != pins_default, timeout_s=5)
+        assert pinned(home)  # the code profile pins its hot experts
+        status = json.loads(home.colibri("ps", "--json").stdout)
+        ram = status["tiers"]["ram"]
+        assert (
+            0 < ram["pinned"] <= ram["pin_capacity"] and "pins (all)" in home.colibri("ps").stdout
+        )
     after = home.colibri(*question)
     assert after.stdout == before.stdout  # placement never changes tokens
     png = tmp_path / "code.png"

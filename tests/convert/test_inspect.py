@@ -13,8 +13,8 @@ from safetensors.numpy import save_file
 
 from colibri_cli.main import main
 from colibrid.convert.inspect import inspect
-from colibrid.convert.validate import validate
 from colibrid.engine.engine import Engine
+from colibrid.engine.validate import validate
 from colibrid.errors import CheckpointError
 from colibrid.store.checkpoint import Checkpoint
 

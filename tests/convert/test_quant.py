@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from colibrid.backends.base import QuantWeight, WeightFormat
-from colibrid.convert import quant
+from colibrid.formats import quant
+from colibrid.formats.weights import QuantWeight, WeightFormat
 
 
 def f32(x) -> np.ndarray:

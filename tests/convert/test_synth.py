@@ -12,8 +12,8 @@ from colibri_cli.main import main
 from colibrid.convert.inspect import inspect
 from colibrid.convert.plan import ConvertParams, build_groups, pack_shards
 from colibrid.convert.synth import synth_config
-from colibrid.convert.validate import expected_from_config
 from colibrid.engine.engine import Engine
+from colibrid.engine.validate import expected_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

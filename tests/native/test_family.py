@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibrid.backends.base import KernelFamily, WeightFormat
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.weights import WeightFormat
 
 
 @pytest.mark.parametrize("family", [KernelFamily.F32, KernelFamily.I8])

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.weights import QuantWeight, WeightFormat
 
 SHAPES = [(1, 1), (5, 16), (33, 24), (17, 40), (70, 64), (19, 129), (40, 300), (130, 1000)]
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import tiny_models
 
-from colibrid.backends.base import KernelFamily, WeightFormat
-from colibrid.convert.quant import container_tensors, dequantize, quantize
+from colibrid.backends.base import KernelFamily
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import DoneEvent, TokenEvent, generate, teacher_forced_argmax
 from colibrid.engine.sampling import SamplingParams
+from colibrid.formats.quant import container_tensors, dequantize, quantize
+from colibrid.formats.weights import WeightFormat
 
 
 def greedy(engine: Engine, prompt: list[int], n: int = 20) -> list[int]:

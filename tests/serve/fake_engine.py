@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,15 @@ import numpy as np
 import trio
 import trio.testing
 
-from colibrid.engine.host import EngineHost
 from colibrid.errors import Cancelled
-from colibrid.serve.profiles import ProfileBook, RecordedPins
+from colibrid.serve.host import EngineHost
+from colibrid.serve.profiles import ProfileBook
 from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
 from colibrid.serve.state import DaemonState
+from colibrid.store.pins import PinBudget, PinController
+from colibrid.store.recorder import UsageRecorder
+from colibrid.store.telemetry import Counters, StoreStats, snapshot
 
 VOCAB = 256
 N_LAYERS = 2
@@ -42,10 +45,47 @@ class Layout:
 
 
 class FakeExperts:
+    """The parts of the ExpertStore protocol the daemon uses, on the real usage recorder
+    and pin controller (pins are recorded, nothing moves)."""
+
     def __init__(self) -> None:
         self.layout = Layout()
         self.layers = self.layout.moe_layers
-        self.counts = np.zeros((N_LAYERS, self.layout.n_experts), dtype=np.int64)
+        self.recorder = UsageRecorder(N_LAYERS, self.layout.n_experts, self.layers)
+        self.counts = self.recorder.counts
+        self.pins = PinController(PinBudget("all", 2, 2))
+        self.stats = Counters()
+        self._pinned: list[tuple[int, int]] = []
+
+    def record(self, layer: int, experts: Sequence[int]) -> None:
+        self.recorder.record(layer, experts)
+
+    def take_usage(self) -> list[tuple[int, np.ndarray]]:
+        return self.recorder.take()
+
+    def pinned_keys(self) -> list[tuple[int, int]]:
+        return list(self._pinned)
+
+    def apply_pins(self, counts: np.ndarray) -> int:
+        self._pinned = self.pins.choose(counts, self.layers)
+        return len(self._pinned)
+
+    def request_finished(self) -> None:
+        pass
+
+    def statistics(self, since: Counters | None = None) -> StoreStats:
+        snap = snapshot(
+            self.stats,
+            cache_per_layer=4,
+            cache_bytes=0,
+            pinned=len(self._pinned),
+            io_mode="fake",
+            policy="-",
+            memwatch="off",
+        )
+        return replace(
+            snap, total_experts=N_LAYERS * 4, resident_experts=N_LAYERS * 4, pin_note=self.pins.note
+        )
 
 
 @dataclass(frozen=True)
@@ -79,7 +119,7 @@ class FakeSession:
                 raise Cancelled("request cancelled")
             if progress is not None:
                 progress(layer, N_LAYERS)
-            self.engine.experts.counts[layer, int(token_ids[-1]) % 4] += 1
+            self.engine.experts.record(layer, [int(token_ids[-1]) % 4])
         self.tokens.extend(int(t) for t in token_ids)
         self.prefilled += len(token_ids)
         self.engine.computed += len(token_ids)
@@ -121,6 +161,10 @@ class FakeEngine:
         self.info = Info()
         self.layer_delay_s = layer_delay_s
         self.computed = 0
+        self.kv_budget_bytes = None
+
+    def request_finished(self) -> None:
+        self.experts.request_finished()
 
     def new_session(self) -> FakeSession:
         return FakeSession(self)
@@ -156,7 +200,7 @@ async def open_daemon(
     tmp: Path, *, max_queue: int = 16, max_active: int = 4, layer_delay_s: float = 0.0
 ) -> AsyncIterator[InProcessDaemon]:
     engine = FakeEngine(layer_delay_s=layer_delay_s)
-    book = ProfileBook(tmp / "profiles", (N_LAYERS, 4), "test", "default", RecordedPins(), 2)
+    book = ProfileBook(tmp / "profiles", (N_LAYERS, 4), "test", "default")
     host = EngineHost(engine, FakeCodec(), usage=book)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         await nursery.start(host.serve)

@@ -10,9 +10,9 @@ import torch
 from safetensors.numpy import save_file as save_np
 from safetensors.torch import save_file as save_pt
 
-from colibrid.backends.base import WeightFormat
-from colibrid.convert import quant
 from colibrid.errors import CheckpointError, ConfigError
+from colibrid.formats import quant
+from colibrid.formats.weights import WeightFormat
 from colibrid.store.checkpoint import Checkpoint
 
 CONFIG = {"model_type": "tiny", "hidden_size": 8}

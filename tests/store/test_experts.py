@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from colibrid.backends.base import WeightFormat
-from colibrid.convert import quant
 from colibrid.errors import ModelLoadError
+from colibrid.formats import quant
+from colibrid.formats.weights import WeightFormat
 from colibrid.store.checkpoint import Checkpoint
-from colibrid.store.experts import ExpertLayout, ExpertStore, ExpertWeights, ResidentExpertStore
+from colibrid.store.experts import ExpertLayout, ExpertWeights
+from colibrid.store.protocol import ExpertStore
+from colibrid.store.resident import ResidentExpertStore
 
 HIDDEN, FFN, N_EXPERTS = 8, 6, 4
 NUM_HIDDEN_LAYERS = 3  # layers 0..2; the MTP layer is index 3

@@ -46,7 +46,7 @@ def test_extents_are_aligned_and_slab_is_aligned(oracle_checkpoint) -> None:
                 for r in ext.reads:
                     assert r.offset % ALIGN == 0 and r.length % ALIGN == 0
                     assert r.slab_offset % ALIGN == 0
-        assert store.arena.buf.ctypes.data % ALIGN == 0
+        assert store.reader.arena.buf.ctypes.data % ALIGN == 0
         assert store.files.mode == "O_DIRECT"  # tmp_path is ext4 here: direct really works
     finally:
         engine.close()
@@ -192,10 +192,8 @@ def test_profile_and_pins_do_not_change_tokens(oracle_checkpoint, tmp_path, pin)
 
 
 def test_repin_swaps_in_the_background_without_changing_tokens(oracle_checkpoint) -> None:
-    from colibrid.store.pinning import Repinner
-
     ref = oracle_checkpoint("deepseek_v3")
-    engine = tiered(ref, cache=2, io_threads=2)
+    engine = tiered(ref, cache=2, io_threads=2, pin="all", ram_gb=4)
     try:
         store = engine.experts
         layer = store.layers[0]
@@ -204,8 +202,11 @@ def test_repin_swaps_in_the_background_without_changing_tokens(oracle_checkpoint
         cold = int(np.argmin(used))
         hot = int(np.argmax(used))
         assert used[hot] > used[cold] * 1.25 + 4
-        store.pin([(layer, cold)])
-        store.repinner = Repinner(store.counts.shape[0], store.layout.n_experts)
+        only_cold = np.zeros_like(store.counts)
+        only_cold[layer, cold] = 1
+        assert store.apply_pins(only_cold) == 1  # one pin: the cold expert
+        store.recorder.heat[:] = 0
+        np.add.at(store.recorder.heat[layer], np.repeat(np.arange(len(used)), used), 1.0)
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids  # ends with request_finished
         # the swap was decided at the boundary: the cold expert left the pinned tier at
         # once, the hot one is pinned or on its way (a background read nobody waits for)

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibrid.store.pinning import Repinner, autopin_slots, confidence, hottest
 from colibrid.store.usage import UsageError, UsageProfile, cooc_path, engine_id_hash
 
 UPSTREAM = "-1 79 256\n-2 1 3815245270\n3 0 17\n3 255 4\n78 7 2\n"
@@ -94,23 +93,3 @@ def test_survives_kill_9_at_any_moment(tmp_path: Path) -> None:
         u = UsageProfile(8, 64, "glm_moe_dsa", moe_layers=range(8))
         got = u.merge_file(path)  # parses completely: never torn
         assert got > 0 and got % 2 == 0
-
-
-def test_autopin_confidence_and_cap() -> None:
-    assert confidence(100_000) == 0.5 and confidence(10**7) == 1.0
-    assert autopin_slots(4_999, 10**9, 10**6, 2, 16) == 0
-    # room for 6 per layer x 2 layers + 1 leftover slot: pins never eat the cache's share
-    assert autopin_slots(200_000, 13 * 10**6, 10**6, 2, 16) == 1
-    counts = np.zeros((3, 4), dtype=np.int64)
-    counts[1, 2], counts[2, 0], counts[1, 3] = 9, 9, 1
-    assert hottest(counts, (1, 2), 2) == [(1, 2), (2, 0)]
-
-
-def test_repin_hysteresis() -> None:
-    r = Repinner(2, 4)
-    r.record(1, np.array([0] * 10 + [1] * 17))  # 17 > 10 * 1.25 + 4
-    assert r.swaps([(1, 0)]) == [((1, 0), (1, 1))]
-    assert r.heat[1, 1] == 8.5  # session heat halves after each pass
-    r2 = Repinner(2, 4)
-    r2.record(1, np.array([0] * 10 + [1] * 13))  # 13 <= 10 * 1.25 + 4: no swap
-    assert r2.swaps([(1, 0)]) == []

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily, QuantWeight, WeightFormat
-from colibrid.convert.quant import dequantize, pack_nibbles, unpack_nibbles
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.quant import dequantize, pack_nibbles, unpack_nibbles
+from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.models.base import Ops
 
 

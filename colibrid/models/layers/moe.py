@@ -46,10 +46,7 @@ class MoE:
         """Record the routing and ask the store for the union of chosen experts."""
         union = np.unique(route.experts).tolist()  # ascending expert ids
         self.experts.record(self.layer, union)
-        ready = getattr(self.experts, "iter_ready", None)  # resident first, misses as they land
-        if ready is not None:
-            return ready(self.layer, union)
-        return zip(union, self.experts.get_many(self.layer, union), strict=True)
+        return self.experts.iter_ready(self.layer, union)  # resident first, misses as they land
 
     def combine(
         self, x: np.ndarray, route: Route, pairs: Iterable[tuple[int, Any]], family: KernelFamily

@@ -16,11 +16,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import trio
 
 from colibrid.engine import kv_files
@@ -30,6 +29,8 @@ from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
 from colibrid.errors import ColibriError, RequestError
 from colibrid.serve.events import Accepted, Done, Event, Failed, Progress, Token
 from colibrid.serve.requests import GenerateRequest
+from colibrid.store.protocol import UsageDelta
+from colibrid.store.telemetry import StoreStats
 
 log = logging.getLogger("colibrid.host")
 
@@ -74,8 +75,17 @@ class HostStatistics:
 class UsageSink:
     """Where per-request expert selections are counted (the profile book); a no-op here."""
 
-    def add(self, profile: str | None, delta: np.ndarray) -> None:  # pragma: no cover
+    def add(self, profile: str | None, delta: UsageDelta) -> None:  # pragma: no cover
         pass
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """What the trio side may read of the store: a snapshot the engine thread published
+    (the store itself is only ever touched by the engine thread)."""
+
+    stats: StoreStats
+    pinned: frozenset[tuple[int, int]]
 
 
 class EngineHost:
@@ -96,13 +106,14 @@ class EngineHost:
         self._sessions = SessionPool(
             engine.new_session,
             max_sessions=max_conversations,
-            max_kv_bytes=getattr(engine, "kv_budget_bytes", None),
+            max_kv_bytes=engine.kv_budget_bytes,
             prompt_cache=prompt_cache,
         )
         self._layer_delay_s = layer_delay_s
         self._usage = usage or UsageSink()
         self._done = 0
         self._last_tok_s = 0.0
+        self.store_view = self._store_view()
 
     # ---- trio side ----------------------------------------------------------------------
     async def serve(
@@ -180,6 +191,7 @@ class EngineHost:
                 item()
             except Exception:
                 log.exception("engine-thread command failed")
+            self.publish_store()
 
     def _emit(self, job: Job, event: Event) -> bool:
         try:
@@ -192,13 +204,25 @@ class EngineHost:
             job.cancel.set()
             return False
 
+    def _store_view(self) -> StoreView:
+        store = self.engine.experts
+        return StoreView(store.statistics(), frozenset(store.pinned_keys()))
+
+    def publish_store(self) -> None:
+        """Engine thread: refresh the snapshot `ps` and STATUS read."""
+        self.store_view = self._store_view()
+
     def _finish(self, job: Job, event: Event) -> None:
-        """Bookkeeping first, so a client that sees the end also sees the engine free."""
+        """Bookkeeping first, so a client that sees the end also sees the engine free. A
+        failed request's KV rows are discarded: its session goes back holding only what
+        it held before the request."""
         if job in self._active:
             self._active.remove(job)
         if job.session_key is not None:
-            self._sessions.checkin(job.session_key)
+            failed = isinstance(event, Failed) and event.code != "CANCELLED"
+            self._sessions.checkin(job.session_key, keep=job.cached if failed else None)
             job.session_key = None
+        self.publish_store()
         self._done += 1
         try:
             trio.from_thread.run_sync(job.on_finish)
@@ -272,8 +296,6 @@ class EngineHost:
         return self.codec.encode(req.prompt or "", add_special_tokens=True)
 
     def _step(self, job: Job) -> None:
-        counts = getattr(self.engine.experts, "counts", None)
-        before = counts.copy() if counts is not None else None
         try:
             assert job.gen is not None
             event = next(job.gen)
@@ -285,8 +307,9 @@ class EngineHost:
             self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
             return
         finally:
-            if before is not None:
-                self._usage.add(job.request.profile, counts - before)
+            store = self.engine.experts
+            self._usage.add(job.request.profile, store.take_usage())
+            self.store_view = replace(self.store_view, stats=store.statistics())
         if not isinstance(event, DoneEvent):
             if event.text:
                 self._emit(job, Token(event.text))

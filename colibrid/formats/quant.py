@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibrid.backends.base import QuantWeight, WeightFormat
+from colibrid.formats.weights import QuantWeight, WeightFormat
 
 SCALE_FLOOR = np.float32(1e-8)
 BLOCK_ELEMENTS = 1 << 22

@@ -10,6 +10,10 @@ one line naming the tensor.
 The expected tensors come from the model code itself, not a second copy of the config
 rules: the family's ``build`` runs against a recording weight source that answers with
 zero-cost broadcast placeholders and notes every (name, shape, kind) it is asked for.
+
+It lives in the engine because it joins the three parts the engine composes (the model
+code, the expert layout, the store's checkpoint); the engine runs it before every load and
+the converter imports it from here, so the engine never imports the converter.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from colibrid.backends.base import QuantWeight, WeightFormat
 from colibrid.errors import CheckpointError, ColibriError
+from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.store.checkpoint import Checkpoint, resolve_container_format
 from colibrid.store.safetensors_file import describe
 
@@ -57,8 +61,8 @@ class _Recorder:
 
 
 class _NoExperts:
-    def get_many(self, layer: int, experts: Any) -> list[Any]:
-        return []
+    def iter_ready(self, layer: int, experts: Any) -> Any:
+        return iter(())
 
     def record(self, layer: int, experts: Any) -> None:
         return None

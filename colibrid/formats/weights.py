@@ -1,0 +1,58 @@
+"""Weight formats and the quantised weight type: what a stored or resident matrix is.
+
+Shared by the converter (which writes them), the store (which maps and reads them), the
+models (which hold them) and every backend (whose kernels compute on them); it imports
+nothing from colibrid, so every package can depend on it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class WeightFormat(enum.Enum):
+    """On-disk / in-memory weight formats (DESIGN §5; upstream fmt numbers in comments)."""
+
+    F32 = "f32"  # fmt 0
+    BF16 = "bf16"  # stored as uint16
+    Q8 = "q8"  # fmt 1: int8 per row, O scales
+    Q4 = "q4"  # fmt 2 (group_size == 0, per row) or fmt 4 (grouped, gs 64 default)
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A 2-D weight [O, I] in one of the supported formats, resident in host memory.
+
+    data:
+      F32  -> float32 [O, I]
+      BF16 -> uint16  [O, I] (the upper half of the f32 bit pattern)
+      Q8   -> int8    [O, I]
+      Q4   -> uint8   [O, ceil(I/2)]: nibble = q + 8, even element in the low nibble
+    scales: float32, None for F32/BF16; [O] for Q8 and per-row Q4; [O, ceil(I/gs)] for
+      grouped Q4.
+    group_size: 0 means per-row scales (only meaningful for Q4).
+
+    Arrays must be C-contiguous. They may be views into an mmap or a slab.
+    """
+
+    fmt: WeightFormat
+    shape: tuple[int, int]
+    data: np.ndarray
+    scales: np.ndarray | None = None
+    group_size: int = 0
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.scales is None else self.scales.nbytes
+        return self.data.nbytes + extra

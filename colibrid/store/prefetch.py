@@ -1,0 +1,93 @@
+"""PILOT's side of the store: background reads of the experts a layer is predicted to
+choose, withdrawn unread when the router disagrees, and the recall score.
+
+Why it never blocks or evicts: a guess may only use slots beyond the work slots (the
+plan's PILOT share), and is admitted to a cache only after its layer has used it, so a
+wrong guess costs disk time at background priority and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from colibrid.store.reader import ExpertReader
+from colibrid.store.slots import PREFETCH, Key, Placement
+from colibrid.store.telemetry import Counters
+
+
+class Prefetcher:
+    def __init__(self, placement: Placement, reader: ExpertReader, stats: Counters) -> None:
+        self.placement = placement
+        self.reader = reader
+        self.stats = stats
+        self.inflight: dict[Key, int] = {}  # key -> slot of a background read
+        self._predictions: dict[int, set[int]] = {}  # guess per layer, for recall
+
+    def hint(self, layer: int, experts: Sequence[int], room: int) -> int:
+        """Start at most ``room`` background reads of ``experts`` of ``layer`` (surest
+        first); returns the number of reads issued."""
+        pl = self.placement
+        order = list(dict.fromkeys(int(e) for e in experts))
+        self._predictions[layer] = set(order)
+        issued = 0
+        for e in order:
+            key = (layer, e)
+            if key in pl.pinned or e in pl.cache[layer] or key in self.inflight:
+                continue
+            if issued >= room or pl.spare() <= 0 or pl.cache_per_layer == 0:
+                break
+            self.start(key)
+            issued += 1
+        self.stats.pilot_loads += issued
+        self.stats.pilot_predicted += len(order)
+        return issued
+
+    def start(self, key: Key) -> int:
+        """A background read of ``key`` into a free slot (PILOT's guess or a REPIN)."""
+        slot = self.placement.take()
+        self.placement.fill(slot, key, PREFETCH)
+        self.reader.read(slot, key, background=True)
+        self.inflight[key] = slot
+        return slot
+
+    def withdraw(self, key: Key) -> bool:
+        """Cancel a background read no worker has started; frees its slot."""
+        slot = self.inflight[key]
+        if not self.reader.withdraw(slot, key):
+            return False
+        del self.inflight[key]
+        self.stats.pilot_cancelled += 1
+        self.placement.release(slot)
+        return True
+
+    def withdraw_layer(self, layer: int) -> None:
+        """The layer has chosen: its unstarted guesses (not REPIN's) are not worth reading."""
+        keep = self.placement.pin_on_land
+        for key in [k for k in self.inflight if k[0] == layer and k not in keep]:
+            self.withdraw(key)
+
+    def claim(self, key: Key) -> int | None:
+        """The layer needs ``key`` and a background read of it is in flight: the layer
+        takes that read over (promoted to demand priority); its slot, or None."""
+        slot = self.inflight.pop(key, None)
+        if slot is not None:
+            self.reader.promote(slot)
+        return slot
+
+    def landed(self, slot: int) -> Key | None:
+        key = self.placement.slot_key[slot]
+        if key is not None:
+            self.inflight.pop(key, None)
+        return key
+
+    def score(self, layer: int, chosen: np.ndarray) -> None:
+        predicted = self._predictions.pop(layer, None)
+        if predicted is not None:
+            picked = set(chosen.tolist())
+            self.stats.pilot_chosen += len(picked)
+            self.stats.pilot_correct += len(picked & predicted)
+
+    def end_pass(self) -> None:
+        self._predictions.clear()

@@ -1,0 +1,122 @@
+"""The reader: expert extents on disk, the slab arena they land in, and the I/O pool.
+
+Why apart from placement: this is the only part that touches files, threads and pages;
+it fills a slot it is told to fill and reports completions, and never decides which
+expert goes where (that is :mod:`colibrid.store.slots`).
+"""
+
+from __future__ import annotations
+
+from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.experts import PROJECTIONS, ExpertLayout, ExpertWeights
+from colibrid.store.extents import ExpertExtents, ExtentPlanner
+from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
+from colibrid.store.slabs import SlabArena
+from colibrid.store.telemetry import Counters, now
+
+Key = tuple[int, int]
+
+
+class ExpertReader:
+    """Extents of every routed expert (planned from headers only) and their reads."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        layout: ExpertLayout,
+        *,
+        direct: bool,
+        io_threads: int,
+        stats: Counters,
+        extra_layers: dict[int, str] | None = None,
+    ) -> None:
+        planner = ExtentPlanner(checkpoint, layout)
+        templates = {layer: layout.name_template for layer in layout.moe_layers}
+        templates.update(extra_layers or {})
+        self.extents: dict[int, list[ExpertExtents]] = {
+            layer: [planner.plan(layer, e, t) for e in range(layout.n_experts)]
+            for layer, t in sorted(templates.items())
+        }
+        self.expert_names = {
+            layout.tensor_name(la, e, p, t) + sfx
+            for la, t in templates.items()
+            for e in range(layout.n_experts)
+            for p in PROJECTIONS
+            for sfx in ("", ".qs")
+        }
+        self.slot_bytes = max(x.slab_bytes for row in self.extents.values() for x in row)
+        self.expert_bytes = max(x.payload_bytes for row in self.extents.values() for x in row)
+        self.files = ReadFiles(planner.files, direct=direct)
+        self.pool = IOPool(self.files, io_threads)
+        self.stats = stats
+        self.arena: SlabArena | None = None
+        self._views: list[tuple[Key | None, ExpertWeights | None]] = []
+
+    def payload_bytes(self) -> int:
+        return sum(x.payload_bytes for row in self.extents.values() for x in row)
+
+    def allocate(self, n_slots: int) -> SlabArena:
+        """The arena, not pre-faulted: placement faults in what the plan needs now."""
+        self.arena = SlabArena(self.slot_bytes, max(1, n_slots), prefault=False)
+        self._views = [(None, None)] * self.arena.n_slots
+        return self.arena
+
+    def read(self, slot: int, key: Key, *, background: bool) -> None:
+        ext = self.extents[key[0]][key[1]]
+        assert self.arena is not None
+        self.stats.bytes_read += ext.read_bytes
+        if background:
+            self.stats.prefetch_bytes += ext.read_bytes
+        self.pool.submit(
+            slot, ext.reads, self.arena.memview(slot), BACKGROUND if background else DEMAND_READ
+        )
+
+    def withdraw(self, slot: int, key: Key) -> bool:
+        """Cancel a background read no worker has started (its bytes are not counted)."""
+        if not self.pool.cancel(slot):
+            return False
+        nbytes = self.extents[key[0]][key[1]].read_bytes
+        self.stats.bytes_read -= nbytes
+        self.stats.prefetch_bytes -= nbytes
+        return True
+
+    def promote(self, slot: int) -> None:
+        self.pool.promote(slot)
+
+    def completed(self) -> bool:
+        """A completion is waiting (non-blocking)."""
+        return not self.pool.done.empty()
+
+    def next_completion(self) -> tuple[int, BaseException | None]:
+        """Wait for one read to complete: (slot, error or None); the wait is io-wait."""
+        t0 = now()
+        tag, _n, err = self.pool.done.get()
+        self.stats.io_wait_s += now() - t0
+        return tag, err
+
+    def view(self, slot: int, key: Key) -> ExpertWeights:
+        """The expert's three weights over the slot's bytes (built once per fill)."""
+        cached_key, weights = self._views[slot]
+        if cached_key != key or weights is None:
+            assert self.arena is not None
+            weights = self.extents[key[0]][key[1]].views(self.arena.slot(slot))
+            self._views[slot] = (key, weights)
+        return weights
+
+    def forget_view(self, slot: int) -> None:
+        """The slot's bytes may change (a failed or cancelled read): build views anew."""
+        if self._views:
+            self._views[slot] = (None, None)
+
+    def fault_in(self, slot: int) -> None:
+        assert self.arena is not None
+        self.arena.fault_in(slot)
+
+    def park(self, slot: int) -> None:
+        assert self.arena is not None
+        self.arena.release(slot)
+        self.forget_view(slot)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.files.close()

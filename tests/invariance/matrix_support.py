@@ -1,0 +1,195 @@
+"""Support of the daemon invariance matrix (test_daemon_matrix.py): the clients (SERVE,
+HTTP, `colibrid generate`), the models it serves (the demo, tiny streamed GLM-5 / DeepSeek
+int4 containers) and, per model, the resident store's reference answers and the usage
+profiles a resident daemon leaves behind (fixtures, made visible by conftest.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from daemon_helpers import Home, free_port, install_chat_tokenizer
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue?",
+)
+MAX_TOKENS = 14
+SETTINGS = dict(prompt_cache=False, profile_save_s=0.5, shutdown_grace_s=2.0)
+
+
+@dataclass(frozen=True)
+class Model:
+    kind: str  # "demo" or an oracle arch
+    path: Path
+
+    @property
+    def name(self) -> str:  # what the daemon serves it as (its folder name)
+        return self.path.name
+
+
+@dataclass
+class Reference:
+    """The resident store's answers (by client, then prompt) and its saved profiles."""
+
+    model: Model
+    serve: dict[str, str]
+    http: dict[str, str]
+    profiles: Path  # profiles/<model>/ of the resident daemon: default + code .coli_usage
+    ids: list[int] = field(default_factory=list)  # a prompt for `colibrid generate --ids`
+    generated: str = ""  # `colibrid generate --ids-out` on the resident store
+
+
+def ask(home: Home, prompt: str) -> str:
+    """`colibri ask` greedy; its stdout, or a line naming the failure."""
+    r = home.colibri("ask", "--max-tokens", str(MAX_TOKENS), "--temperature", "0", prompt)
+    if r.returncode != 0:
+        return f"<colibri ask failed rc={r.returncode}: {r.stderr.strip()[-400:]}>"
+    return r.stdout
+
+
+def ask_http(port: int, model: str, prompt: str) -> str:
+    """The official `openai` client, greedy chat completion; its text, or the failure."""
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    try:
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+    except openai.OpenAIError as exc:
+        return f"<HTTP request failed: {type(exc).__name__}: {str(exc)[-400:]}>"
+    return reply.choices[0].message.content or ""
+
+
+def ask_all(home: Home, port: int, model: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Every prompt through SERVE and HTTP at once (all in flight together)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(PROMPTS)) as pool:
+        serve = {p: pool.submit(ask, home, p) for p in PROMPTS}
+        http = {p: pool.submit(ask_http, port, model, p) for p in PROMPTS}
+        return {p: f.result() for p, f in serve.items()}, {p: f.result() for p, f in http.items()}
+
+
+def generate_ids(model: Path, ids: list[int], *flags: str) -> str:
+    r = subprocess.run(
+        [sys.executable, "-m", "colibrid", "generate", "--model", str(model)]
+        + ["--ids", ",".join(map(str, ids)), "--ids-out", "--max-tokens", "20", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if r.returncode != 0:
+        return f"<colibrid generate {' '.join(flags)} failed rc={r.returncode}: {r.stderr[-400:]}>"
+    return r.stdout
+
+
+def status(home: Home) -> dict:
+    from colibri_cli.client import Client
+
+    with Client.connect(home.socket, timeout_s=30) as client:
+        return client.query("STATUS")
+
+
+def prompt_ids(model: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(model / "tokenizer.json")).encode(text).ids
+
+
+@pytest.fixture(scope="session")
+def streamed_model(oracle_checkpoint, tmp_path_factory):
+    """Factory: ``streamed_model(arch) -> Model``: the tiny oracle checkpoint of ``arch`` as
+    an int4 container (`colibri convert`, experts streamable by the tiered store), with a
+    tokenizer and chat template so the text clients can talk to it."""
+    cache: dict[str, Model] = {}
+
+    def get(arch: str) -> Model:
+        if arch not in cache:
+            src = oracle_checkpoint(arch).out_dir
+            dst = tmp_path_factory.mktemp("streamed") / f"tiny-{arch}"
+            r = subprocess.run(
+                [sys.executable, "-m", "colibri_cli", "convert", str(src), str(dst), "--quiet"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert r.returncode == 0, r.stdout + r.stderr
+            install_chat_tokenizer(dst)
+            cache[arch] = Model(arch, dst)
+        return cache[arch]
+
+    return get
+
+
+def matrix_model(request: pytest.FixtureRequest, kind: str) -> Model:
+    """The model of a test: "demo" or an oracle arch (fixtures looked up lazily, so a run
+    that only needs the tiny models never builds the demo, and vice versa)."""
+    if kind == "demo":
+        return Model("demo", request.getfixturevalue("demo_container"))
+    return request.getfixturevalue("streamed_model")(kind)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Factory: ``reference(model) -> Reference``, one resident daemon per model (cached).
+
+    The resident store (no placement key in config.toml: the automatic choice keeps these
+    small models' experts resident, checked in `ps`) answers every prompt through SERVE and
+    HTTP one at a time, then all at once (must agree: concurrency alone changes nothing),
+    and `colibri profile warm code` leaves a warmed `code` profile; the asks leave counts
+    in `default`. Both files are what the tiered cells start from."""
+    cache: dict[str, Reference] = {}
+
+    def get(model: Model) -> Reference:
+        kind = model.kind
+        if kind in cache:
+            return cache[kind]
+        port = free_port()
+        home = Home(tmp_path_factory.mktemp(f"ref-{kind}"), model.path, http=str(port), **SETTINGS)
+        try:
+            home.start()
+            tiers = status(home)["tiers"]
+            assert tiers["disk"]["experts"] == 0, f"reference is not resident: {tiers}"
+            serve = {p: ask(home, p) for p in PROMPTS}
+            http = {p: ask_http(port, model.name, p) for p in PROMPTS}
+            for text in [*serve.values(), *http.values()]:
+                assert text and not text.startswith("<"), (text, home.log())
+            again = ask_all(home, port, model.name)
+            assert again == (serve, http), (
+                f"the resident store alone differs between serial and concurrent asks:\n"
+                f"serial {serve} {http}\nconcurrent {again}"
+            )
+            warm = home.colibri("profile", "warm", "code", "--limit", "3", "--max-tokens", "8")
+            assert warm.returncode == 0, warm.stderr
+        finally:
+            home.close()
+        profiles = home.path / "profiles" / model.name
+        for name in ("default", "code"):
+            text = (profiles / f"{name}.coli_usage").read_text()
+            assert any(c.isdigit() and c != "0" for c in text), f"{name} profile has no counts"
+        ids = prompt_ids(model.path, PROMPTS[0])
+        generated = generate_ids(model.path, ids)
+        assert generated and not generated.startswith("<"), generated
+        cache[kind] = Reference(model, serve, http, profiles, ids, generated)
+        return cache[kind]
+
+    return get
+
+
+def copy_profiles(ref: Reference, home: Path) -> None:
+    """Start a home with the reference's warmed profiles (default + code)."""
+    dst = home / "profiles" / ref.model.name
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in ref.profiles.glob("*.coli_usage"):
+        shutil.copy(path, dst / path.name)
