@@ -93,8 +93,13 @@ class Engine:
         module = model_family(model_type)
         args = module.ModelArgs.from_config(config)
         store_opts = store or StoreOptions()
+        idle = mtp_prefix(args, checkpoint)  # loaded, never run yet: not in the budget
         experts = open_store(
-            checkpoint, expert_layout(args, checkpoint), store_opts, str(model_type)
+            checkpoint,
+            expert_layout(args, checkpoint),
+            store_opts,
+            str(model_type),
+            idle_prefixes=(idle,) if idle else (),
         )
         model = module.build(args, checkpoint, experts, ops)
         limit = args.trunk.max_position_embeddings
@@ -135,13 +140,23 @@ def pilot_wanted(mode: str, store: ExpertStore) -> bool:
     return store.streams()
 
 
-def expert_layout(args: Any, checkpoint: Checkpoint) -> ExpertLayout:
-    """The neutral description of the routed experts the store serves."""
+def mtp_prefix(args: Any, checkpoint: Checkpoint) -> str | None:
+    """The tensor-name prefix of the checkpoint's MTP layer, when it has one."""
+    mtp = args.trunk.num_hidden_layers
+    if args.trunk.num_mtp_layers and MTPLayer.present(checkpoint, mtp):
+        return f"model.layers.{mtp}."
+    return None
+
+
+def expert_layout(args: Any, checkpoint: Checkpoint, *, with_mtp: bool = False) -> ExpertLayout:
+    """The neutral description of the routed experts the store serves. The MTP layer's
+    experts are left out (``with_mtp`` puts them in, for validation): the MTP layer is
+    loaded but never run until speculation uses it, so the store must not plan, pin or
+    count them (they would take slots and budget for nothing)."""
     trunk = args.trunk
     layers = [layer for layer, is_moe in enumerate(args.is_moe) if is_moe]
-    mtp = trunk.num_hidden_layers
-    if trunk.num_mtp_layers and MTPLayer.present(checkpoint, mtp):
-        layers.append(mtp)
+    if with_mtp and mtp_prefix(args, checkpoint) is not None:
+        layers.append(trunk.num_hidden_layers)
     return ExpertLayout(
         moe_layers=tuple(layers),
         n_experts=args.moe.n_routed_experts,

@@ -81,7 +81,7 @@ def expected_from_config(
     args = module.ModelArgs.from_config(config)
     rec = _Recorder(has)
     _walk_model(module, args, rec)
-    layout = expert_layout(args, rec)
+    layout = expert_layout(args, rec, with_mtp=True)
     for layer in layout.moe_layers:
         for e in range(layout.n_experts):
             for proj in PROJECTIONS:

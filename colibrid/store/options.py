@@ -78,14 +78,29 @@ class StoreSizing:
     model_type: str
 
 
-def dense_bytes(checkpoint: Checkpoint, expert_names: set[str]) -> int:
-    return sum(checkpoint.info(n).nbytes for n in checkpoint.names() if n not in expert_names)
+def dense_bytes(
+    checkpoint: Checkpoint, expert_names: set[str], idle_prefixes: tuple[str, ...] = ()
+) -> int:
+    """Bytes of everything resident that is not a routed expert; tensors under
+    ``idle_prefixes`` (a layer loaded but never run, e.g. MTP) are mapped, never read,
+    so they cost no RAM and are not counted."""
+    return sum(
+        checkpoint.info(n).nbytes
+        for n in checkpoint.names()
+        if n not in expert_names and not n.startswith(idle_prefixes)
+    )
 
 
 def open_store(
-    checkpoint: Checkpoint, layout: ExpertLayout, opts: StoreOptions, model_type: str
+    checkpoint: Checkpoint,
+    layout: ExpertLayout,
+    opts: StoreOptions,
+    model_type: str,
+    *,
+    idle_prefixes: tuple[str, ...] = (),
 ) -> ExpertStore:
-    """The expert store for ``opts``; it still needs :func:`allocate_store`."""
+    """The expert store for ``opts``; it still needs :func:`allocate_store`.
+    ``idle_prefixes``: tensors loaded but never run (kept out of the budget)."""
     total, source = budgets.resolve_total(opts.ram_gb)
     if opts.mode == "resident":
         return ResidentExpertStore(checkpoint, layout)
@@ -96,7 +111,7 @@ def open_store(
     except NotStreamable as exc:
         log.warning("colibri: experts stay resident (%s)", exc)
         return ResidentExpertStore(checkpoint, layout)
-    dense = dense_bytes(checkpoint, store.expert_names)
+    dense = dense_bytes(checkpoint, store.expert_names, idle_prefixes)
     budgets.check_dense_fits(total, dense, source)
     if opts.mode == "auto" and dense + store.payload_bytes() <= total // 2:
         store.close()

@@ -133,10 +133,10 @@ def test_a_failing_repin_read(engine, ref) -> None:
     store.set_cache_per_layer(0)  # not cached: the promotion must read
     store.set_cache_per_layer(1)
     fail_reads(store.reader.pool, io_pool.BACKGROUND, 1)  # REPIN reads at background priority
-    store.repin(cold, hot)
+    store.moves.repin(cold, hot)
     assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     store.check_consistency()
-    assert hot not in store.pinned and not store.pin_on_land
+    assert hot not in store.pinned and not store.placement.pin_on_land
 
 
 class CancelAt(threading.Event):

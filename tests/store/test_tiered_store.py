@@ -96,11 +96,11 @@ def test_memwatch_shrinks_and_grows_between_tokens(oracle_checkpoint) -> None:
         assert store.cache_per_layer == 16
         free[0] = GiB // 2
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
-        assert store.cache_per_layer == 0 and store.parked
-        assert all(not c for c in store.cache.values())
+        assert store.cache_per_layer == 0 and store.placement.parked
+        assert all(not c for c in store.placement.cache.values())
         free[0] = 100 * GiB
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
-        assert store.cache_per_layer == 16 and not store.parked
+        assert store.cache_per_layer == 16 and not store.placement.parked
         assert "grow" in store.statistics().memwatch
     finally:
         engine.close()
@@ -211,18 +211,21 @@ def test_repin_swaps_in_the_background_without_changing_tokens(oracle_checkpoint
         # the swap was decided at the boundary: the cold expert left the pinned tier at
         # once, the hot one is pinned or on its way (a background read nobody waits for)
         assert (layer, cold) not in store.pinned
-        assert (layer, hot) in store.pinned or (layer, hot) in store.pin_on_land
+        assert (layer, hot) in store.pinned or (layer, hot) in store.placement.pin_on_land
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
-        assert (layer, hot) in store.pinned and not store.pin_on_land
+        assert (layer, hot) in store.pinned and not store.placement.pin_on_land
         assert store.statistics().hits_pinned > 0
         # not cached any more: the promotion must read, and repin() must not wait for it
         store.set_cache_per_layer(0)
         store.set_cache_per_layer(2)
         second = int(np.argsort(used)[-2])
-        store.repin((layer, hot), (layer, second))
-        assert (layer, second) in store.pin_on_land and (layer, second) not in store.pinned
+        store.moves.repin((layer, hot), (layer, second))
+        assert (layer, second) in store.placement.pin_on_land and (
+            layer,
+            second,
+        ) not in store.pinned
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
-        assert (layer, second) in store.pinned and not store.pin_on_land
+        assert (layer, second) in store.pinned and not store.placement.pin_on_land
     finally:
         engine.close()
 
@@ -233,11 +236,11 @@ def test_a_dropped_delivery_lands_its_reads_and_frees_their_slots(oracle_checkpo
     try:
         store = engine.experts
         layer = store.layers[0]
-        free0 = len(store.free)
+        free0 = len(store.placement.free)
         store.iter_ready(layer, [0, 1, 2])  # lookup and reads happen here; never iterated
-        assert len(store.free) == free0 - 3
+        assert len(store.placement.free) == free0 - 3
         assert [e for e, _ in store.iter_ready(layer, [1])] == [1]  # cleans up, then serves
-        assert len(store.free) == free0 - 1 and list(store.cache[layer]) == [1]
+        assert len(store.placement.free) == free0 - 1 and list(store.placement.cache[layer]) == [1]
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
         engine.close()
@@ -251,13 +254,13 @@ def test_landed_guesses_are_used_even_when_the_cache_is_smaller(oracle_checkpoin
         layer = store.layers[0]
         assert store.hint(layer, [2, 0, 1]) == 3
         deadline = time.monotonic() + 10
-        while store.inflight and time.monotonic() < deadline:
-            store._poll()
+        while store.prefetcher.inflight and time.monotonic() < deadline:
+            store.completions.poll()
         before = store.stats.copy()
         assert [e for e, _ in store.iter_ready(layer, [0, 1, 2])] == [0, 1, 2]
         st = store.statistics(since=before)
         assert st.hits_prefetched == 3 and st.misses == 0 and st.bytes_read == 0
-        assert len(store.cache[layer]) == 1  # kept what fits, after use
+        assert len(store.placement.cache[layer]) == 1  # kept what fits, after use
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
         engine.close()
