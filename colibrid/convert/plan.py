@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from colibrid.convert.writer import Entry, shard_size
 from colibrid.errors import ConvertError
 from colibrid.formats import quant
-from colibrid.store.checkpoint import (
+from colibrid.store.container_format import (
     GROUP_SIZE_KEY,
     INT4_GROUPED,
     INT4_ROW,

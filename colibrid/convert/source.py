@@ -25,7 +25,8 @@ import numpy as np
 from colibrid.convert import nvfp4
 from colibrid.errors import ColibriError, ConvertError
 from colibrid.formats import quant
-from colibrid.store.checkpoint import CONFIG_NAME, Checkpoint
+from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.checkpoint_files import CONFIG_NAME
 
 ROW_BLOCK_ELEMENTS = 1 << 22
 KNOWN = ("F32", "BF16", "F16", "F8_E4M3")

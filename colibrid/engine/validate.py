@@ -26,8 +26,9 @@ import numpy as np
 
 from colibrid.errors import CheckpointError, ColibriError
 from colibrid.formats.weights import QuantWeight, WeightFormat
-from colibrid.store.checkpoint import Checkpoint, resolve_container_format
-from colibrid.store.safetensors_file import describe
+from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.container_format import resolve_container_format
+from colibrid.store.strict_json import describe
 
 
 @dataclass(frozen=True)

@@ -16,93 +16,30 @@ Guarantees for any input file:
 
 Tensor data is reached through one read-only ``mmap`` of the whole file, mapped lazily on
 the first :meth:`SafetensorsFile.array` call; arrays are views, never copies.
+
+This module owns the file: opening it safely, reading and capping the header bytes, and
+the mapped data. What the header says is checked in :mod:`colibrid.store.safetensors_header`,
+strict JSON in :mod:`colibrid.store.strict_json`.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
-from colibrid.errors import CheckpointError, ColibriError
+from colibrid.errors import CheckpointError
+from colibrid.store.safetensors_header import DTYPES, TensorInfo, header_error, parse_header
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Headers above this are refused (the safetensors library uses the same cap)."""
 
 PARSE_BUDGET_BYTES = 512 * 1024 * 1024
 """Refuse headers whose parsed Python objects could exceed this (see _parse_cost)."""
-
-MAX_DIMS = 8
-MAX_NUMEL = 1 << 48
-MAX_INT_DIGITS = 24
-"""Longer JSON integer literals are refused before conversion (no quadratic int())."""
-
-# dtype -> (bits per element, numpy dtype of the raw view). Types numpy cannot
-# represent are exposed as their raw storage: BF16 as uint16, FP8 as uint8; sub-byte
-# types (F4, F6) as a flat uint8 byte array.
-DTYPES: dict[str, tuple[int, np.dtype | None]] = {
-    "BOOL": (8, np.dtype(np.bool_)),
-    "U8": (8, np.dtype(np.uint8)),
-    "I8": (8, np.dtype(np.int8)),
-    "F8_E4M3": (8, np.dtype(np.uint8)),
-    "F8_E5M2": (8, np.dtype(np.uint8)),
-    "F8_E8M0": (8, np.dtype(np.uint8)),
-    "U16": (16, np.dtype("<u2")),
-    "I16": (16, np.dtype("<i2")),
-    "F16": (16, np.dtype("<f2")),
-    "BF16": (16, np.dtype("<u2")),
-    "U32": (32, np.dtype("<u4")),
-    "I32": (32, np.dtype("<i4")),
-    "F32": (32, np.dtype("<f4")),
-    "U64": (64, np.dtype("<u8")),
-    "I64": (64, np.dtype("<i8")),
-    "F64": (64, np.dtype("<f8")),
-    "C64": (64, np.dtype("<c8")),
-    "F4": (4, None),
-    "F6_E2M3": (6, None),
-    "F6_E3M2": (6, None),
-}
-
-
-def describe(name: object, limit: int = 80) -> str:
-    """A tensor/key name made safe for a one-line message (quoted, escaped, truncated)."""
-    text = repr(name)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _JsonReject(Exception):
-    """Raised from inside json hooks; turned into the caller's error class."""
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise _JsonReject(f"duplicate key {describe(key)}")
-            seen.add(key)
-    return obj
-
-
-def _bounded_int(text: str) -> int:
-    if len(text) > MAX_INT_DIGITS:
-        raise _JsonReject(f"integer literal with {len(text)} digits")
-    return int(text)
-
-
-def _reject_constant(text: str) -> object:
-    raise _JsonReject(f"non-standard JSON constant {text}")
-
-
-def _reject_float(text: str) -> object:
-    raise _JsonReject(f"non-integer number {text[:24]}")
 
 
 def _parse_cost(raw: bytes) -> int:
@@ -116,69 +53,6 @@ def _parse_cost(raw: bytes) -> int:
     containers = raw.count(b"{") + raw.count(b"[")
     values = raw.count(b",") + raw.count(b":")
     return 64 * containers + 40 * values + 2 * len(raw)
-
-
-def load_json_object(
-    raw: bytes,
-    what: str,
-    error: type[ColibriError] = CheckpointError,
-    *,
-    integers_only: bool = False,
-) -> dict[str, object]:
-    """Parse untrusted JSON that must be an object, strictly, as one ``error`` line.
-
-    Strict means: UTF-8 only, no duplicate keys (two readers could pick different
-    values), no NaN/Infinity, no absurd integer literals, bounded nesting; with
-    ``integers_only`` (safetensors headers) no fractional numbers either.
-    """
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise error(f"{what}: not valid UTF-8 (byte {exc.start})") from None
-    try:
-        obj = json.loads(
-            text,
-            object_pairs_hook=_no_duplicates,
-            parse_int=_bounded_int,
-            parse_constant=_reject_constant,
-            parse_float=_reject_float if integers_only else None,
-        )
-    except _JsonReject as exc:
-        raise error(f"{what}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise error(
-            f"{what}: invalid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
-    except RecursionError:
-        raise error(f"{what}: JSON nested too deeply") from None
-    except ValueError as exc:  # e.g. a float literal Python refuses
-        raise error(f"{what}: invalid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise error(f"{what}: expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: absolute byte range [file_begin, file_end) in its file."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file_begin: int
-    file_end: int
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
 
 
 class SafetensorsFile:
@@ -197,7 +71,9 @@ class SafetensorsFile:
             self.size = os.fstat(self._fd).st_size
             header = self._read_header()
             self.data_start = 8 + len(header)
-            self.metadata, self.tensors = self._parse_header(header)
+            self.metadata, self.tensors = parse_header(
+                self.path, header, self.size, self.data_start
+            )
         except BaseException:
             self.close()
             raise
@@ -209,8 +85,7 @@ class SafetensorsFile:
     # ---- opening and header -------------------------------------------------------
 
     def _fail(self, problem: str, tensor: object = None) -> CheckpointError:
-        where = f"{self.path}" if tensor is None else f"{self.path}: tensor {describe(tensor)}"
-        return CheckpointError(f"{where}: {problem}")
+        return header_error(self.path, problem, tensor)
 
     def _open_regular_file(self) -> int:
         # O_NONBLOCK so that a FIFO planted in place of a shard cannot block open().
@@ -254,90 +129,6 @@ class SafetensorsFile:
                 f"header would take ~{cost >> 20} MiB to parse (cap {PARSE_BUDGET_BYTES >> 20} MiB)"
             )
         return raw
-
-    def _parse_header(self, raw: bytes) -> tuple[dict[str, str], dict[str, TensorInfo]]:
-        header = load_json_object(raw, f"{self.path}: header", integers_only=True)
-        metadata = self._parse_metadata(header.pop("__metadata__", None))
-        data_size = self.size - self.data_start
-        tensors: dict[str, TensorInfo] = {}
-        for name, entry in header.items():
-            tensors[name] = self._parse_entry(name, entry, data_size)
-        self._check_overlaps(tensors)
-        return metadata, tensors
-
-    def _parse_metadata(self, meta: object) -> dict[str, str]:
-        if meta is None:
-            return {}
-        if not isinstance(meta, dict):
-            raise self._fail(f"__metadata__ must be an object, got {type(meta).__name__}")
-        for key, value in meta.items():
-            if not isinstance(value, str):
-                raise self._fail(f"__metadata__ value for {describe(key)} is not a string")
-        return meta
-
-    def _parse_entry(self, name: str, entry: object, data_size: int) -> TensorInfo:
-        if not isinstance(entry, dict):
-            raise self._fail("entry is not an object", name)
-        for key in ("dtype", "shape", "data_offsets"):
-            if key not in entry:
-                raise self._fail(f"missing {key!r}", name)
-        dtype = entry["dtype"]
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise self._fail(f"unknown dtype {describe(dtype, 24)}", name)
-        shape = self._parse_shape(name, entry["shape"])
-        numel = 1
-        for d in shape:
-            numel *= d  # each d <= MAX_NUMEL and we stop as soon as it exceeds it
-            if numel > MAX_NUMEL:
-                raise self._fail(f"shape {list(shape)} has more than 2^48 elements", name)
-        bits = DTYPES[dtype][0]
-        if (numel * bits) % 8:
-            raise self._fail(f"{numel} elements of {dtype} are not a whole number of bytes", name)
-        nbytes = numel * bits // 8
-        begin, end = self._parse_offsets(name, entry["data_offsets"])
-        if end - begin != nbytes:
-            raise self._fail(
-                f"holds {end - begin} bytes but {dtype} {list(shape)} needs {nbytes}", name
-            )
-        if end > data_size:
-            raise self._fail(
-                f"data_offsets [{begin}, {end}] run past the data region ({data_size} bytes)",
-                name,
-            )
-        return TensorInfo(
-            name=name,
-            dtype=dtype,
-            shape=shape,
-            file_begin=self.data_start + begin,
-            file_end=self.data_start + end,
-            nbytes=nbytes,
-        )
-
-    def _parse_shape(self, name: str, shape: object) -> tuple[int, ...]:
-        if not isinstance(shape, list):
-            raise self._fail("shape is not a list", name)
-        if len(shape) > MAX_DIMS:
-            raise self._fail(f"shape has {len(shape)} dimensions (max {MAX_DIMS})", name)
-        for d in shape:
-            if not _is_int(d) or d < 0 or d > MAX_NUMEL:
-                raise self._fail(f"bad dimension {describe(d, 32)} in shape", name)
-        return tuple(shape)
-
-    def _parse_offsets(self, name: str, offsets: object) -> tuple[int, int]:
-        if not isinstance(offsets, list) or len(offsets) != 2:
-            raise self._fail("data_offsets is not a [begin, end] pair", name)
-        begin, end = offsets
-        if not (_is_int(begin) and _is_int(end)) or begin < 0 or end < begin:
-            raise self._fail(f"bad data_offsets {describe(offsets, 48)}", name)
-        return begin, end
-
-    def _check_overlaps(self, tensors: dict[str, TensorInfo]) -> None:
-        spans = sorted(
-            (t for t in tensors.values() if t.nbytes), key=lambda t: (t.file_begin, t.file_end)
-        )
-        for prev, cur in zip(spans, spans[1:], strict=False):
-            if cur.file_begin < prev.file_end:
-                raise self._fail(f"overlaps tensor {describe(prev.name)}", cur.name)
 
     # ---- data ---------------------------------------------------------------------
 

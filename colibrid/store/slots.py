@@ -229,5 +229,8 @@ class Placement:
             busy = [
                 s for s in range(self.n_slots) if s not in seen and self.state[s] not in background
             ]
-            assert not busy, f"slots {busy} are neither free nor in a tier while idle"
+            assert not busy, (
+                f"slots {busy} are neither free nor in a tier while idle: "
+                f"{[(STATE_NAMES[self.state[s]], self.slot_key[s]) for s in busy]}"
+            )
             assert len(self.free) + len(self.parked) >= self.plan.work, "work slots taken"

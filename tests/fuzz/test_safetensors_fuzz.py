@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from safetensors.numpy import save
 
 from colibrid.errors import CheckpointError, ConfigError
-from colibrid.store.checkpoint import Checkpoint, resolve_container_format
-from colibrid.store.safetensors_file import DTYPES, SafetensorsFile
+from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.container_format import resolve_container_format
+from colibrid.store.safetensors_file import SafetensorsFile
+from colibrid.store.safetensors_header import DTYPES
 
 FUZZ = settings(
     max_examples=150,

@@ -1,0 +1,188 @@
+"""Typed weights: a checkpoint's tensors as QuantWeight / float32, whatever they are stored as.
+
+Why this module exists: model code asks for ``weight(name, (O, I))`` and gets a
+:class:`QuantWeight` in whatever format the files hold (an HF checkpoint in F32, BF16,
+F16 or block-scaled FP8, or an upstream colibri container with int8/int4 weights), with
+the logical shape it derived from config.json *checked* against the bytes. This is the
+dtype conversion half of :class:`~colibrid.store.checkpoint.Checkpoint` (FP8 and F16
+dequantisation, BF16 widening, container views), kept apart from finding and indexing
+the tensors; ``Checkpoint`` inherits it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from colibrid.errors import CheckpointError, ConfigError
+from colibrid.formats import quant
+from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.store.container_format import (
+    FP8_B128,
+    GROUP_SIZE_KEY,
+    INT4_ROW,
+    INT8_ROW,
+    _ceil_div,
+    resolve_container_format,
+)
+from colibrid.store.safetensors_header import TensorInfo
+from colibrid.store.strict_json import describe
+
+if TYPE_CHECKING:
+    from colibrid.store.safetensors_file import SafetensorsFile
+
+
+class TypedWeights:
+    """Typed access over a tensor lookup; mixed into :class:`Checkpoint`, which provides
+    ``info``, ``has``, ``array``, ``_file``, ``_fail`` and the ``_stamps`` map."""
+
+    if TYPE_CHECKING:
+        _stamps: dict[str, str]
+
+        def info(self, name: str) -> TensorInfo: ...
+        def has(self, name: str) -> bool: ...
+        def array(self, name: str) -> np.ndarray: ...
+        def _file(self, name: str) -> SafetensorsFile: ...
+        def _fail(self, name: str, problem: str) -> CheckpointError: ...
+
+    def weight(self, name: str, shape: tuple[int, int]) -> QuantWeight:
+        """The matrix ``name`` with logical shape [O, I] (from config), format as stored.
+
+        F32 and BF16 are zero-copy views; F16 and FP8 (HF ``weight_scale_inv``
+        convention, 128x128 blocks) come back dequantised to F32; colibri containers
+        (``name`` U8 + ``name.qs`` F32) come back as Q8/Q4 views.
+        """
+        out_f, in_f = _matrix_shape(name, shape)
+        info = self.info(name)
+        if info.dtype == "U8":
+            if not self.has(name + ".qs"):
+                raise self._fail(name, "U8 matrix without its .qs scales")
+            return self._container_weight(name, (out_f, in_f))
+        if info.dtype not in ("F32", "BF16", "F16", "F8_E4M3"):
+            raise self._fail(name, f"dtype {info.dtype} is not supported for a matrix")
+        self._expect_shape(info, (out_f, in_f))
+        data = self.array(name)
+        if info.dtype == "F32":
+            return QuantWeight(WeightFormat.F32, (out_f, in_f), data)
+        if info.dtype == "BF16":
+            return QuantWeight(WeightFormat.BF16, (out_f, in_f), data)
+        if info.dtype == "F16":
+            return QuantWeight(WeightFormat.F32, (out_f, in_f), data.astype(np.float32))
+        return self._fp8_weight(name, data)
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 tensor of exactly ``shape`` (norms, biases, router rows).
+
+        F32 is a zero-copy read-only view; BF16 and F16 are converted.
+        """
+        shape = tuple(shape)
+        info = self.info(name)
+        self._expect_shape(info, shape)
+        data = self.array(name)
+        if info.dtype == "F32":
+            return data
+        if info.dtype == "BF16":
+            return quant.bf16_to_f32(data)
+        if info.dtype == "F16":
+            return data.astype(np.float32)
+        raise self._fail(name, f"dtype {info.dtype} is not supported for a float vector")
+
+    def dense_f32(self, name: str, shape: tuple[int, int]) -> np.ndarray:
+        """The matrix fully dequantised to float32 [O, I] (read-only view if stored F32)."""
+        return quant.dequantize(self.weight(name, shape))
+
+    def _expect_shape(self, info: TensorInfo, shape: tuple[int, ...]) -> None:
+        if info.shape != tuple(shape):
+            raise self._fail(
+                info.name, f"shape {list(info.shape)} but expected {list(shape)} from config"
+            )
+
+    # ---- FP8 (HF) -----------------------------------------------------------------
+
+    def _fp8_weight(self, name: str, raw: np.ndarray) -> QuantWeight:
+        out_f, in_f = raw.shape
+        scale_name = name + "_scale_inv"
+        if not self.has(scale_name):
+            raise self._fail(name, f"FP8 weight without its {describe(scale_name)}")
+        grid = (_ceil_div(out_f, quant.FP8_BLOCK), _ceil_div(in_f, quant.FP8_BLOCK))
+        scale = self._block_scales(scale_name, grid)
+        return self._fp8_dequant(name, raw, scale)
+
+    def _block_scales(self, scale_name: str, grid: tuple[int, int]) -> np.ndarray:
+        info = self.info(scale_name)
+        self._expect_shape(info, grid)
+        data = self.array(scale_name)
+        if info.dtype == "F32":
+            return data
+        if info.dtype == "BF16":
+            return quant.bf16_to_f32(data)
+        if info.dtype == "F8_E8M0":
+            return quant.e8m0_to_f32(data)
+        raise self._fail(scale_name, f"dtype {info.dtype} is not supported for FP8 scales")
+
+    def _fp8_dequant(self, name: str, raw: np.ndarray, scale: np.ndarray) -> QuantWeight:
+        out = quant.dequantize_fp8_blocks(raw, scale)
+        if not np.isfinite(out).all():
+            raise self._fail(name, "non-finite weight (FP8 NaN byte, or non-finite scale)")
+        return QuantWeight(WeightFormat.F32, out.shape, out)
+
+    # ---- colibri containers -------------------------------------------------------
+
+    def _group_size_hint(self, name: str) -> int | None:
+        f = self._file(name)
+        text = f.metadata.get(GROUP_SIZE_KEY)
+        if text is None:
+            return None
+        if not (text.isascii() and text.isdigit() and 0 < len(text) <= 6 and int(text) > 0):
+            raise CheckpointError(
+                f"{f.path}: __metadata__[{GROUP_SIZE_KEY!r}] = {describe(text, 24)} is not a "
+                "positive integer"
+            )
+        return int(text)
+
+    def _container_weight(self, name: str, shape: tuple[int, int]) -> QuantWeight:
+        out_f, in_f = shape
+        qs_name = name + ".qs"
+        info, qs = self.info(name), self.info(qs_name)
+        fmt = resolve_container_format(
+            name,
+            shape,
+            info.nbytes,
+            qs.numel,
+            qs.dtype,
+            stamp=self._stamps.get(name),
+            hint=self._group_size_hint(name),
+        )
+        raw = self._file(name).raw(name)
+        if fmt.name == FP8_B128:
+            grid = (_ceil_div(out_f, quant.FP8_BLOCK), _ceil_div(in_f, quant.FP8_BLOCK))
+            scales = self.array(qs_name).reshape(grid)
+            block = quant.e8m0_to_f32(scales) if qs.dtype == "F8_E8M0" else scales
+            return self._fp8_dequant(name, raw.reshape(shape), block)
+        scales = self.array(qs_name).reshape(-1)
+        if not np.isfinite(scales).all():
+            raise self._fail(qs_name, "non-finite scale")
+        if fmt.name == INT8_ROW:
+            return QuantWeight(WeightFormat.Q8, shape, raw.view(np.int8).reshape(shape), scales)
+        data = raw.reshape(out_f, quant.q4_row_bytes(in_f))
+        if fmt.name == INT4_ROW:
+            return QuantWeight(WeightFormat.Q4, shape, data, scales, 0)
+        groups = quant.n_groups(in_f, fmt.group_size)
+        return QuantWeight(
+            WeightFormat.Q4, shape, data, scales.reshape(out_f, groups), fmt.group_size
+        )
+
+
+def _matrix_shape(name: str, shape: object) -> tuple[int, int]:
+    """The caller's [O, I] (from config, hence untrusted): two positive ints."""
+    if isinstance(shape, list):
+        shape = tuple(shape)
+    ok = (
+        isinstance(shape, tuple)
+        and len(shape) == 2
+        and all(isinstance(d, int) and not isinstance(d, bool) and 0 < d < 1 << 40 for d in shape)
+    )
+    if not ok:
+        raise ConfigError(f"tensor {describe(name)}: expected shape {shape!r} is not [O, I] > 0")
+    return shape  # type: ignore[return-value]
