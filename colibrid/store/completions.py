@@ -85,6 +85,8 @@ class Completions:
                 pl.settle_pin(key, slot)
             elif key in pl.pinned or key[1] in pl.cache[key[0]]:
                 pl.release(slot)
+            elif key[0] == layer and key[1] in mine:  # read twice (a guess landed, unplaced,
+                pl.release(slot)  # when the next token guessed it again): keep one copy
             elif need is not None and key[0] == layer and key[1] in need:
                 pl.state[slot] = HELD
                 mine[key[1]] = slot

@@ -125,6 +125,11 @@ class PinController:
         b = self.budget
         if b.mode == "off":
             return "off"
+        if b.capacity == 0:
+            return (
+                "none: the RAM budget leaves no room for pins beyond the cache "
+                "(raise --ram-gb or lower --cache)"
+            )
         if b.mode == "auto" and selections < AUTOPIN_MIN_SELECTIONS:
             return (
                 f"none: {selections} selections recorded, AUTOPIN needs "

@@ -264,3 +264,25 @@ def test_landed_guesses_are_used_even_when_the_cache_is_smaller(oracle_checkpoin
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
         engine.close()
+
+
+def test_a_guess_read_twice_before_its_layer_runs_is_kept_once(oracle_checkpoint) -> None:
+    """A guess that landed (not yet placed) is not in flight any more, so the next token's
+    PILOT may read it again; the layer must use one copy and free the other (a leaked
+    HELD slot here once shrank the store under load)."""
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=1, io_threads=2, pilot="on")
+    try:
+        store = engine.experts
+        layer = store.layers[0]
+        for _ in range(2):
+            assert store.hint(layer, [3]) == 1
+            deadline = time.monotonic() + 10
+            while store.prefetcher.inflight and time.monotonic() < deadline:
+                store.completions.poll()  # lands it without placing it
+        assert len(store.completions.landed) == 2
+        assert [e for e, _ in store.iter_ready(layer, [3])] == [3]
+        store.check_consistency()
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()
