@@ -8,7 +8,10 @@ import struct
 from pathlib import Path
 
 import pytest
+from colibri_protocol.codec import encode_line
 from daemon_helpers import Home, wait_for
+
+from colibri_cli.client import Client
 
 
 @pytest.fixture(scope="module", params=["resident", "tiered"])
@@ -45,8 +48,21 @@ def test_warm_list_show_use_save(home: Home, tmp_path: Path) -> None:
     if home.settings.get("cache") is None:  # resident: nothing moves, ps says why
         assert pinned(home) == [] and "every expert is in RAM" in ps.stdout
     else:
-        assert wait_for(lambda: pinned(home) != pins_default, timeout_s=5)
-        assert pinned(home)  # the code profile pins its hot experts
+        # the pins follow the code profile by the store's rule: its used experts, hottest
+        # first, within the capacity (here every used expert fits)
+        with Client.connect(home.socket, timeout_s=10) as client:
+            body = client.call(encode_line("PROFILE", "SHOW", "code"), want=("PROFILE",))
+        used = sorted(
+            [layer, e]
+            for layer, row in zip(body["layers"], body["counts"], strict=True)
+            for e, n in enumerate(row)
+            if n > 0
+        )
+        assert used and wait_for(lambda: sorted(pinned(home)) == used, timeout_s=5), (
+            pins_default,
+            pinned(home),
+            used,
+        )
         status = json.loads(home.colibri("ps", "--json").stdout)
         ram = status["tiers"]["ram"]
         assert (
