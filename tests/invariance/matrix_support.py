@@ -187,9 +187,27 @@ def reference(tmp_path_factory):
     return get
 
 
-def copy_profiles(ref: Reference, home: Path) -> None:
-    """Start a home with the reference's warmed profiles (default + code)."""
+def copy_profiles(ref: Reference, home: Path, *, hottest_half: bool = False) -> None:
+    """Start a home with the reference's warmed profiles (default + code). With
+    ``hottest_half`` each layer keeps only its hotter half of experts, so `pin = "all"`
+    pins some experts and the rest still stream (a tiny model's warm touches them all)."""
     dst = home / "profiles" / ref.model.name
     dst.mkdir(parents=True, exist_ok=True)
     for path in ref.profiles.glob("*.coli_usage"):
-        shutil.copy(path, dst / path.name)
+        if not hottest_half:
+            shutil.copy(path, dst / path.name)
+            continue
+        head, rows, n_experts = [], {}, 2
+        for line in path.read_text().splitlines():
+            la, e, n = (int(x) for x in line.split())
+            if la < 0:  # header: "-1 <layers> <experts>", "-2 <version> <hash>"
+                head.append(line)
+                n_experts = n if la == -1 else n_experts
+            else:
+                rows.setdefault(la, []).append((n, e))
+        keep = [
+            f"{la} {e} {n}"
+            for la, row in sorted(rows.items())
+            for n, e in sorted(row, key=lambda t: (-t[0], t[1]))[: max(1, n_experts // 2)]
+        ]
+        (dst / path.name).write_text("\n".join(head + keep) + "\n")
