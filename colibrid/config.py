@@ -88,7 +88,11 @@ def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
     }
     try:
         return StoreOptions(
-            mode="tiered" if given else "auto", pin=settings.pin, save_profile=False, **given
+            mode="tiered" if given else "auto",
+            pin=settings.pin,
+            save_profile=False,
+            pin_at_start=False,
+            **given,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -54,6 +54,7 @@ class StoreOptions:
     policy: str = DEFAULT_POLICY
     memwatch: bool = True
     save_profile: bool = True
+    pin_at_start: bool = True  # pin from `profile` now (the daemon's profile book pins later)
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "resident", "tiered"):
@@ -165,7 +166,8 @@ def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> 
     store.allocate(
         base.cache_per_layer, work_slots=work, pilot_slots=pilot_slots, pin_budget=budget
     )
-    store.apply_pins(usage.counts)
+    if opts.pin_at_start:
+        store.apply_pins(usage.counts)
     if opts.memwatch:
         from colibrid.store.memwatch import default_watch
 

@@ -187,14 +187,15 @@ def reference(tmp_path_factory):
     return get
 
 
-def copy_profiles(ref: Reference, home: Path, *, hottest_half: bool = False) -> None:
+def copy_profiles(ref: Reference, home: Path, *, hottest_quarter: bool = False) -> None:
     """Start a home with the reference's warmed profiles (default + code). With
-    ``hottest_half`` each layer keeps only its hotter half of experts, so `pin = "all"`
-    pins some experts and the rest still stream (a tiny model's warm touches them all)."""
+    ``hottest_quarter`` each layer keeps only its hottest quarter of experts, so
+    `pin = "all"` pins some experts and the rest still stream, even beside a cache of half
+    a layer (a tiny model's warm touches every expert)."""
     dst = home / "profiles" / ref.model.name
     dst.mkdir(parents=True, exist_ok=True)
     for path in ref.profiles.glob("*.coli_usage"):
-        if not hottest_half:
+        if not hottest_quarter:
             shutil.copy(path, dst / path.name)
             continue
         head, rows, n_experts = [], {}, 2
@@ -208,6 +209,6 @@ def copy_profiles(ref: Reference, home: Path, *, hottest_half: bool = False) -> 
         keep = [
             f"{la} {e} {n}"
             for la, row in sorted(rows.items())
-            for n, e in sorted(row, key=lambda t: (-t[0], t[1]))[: max(1, n_experts // 2)]
+            for n, e in sorted(row, key=lambda t: (-t[0], t[1]))[: max(1, n_experts // 4)]
         ]
         (dst / path.name).write_text("\n".join(head + keep) + "\n")

@@ -111,7 +111,7 @@ def run_cell(request: pytest.FixtureRequest, reference, tmp_path: Path, cell: Ce
     model = matrix_model(request, cell.kind)
     ref = reference(model)
     if cell.profile == "warmed":
-        copy_profiles(ref, tmp_path / "home", hottest_half=cell.kind != "demo")
+        copy_profiles(ref, tmp_path / "home", hottest_quarter=cell.kind != "demo")
     port = free_port()
     settings: dict[str, object] = dict(SETTINGS, http=str(port), cache=cell.cache)
     if cell.pilot is not None:
