@@ -42,7 +42,6 @@ class Completions:
             return slot
         pl.state[slot] = HELD
         if err is not None:
-            self.reader.forget_view(slot)
             pl.release(slot)
             if isinstance(err, ColibriError):
                 raise err
@@ -63,7 +62,6 @@ class Completions:
         if err is not None:  # a guess or a promotion that failed costs nothing but itself
             if key is not None and key in pl.pin_on_land:
                 pl.pin_on_land.discard(key)
-            self.reader.forget_view(slot)
             pl.release(slot)
             pl.rebalance()
         else:

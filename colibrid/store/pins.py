@@ -103,8 +103,8 @@ class PinController:
     def choose(self, counts: np.ndarray, layers: Sequence[int]) -> list[Key]:
         """The pins for these usage counts, hottest first, within the capacity."""
         b = self.budget
-        used = int(np.count_nonzero(counts[list(layers)]))
-        selections = int(counts[list(layers)].sum())
+        served = counts[list(layers)]
+        used, selections = int(np.count_nonzero(served)), int(served.sum())
         if b.mode == "off":
             self.wanted = 0
         elif b.mode == "all":

@@ -95,18 +95,15 @@ class ExpertReader:
         return tag, err
 
     def view(self, slot: int, key: Key) -> ExpertWeights:
-        """The expert's three weights over the slot's bytes (built once per fill)."""
+        """The expert's three weights over the slot's bytes, built once per (slot, expert):
+        they are views of the slot's memory, so a later fill with the same expert (after
+        a failed read, or a park) makes the same views valid again."""
         cached_key, weights = self._views[slot]
         if cached_key != key or weights is None:
             assert self.arena is not None
             weights = self.extents[key[0]][key[1]].views(self.arena.slot(slot))
             self._views[slot] = (key, weights)
         return weights
-
-    def forget_view(self, slot: int) -> None:
-        """The slot's bytes may change (a failed or cancelled read): build views anew."""
-        if self._views:
-            self._views[slot] = (None, None)
 
     def fault_in(self, slot: int) -> None:
         assert self.arena is not None
@@ -115,7 +112,6 @@ class ExpertReader:
     def park(self, slot: int) -> None:
         assert self.arena is not None
         self.arena.release(slot)
-        self.forget_view(slot)
 
     def close(self) -> None:
         self.pool.close()

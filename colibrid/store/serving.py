@@ -125,7 +125,6 @@ class LayerServer:
             slot = self.completions.pump_quiet()
             if slot in waiting:
                 waiting.pop(slot)
-                self.reader.forget_view(slot)
                 pl.release(slot)
 
     def _deliver(self, layer, hits, owned, waiting, pending, need, streaming):

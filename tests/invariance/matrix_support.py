@@ -12,8 +12,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 from daemon_helpers import Home, free_port, install_chat_tokenizer
+
+from colibrid.store.usage import parse_counts
 
 PROMPTS = (
     "What is the capital of France?",
@@ -198,17 +201,12 @@ def copy_profiles(ref: Reference, home: Path, *, hottest_quarter: bool = False) 
         if not hottest_quarter:
             shutil.copy(path, dst / path.name)
             continue
-        head, rows, n_experts = [], {}, 2
-        for line in path.read_text().splitlines():
-            la, e, n = (int(x) for x in line.split())
-            if la < 0:  # header: "-1 <layers> <experts>", "-2 <version> <hash>"
-                head.append(line)
-                n_experts = n if la == -1 else n_experts
-            else:
-                rows.setdefault(la, []).append((n, e))
-        keep = [
-            f"{la} {e} {n}"
-            for la, row in sorted(rows.items())
-            for n, e in sorted(row, key=lambda t: (-t[0], t[1]))[: max(1, n_experts // 4)]
-        ]
-        (dst / path.name).write_text("\n".join(head + keep) + "\n")
+        text = path.read_text()
+        head = text.splitlines()[:2]  # "-1 <layers> <experts>", "-2 <version> <hash>"
+        shape = tuple(int(x) for x in head[0].split()[1:])
+        counts = parse_counts(text, path, shape, trusted=True)
+        keep = max(1, shape[1] // 4)
+        for row in counts:  # zero all but the hottest quarter (ties to the lower expert)
+            row[np.lexsort((np.arange(row.size), -row))[keep:]] = 0
+        rows = [f"{la} {e} {counts[la, e]}" for la, e in zip(*np.nonzero(counts), strict=True)]
+        (dst / path.name).write_text("\n".join(head + rows) + "\n")
