@@ -61,3 +61,24 @@ class ConvertError(ColibriError):
     parameters, a full disk. The destination is never left looking complete."""
 
     code = "CONVERT"
+
+
+class TemplateError(RequestError):
+    """A model's chat template failed on a request or went over a limit (output size,
+    render time, a huge repeat or range). It costs that request only; a template that
+    fails its probe render at load time is refused with the same message."""
+
+    code = "TEMPLATE"
+
+
+class PersistError(ColibriError):
+    """A write of persistent state (profile, prompt cache, config, log) failed: a full
+    disk, an I/O error, a read-only home. The message names the path; nothing already on
+    disk is damaged (writes are atomic) and the daemon goes on serving."""
+
+    code = "IO"
+
+    @classmethod
+    def of(cls, path: object, exc: OSError) -> PersistError:
+        reason = exc.strerror or type(exc).__name__
+        return cls(f"cannot write {path}: {reason}")

@@ -21,8 +21,13 @@ CODES: dict[str, str] = {
     "BUSY": "the request queue is full; try again later",
     "CONV_BUSY": "another request of the same conversation is still running",
     "TOO_LARGE": "a payload above the size limit; the connection is closed",
-    "CANCELLED": "the request was cancelled (CANCEL, or the daemon is stopping)",
-    "SHUTTING_DOWN": "the daemon is stopping and accepts no new requests",
+    "CANCELLED": "the request was cancelled by its client (CANCEL)",
+    "SHUTTING_DOWN": "the daemon is stopping: a new request is refused, a queued one dropped, "
+    "and one still running when the grace period ends is cancelled",
+    "TEMPLATE": "the model's chat template failed on this request or went over a limit "
+    "(output size, render time); the message names the model and the limit",
+    "IO": "a write of persistent state failed (full disk, I/O error); the message names "
+    "the path; the daemon goes on",
     "MODEL_MISMATCH": "the request names a model other than the one loaded",
     "INTERNAL": "an unexpected failure inside the daemon; the request is lost, the daemon lives",
 }

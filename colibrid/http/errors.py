@@ -75,7 +75,7 @@ def from_code(
             f"the prompt is longer than this model's context{limit} "
             "allows (it is never truncated); shorten it"
         )
-    if code in ("BAD_REQUEST", "EMPTY_PROMPT", "BAD_TEMPLATE"):
+    if code in ("BAD_REQUEST", "EMPTY_PROMPT", "TEMPLATE"):
         return ApiError(400, message, code=code.lower())
     if code == "CANCELLED":
         return ApiError(503, message, code="cancelled")

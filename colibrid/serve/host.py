@@ -62,6 +62,8 @@ class Job:
     gen: Iterator[Any] | None = None
     session_key: SessionKey | None = None
     cached: int = 0
+    # what a cancel that is not a STOP answers: the client's CANCEL, or the daemon stopping
+    cancel_code: str = "CANCELLED"
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class EngineHost:
                 if item is None:
                     closing = True
                     for job in self._active:
+                        job.cancel_code = "SHUTTING_DOWN"
                         job.cancel.set()
                 else:
                     self._handle(item)
@@ -317,9 +320,10 @@ class EngineHost:
         stats = event.stats
         self._last_tok_s = stats.decode_tok_s
         if event.finish_reason == "cancelled" and not job.stop.is_set():
+            why = "the daemon stopped" if job.cancel_code == "SHUTTING_DOWN" else "cancelled"
             self._finish(
                 job,
-                Failed("CANCELLED", f"cancelled after {stats.generated_tokens} generated tokens"),
+                Failed(job.cancel_code, f"{why} after {stats.generated_tokens} generated tokens"),
             )
             return
         finish = "stopped" if event.finish_reason == "cancelled" else event.finish_reason

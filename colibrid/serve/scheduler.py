@@ -127,10 +127,12 @@ class Scheduler:
         self.closing = True
         for jobs in list(self._pending.values()):
             for job in list(jobs):
-                self._cancel(job, message="the daemon is stopping")
+                self._cancel(job, message="the daemon is stopping", code="SHUTTING_DOWN")
 
     def cancel_running(self) -> None:
+        """The shutdown grace ended: what still runs ends with SHUTTING_DOWN."""
         for job in list(self._running):
+            job.cancel_code = "SHUTTING_DOWN"
             job.cancel.set()
 
     async def wait_idle(self) -> None:
@@ -153,7 +155,14 @@ class Scheduler:
             self._pending[client] = jobs  # to the back of the round
         return job
 
-    def _cancel(self, job: Job, *, notify: bool = True, message: str = "cancelled") -> None:
+    def _cancel(
+        self,
+        job: Job,
+        *,
+        notify: bool = True,
+        message: str = "cancelled",
+        code: str = "CANCELLED",
+    ) -> None:
         queue = self._pending.get(job.request.client)
         if queue is not None and job in queue:
             queue.remove(job)
@@ -161,7 +170,6 @@ class Scheduler:
             if not queue:
                 del self._pending[job.request.client]
             if notify:
-                code = "CANCELLED"
                 try:
                     job.send.send_nowait(Failed(code, f"{message} while queued"))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
