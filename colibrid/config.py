@@ -44,6 +44,8 @@ class Settings:
     http_max_body_bytes: int = 4 * 1024 * 1024  # larger HTTP request bodies answer 413
     http_retry_after_s: int = 1  # Retry-After of a 429 (admission queue full)
     debug_layer_delay_s: float = 0.0  # tests only: slow every layer to make races visible
+    debug_fail_prompt: str | None = None  # tests only: the first prompt holding this fails...
+    debug_fail_after: int = 1  # ...at this between-layer check of its passes (injected fault)
 
 
 DEMO_MODEL = "demo"  # the default model when none is configured (colibri pull demo)

@@ -114,6 +114,8 @@ async def serve(
         max_conversations=settings.max_conversations,
         prompt_cache=settings.prompt_cache,
         layer_delay_s=settings.debug_layer_delay_s,
+        fail_prompt=settings.debug_fail_prompt,
+        fail_after=settings.debug_fail_after,
         usage=book,
     )
     kv_dir = paths.kv / name

@@ -29,6 +29,7 @@ from colibrid.store.protocol import ExpertStore
 
 DEFAULT_MAX_CONTEXT = 4096
 PROMPT_LOGITS_KEPT = 2  # prompt ends remembered per session (a vocabulary of floats each)
+VERIFY_RTOL = 1e-3  # relative L2 error a recomputed KV row or logits vector may show
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,46 @@ class Session:
             n += 1
         return n
 
+    def verify(self) -> str | None:
+        """Recompute the last held position, and every position whose logits are
+        remembered, from the KV before it; None when the results agree with what is held,
+        else why they do not. The session is left exactly as it was either way.
+
+        Why: KV kept across a restart (or computed by a pass that went wrong) is trusted
+        only after the weights, as loaded now, give the same rows and logits again. A
+        position is recomputed as a one-token step, which may differ from the batched
+        prefill that made it in the last bits, hence a tolerance, far below what a wrong
+        expert, a stale weight file or a damaged row changes.
+        """
+        n = len(self.tokens)
+        if n == 0 or self.cache.length != n:
+            return f"holds {self.cache.length} rows for {n} tokens"
+        for p in sorted({*self._prompt_logits, n}):
+            reason = self._verify_position(p)
+            if reason is not None:
+                return reason
+        return None
+
+    def _verify_position(self, p: int) -> str | None:
+        cache, held = self.cache, self.cache.length
+        saved = cache.position(p - 1)
+        cache.truncate(p - 1)  # rows stay in memory; the pass rewrites row p - 1
+        try:
+            hidden = self._pass(np.asarray(self.tokens[p - 1 : p], dtype=np.int64), None)
+            logits = self.engine.model.logits(hidden[-1:], self.engine.family)[0]
+            again = cache.position(p - 1)
+        finally:
+            cache.put_position(p - 1, saved)
+            cache.length = held
+        for layer, (before, now) in enumerate(zip(saved, again, strict=True)):
+            for name, row in before.items():
+                if _relative_error(now[name], row) > VERIFY_RTOL:
+                    return f"layer {layer} {name} at position {p - 1} does not recompute"
+        remembered = self._prompt_logits.get(p)
+        if remembered is not None and _relative_error(logits, remembered) > VERIFY_RTOL:
+            return f"the logits after {p} tokens do not recompute"
+        return None
+
     def _forward(
         self,
         tokens: np.ndarray,
@@ -259,6 +300,13 @@ class Session:
                 if progress is not None:
                     progress(index, layers)
 
+        hidden = self._pass(tokens, hook)
+        self.cache.advance(len(tokens))
+        self.tokens.extend(int(t) for t in tokens)
+        return hidden
+
+    def _pass(self, tokens: np.ndarray, hook: Callable[[int], None] | None) -> np.ndarray:
+        """One forward pass writing rows [length, length + S); commits nothing."""
         clock = PassClock()
         step = Step(
             start=self.cache.length, family=self.engine.family, between_layers=hook, clock=clock
@@ -266,15 +314,12 @@ class Session:
         store = self.engine.experts
         t0 = time.perf_counter()
         try:  # a failed pass leaves `length` unchanged, so rows it wrote are never read
-            hidden = self.engine.model.hidden_states(tokens, self.cache, step)
+            return self.engine.model.hidden_states(tokens, self.cache, step)
         except BaseException:
             store.abort_pass()  # reads land, slots free: the store is as before the pass
             raise
         finally:  # a token boundary: the store may resize, never mid-layer
             store.between_tokens(time.perf_counter() - t0, clock.attention_s)
-        self.cache.advance(len(tokens))
-        self.tokens.extend(int(t) for t in tokens)
-        return hidden
 
     def _check(self, token_ids: Sequence[int]) -> np.ndarray:
         tokens = np.asarray(list(token_ids), dtype=np.int64)
@@ -290,3 +335,12 @@ class Session:
                 code="CONTEXT_EXCEEDED",
             )
         return tokens
+
+
+def _relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """‖got − want‖ / ‖want‖ (inf when the shapes differ or either is not finite)."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape or not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return float("inf")
+    scale = float(np.linalg.norm(want))
+    return float(np.linalg.norm(got - want)) / max(scale, 1e-30)

@@ -57,6 +57,19 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} tokens to {n}")
         self.length = n
 
+    def position(self, p: int) -> list[dict[str, np.ndarray]]:
+        """A copy of every layer's row at position ``p`` (held or not: rows past
+        ``length`` are whatever the last pass left there)."""
+        if not 0 <= p < self._capacity:
+            raise ValueError(f"position {p} outside a cache of capacity {self._capacity}")
+        return [{name: array[p].copy() for name, array in layer.items()} for layer in self._arrays]
+
+    def put_position(self, p: int, rows: list[dict[str, np.ndarray]]) -> None:
+        """Put back rows taken by `position` (verifying a position rewrites it)."""
+        for layer, saved in zip(self._arrays, rows, strict=True):
+            for name, row in saved.items():
+                layer[name][p] = row
+
     def copy_prefix(self, n: int) -> KVCache:
         """A new cache holding a copy of the first ``n`` positions (a shared prompt prefix
         reused by another sequence while this one stays as it is)."""

@@ -6,12 +6,16 @@ experts; a daemon restart (an upgrade, a reboot) should not cost that again.
 
 One ``.npz`` per session under ``$COLIBRI_HOME/kv/<model>/`` (numpy's zip of arrays, read
 with pickling off): its tokens, the KV rows of every layer, the remembered prompt-end
-logits, and the identity of what computed them. A file is used only when its identity
-matches this engine's exactly (model config, weight files' sizes and modification times,
-kernel family, cache layout), so a re-converted model or another kernel family never
-inherits stale KV; anything else (another identity, a damaged or hostile file) is skipped
-with a warning and removed. Writes are atomic; files are rewritten at every stop. The
-folders are private (0700) and the files 0600: the tokens are the user's prompts.
+logits, the identity of what computed them, and a SHA-256 digest of all of it. A file is
+used only when its identity matches this engine's exactly (model config, weight files'
+names, sizes and modification times, kernel family, cache layout), so a re-converted
+model or another kernel family never inherits stale KV, and when its digest matches its
+contents, so a damaged or edited file is never read as KV; anything else (a damaged or
+hostile file) is skipped with a warning and removed. Even then a restored session is
+trusted only after its first use recomputes its last positions (`Session.verify`, from
+`SessionPool`). Only sessions of finished requests are saved (a failed request's session
+is dropped before). Writes are atomic; files are rewritten at every stop. The folders are
+private (0700) and the files 0600: the tokens are the user's prompts.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from colibrid.paths import atomic_file
 log = logging.getLogger("colibrid.kv")
 
 SUFFIX = ".npz"
-FORMAT = 1
+FORMAT = 2  # 2: a digest of the contents
 
 
 def identity(engine: Any) -> str:
@@ -64,6 +68,7 @@ def save(sessions: Iterable[Any], directory: Path, engine: Any) -> int:
         if not session.tokens:
             continue
         arrays = _arrays(session, ident)
+        arrays["digest"] = np.frombuffer(digest(arrays).encode(), dtype=np.uint8)
         with atomic_file(directory / f"{written}{SUFFIX}") as handle:
             np.savez(handle, **arrays)
         written += 1
@@ -105,11 +110,25 @@ def _arrays(session: Any, ident: str) -> dict[str, np.ndarray]:
     return out
 
 
+def digest(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over every array but the digest itself: names, dtypes, shapes and bytes, in
+    name order (what `save` stores and `load` checks)."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        if name == "digest":
+            continue
+        array = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        h.update(array.tobytes())
+    return h.hexdigest()
+
+
 def _session(path: Path, engine: Any, ident: str) -> Session:
     with np.load(path, allow_pickle=False) as z:
         if bytes(_member(z, "identity", 64)).decode("ascii", "replace") != ident:
             raise ValueError("computed by another model, kernel family or model version")
-        tokens = _member(z, "tokens", 8 * engine.max_context)
+        read: dict[str, np.ndarray] = {"identity": _member(z, "identity", 64)}
+        tokens = read["tokens"] = _member(z, "tokens", 8 * engine.max_context)
         if (
             tokens.ndim != 1
             or tokens.dtype != np.int64
@@ -123,18 +142,28 @@ def _session(path: Path, engine: Any, ident: str) -> Session:
         cache = KVCache(layouts, engine.max_context, initial_tokens=n)
         for layer, layout in enumerate(layouts):
             for name, shape in layout.items():
-                rows = _member(z, f"kv.{layer}.{name}", 4 * n * int(np.prod(shape)))
+                rows = read[f"kv.{layer}.{name}"] = _member(
+                    z, f"kv.{layer}.{name}", 4 * n * int(np.prod(shape))
+                )
                 if rows.shape != (n, *shape) or rows.dtype != np.float32:
                     raise ValueError(
                         f"layer {layer} {name}: shape {rows.shape} {rows.dtype}, "
                         f"expected {(n, *shape)} float32"
                     )
                 cache.write(layer, name, rows)
-        cache.advance(n)
-        session = Session(engine, cache, tokens.tolist())
         for key in z.files:
             if key.startswith("logits."):
-                length, logits = int(key.split(".", 1)[1]), _member(z, key, 4 * engine.vocab_size)
+                read[key] = _member(z, key, 4 * engine.vocab_size)
+            elif key not in read and key != "digest":
+                raise ValueError(f"unexpected member {key!r}")
+        stored = bytes(_member(z, "digest", 64)).decode("ascii", "replace")
+        if stored != digest(read):
+            raise ValueError("its contents do not match their digest (damaged or edited)")
+        cache.advance(n)
+        session = Session(engine, cache, tokens.tolist())
+        for key, logits in read.items():
+            if key.startswith("logits."):
+                length = int(key.split(".", 1)[1])
                 if 0 < length <= n and logits.shape == (engine.vocab_size,):
                     session.remember_logits(length, logits)
     return session

@@ -20,17 +20,26 @@ Reused KV is the same cache a cold run would have built, computed in other batch
 continued prompt can differ from a cold run in the last bits of its logits; a prompt seen
 whole before is answered from its remembered logits and repeats exactly (`generate`).
 `prompt_cache=False` keeps only named conversations (every other request starts cold).
+
+Only sessions whose request finished come back: a request that failed after the engine
+ran for it gives its session up (`checkin(discard=True)`), with its remembered logits, so
+an error inside one request never changes what a later one computes. Sessions restored
+from disk (`adopt`) are verified on first use (`Session.verify` recomputes their last
+positions) and dropped with a log line when they do not recompute.
 Engine thread only: nothing here locks.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from colibrid.errors import RequestError
+
+log = logging.getLogger("colibrid.sessions")
 
 TAKEOVER_SLACK = 64  # tokens a continuing prompt may drop from the end of a kept session
 
@@ -54,6 +63,7 @@ class SessionPool:
         self._idle: OrderedDict[SessionKey, Any] = OrderedDict()  # least recently used first
         self._busy: dict[SessionKey, Any] = {}
         self._dropped: set[SessionKey] = set()  # busy sessions of clients that left
+        self._unverified: set[SessionKey] = set()  # restored from disk, not yet recomputed
         self._serial = itertools.count()
 
     def __len__(self) -> int:
@@ -78,28 +88,49 @@ class SessionPool:
     def _from_prompt_cache(self, ids: Sequence[int]) -> Any:
         """A session for `ids` starting from the anonymous one sharing the longest prefix:
         taken over when `ids` continues it, else a copy of the shared beginning."""
-        best, shared = None, 0
-        if self.prompt_cache:
-            for key, session in self._idle.items():
-                if key[0] is None and (n := session.common_prefix(ids)) > shared:
-                    best, shared = key, n
-        if best is None:
-            return self._new()
+        while True:
+            best, shared = None, 0
+            if self.prompt_cache:
+                for key, session in self._idle.items():
+                    if key[0] is None and (n := session.common_prefix(ids)) > shared:
+                        best, shared = key, n
+            if best is None:
+                return self._new()
+            if self._trusted(best):
+                break
         session = self._idle[best]
         if len(session.tokens) - shared <= TAKEOVER_SLACK:
             del self._idle[best]
             return session
         return session.fork(shared)
 
-    def checkin(self, key: SessionKey, *, keep: int | None = None) -> None:
-        """The request ended: keep its session for the next one (or drop it). ``keep``:
-        the request failed; only its first ``keep`` tokens (what it started from) stay."""
+    def _trusted(self, key: SessionKey) -> bool:
+        """Whether the idle session `key` may be used; a restored one is verified first
+        (once) and dropped when it does not recompute."""
+        if key not in self._unverified:
+            return True
+        self._unverified.discard(key)
+        session = self._idle[key]
+        try:
+            reason = session.verify()
+        except Exception as exc:  # a failed check is a failed session, never a failed request
+            reason = f"{type(exc).__name__}: {exc}"
+        if reason is None:
+            return True
+        log.warning(
+            "restored prompt-cache session dropped (%d tokens): %s", len(session.tokens), reason
+        )
+        del self._idle[key]
+        return False
+
+    def checkin(self, key: SessionKey, *, discard: bool = False) -> None:
+        """The request ended: keep its session for the next one (or drop it). ``discard``:
+        the request failed after the engine ran for it; its session (and remembered
+        logits) is not trusted for anything later."""
         session = self._busy.pop(key, None)
         if session is None:
             return
-        if keep is not None:
-            session.truncate(min(keep, len(session.tokens)))
-        if key in self._dropped:
+        if key in self._dropped or discard:
             self._dropped.discard(key)
             return
         if (key[0] is not None or self.prompt_cache) and session.tokens:
@@ -110,6 +141,7 @@ class SessionPool:
         """A connection closed: its conversations are not coming back."""
         for key in [k for k in self._idle if k[0] == client]:
             del self._idle[key]
+            self._unverified.discard(key)
         self._dropped.update(k for k in self._busy if k[0] == client)
 
     def cached_prompts(self) -> list[Any]:
@@ -121,7 +153,9 @@ class SessionPool:
         if not self.prompt_cache:
             return
         for session in reversed(sessions):
-            self._idle[(None, next(self._serial))] = session
+            key = (None, next(self._serial))
+            self._idle[key] = session
+            self._unverified.add(key)
         self._trim()
 
     def _trim(self) -> None:
@@ -129,7 +163,8 @@ class SessionPool:
             len(self) > self.max_sessions
             or (self.max_kv_bytes is not None and self.kept_kv_bytes() > self.max_kv_bytes)
         ):
-            self._idle.popitem(last=False)
+            key, _ = self._idle.popitem(last=False)
+            self._unverified.discard(key)
 
 
 def _kv_bytes(session: Any) -> int:

@@ -34,20 +34,34 @@ from colibrid.store.telemetry import StoreStats
 
 log = logging.getLogger("colibrid.host")
 
+# A cancel ends a pass between layers or tokens, leaving the session consistent.
+CLEAN_ENDS = frozenset({"CANCELLED", "SHUTTING_DOWN"})
 PROGRESS_EVERY_S = 1.0  # how often a long prefill reports its progress
 
 
-class SlowEvent(threading.Event):
-    """A cancel flag whose every check sleeps (tests: makes prefill and decode slow enough
-    to cancel them mid-flight on a tiny model)."""
+class DebugEvent(threading.Event):
+    """A cancel flag for tests: every check sleeps `delay_s` (makes prefill and decode
+    slow enough to cancel them mid-flight on a tiny model), and with `fail_after` the
+    n-th check raises (an injected fault inside a pass: what a failed read or a kernel
+    bug does to a request)."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, fail_after: int | None = None) -> None:
         super().__init__()
         self._delay_s = delay_s
+        self._checks_left = fail_after
 
     def is_set(self) -> bool:
-        time.sleep(self._delay_s)
+        if self._delay_s > 0:
+            time.sleep(self._delay_s)
+        if self._checks_left is not None:
+            self._checks_left -= 1
+            if self._checks_left <= 0:
+                raise InjectedFault("injected fault (debug_fail_prompt)")
         return super().is_set()
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a pass by `DebugEvent` (tests only)."""
 
 
 @dataclass(eq=False)
@@ -62,6 +76,7 @@ class Job:
     gen: Iterator[Any] | None = None
     session_key: SessionKey | None = None
     cached: int = 0
+    ran: bool = False  # the engine has worked for it (its session may hold its rows)
     # what a cancel that is not a STOP answers: the client's CANCEL, or the daemon stopping
     cancel_code: str = "CANCELLED"
 
@@ -99,6 +114,8 @@ class EngineHost:
         max_conversations: int = 8,
         prompt_cache: bool = True,
         layer_delay_s: float = 0.0,
+        fail_prompt: str | None = None,
+        fail_after: int = 1,
         usage: UsageSink | None = None,
     ) -> None:
         self.engine = engine
@@ -112,6 +129,7 @@ class EngineHost:
             prompt_cache=prompt_cache,
         )
         self._layer_delay_s = layer_delay_s
+        self._fail_prompt, self._fail_after = fail_prompt, max(1, fail_after)
         self._usage = usage or UsageSink()
         self._done = 0
         self._last_tok_s = 0.0
@@ -125,8 +143,15 @@ class EngineHost:
         task_status.started(self)
         await trio.to_thread.run_sync(self._thread_main)
 
-    def new_cancel_flag(self) -> threading.Event:
-        return SlowEvent(self._layer_delay_s) if self._layer_delay_s > 0 else threading.Event()
+    def new_cancel_flag(self, request: GenerateRequest) -> threading.Event:
+        """The request's cancel flag (checked between layers); the debug settings make
+        it slow, or make the first marked request fail inside its pass."""
+        fail = None
+        if self._fail_prompt and self._fail_prompt in _request_text(request):
+            fail, self._fail_prompt = self._fail_after, None  # one fault per daemon
+        if self._layer_delay_s > 0 or fail is not None:
+            return DebugEvent(self._layer_delay_s, fail)
+        return threading.Event()
 
     def start(self, job: Job) -> None:
         self._inbox.put(job)
@@ -217,13 +242,13 @@ class EngineHost:
 
     def _finish(self, job: Job, event: Event) -> None:
         """Bookkeeping first, so a client that sees the end also sees the engine free. A
-        failed request's KV rows are discarded: its session goes back holding only what
-        it held before the request."""
+        request that failed after the engine ran for it gives its session up (KV rows and
+        remembered logits): only finished (or cleanly cancelled) requests are kept."""
         if job in self._active:
             self._active.remove(job)
         if job.session_key is not None:
-            failed = isinstance(event, Failed) and event.code != "CANCELLED"
-            self._sessions.checkin(job.session_key, keep=job.cached if failed else None)
+            failed = isinstance(event, Failed) and event.code not in CLEAN_ENDS
+            self._sessions.checkin(job.session_key, discard=failed and job.ran)
             job.session_key = None
         self.publish_store()
         self._done += 1
@@ -301,6 +326,7 @@ class EngineHost:
     def _step(self, job: Job) -> None:
         try:
             assert job.gen is not None
+            job.ran = True
             event = next(job.gen)
         except ColibriError as exc:
             self._finish(job, Failed(exc.code, str(exc)))
@@ -341,3 +367,9 @@ class EngineHost:
                 event.stop_string,
             ),
         )
+
+
+def _request_text(request: GenerateRequest) -> str:
+    if request.messages is not None:
+        return " ".join(str(m.get("content", "")) for m in request.messages)
+    return request.prompt or ""

@@ -93,7 +93,7 @@ class Scheduler:
                 f"the queue is full ({self._queued} requests waiting); try again later", code="BUSY"
             )
         send, receive = trio.open_memory_channel[Event](math.inf)
-        job = Job(request, send, self.host.new_cancel_flag())
+        job = Job(request, send, self.host.new_cancel_flag(request))
         self._pending.setdefault(request.client, deque()).append(job)
         self._queued += 1
         self._open += 1

@@ -171,3 +171,51 @@ def test_damaged_saved_kv_is_skipped_and_removed(engine: Engine, tmp_path, damag
             z.writestr("tokens.npy", b"\0" * (8 * 512 + 8192))
     assert kv_files.load(tmp_path, engine) == []
     assert not path.exists()
+
+
+def _snapshot(session) -> tuple[list[np.ndarray], dict[int, np.ndarray]]:
+    cache = session.cache
+    rows = [
+        cache.read(layer, name, cache.length).copy()
+        for layer, layout in enumerate(cache.layouts)
+        for name in layout
+    ]
+    return rows, session.remembered_logits()
+
+
+def test_verify_accepts_what_it_computed_and_leaves_it_untouched(engine: Engine) -> None:
+    session = engine.new_session()
+    ids = SYSTEM + [70, 71]
+    run(engine, session, ids)  # prompt end remembered, a few generated tokens held
+    before = _snapshot(session)
+    assert session.verify() is None
+    after = _snapshot(session)
+    assert all(np.array_equal(a, b) for a, b in zip(before[0], after[0], strict=True))
+    assert before[1].keys() == after[1].keys()
+    assert all(np.array_equal(before[1][n], after[1][n]) for n in before[1])
+
+
+def test_verify_catches_wrong_rows_and_wrong_logits(engine: Engine) -> None:
+    session = engine.new_session()
+    session.remember_logits(len(SYSTEM), session.prefill(SYSTEM))
+    rows = session.cache.read(0, next(iter(session.cache.layouts[0])), session.length)
+    rows[:] *= 1.5  # a wrong early layer: every later position computes differently
+    assert "does not recompute" in (session.verify() or "")
+
+    clean = engine.new_session()
+    logits = clean.prefill(SYSTEM)
+    clean.remember_logits(len(SYSTEM), logits + 0.5 * np.abs(logits).max())
+    assert "logits" in (clean.verify() or "")
+
+
+def test_restored_sessions_are_verified_before_first_use(engine: Engine) -> None:
+    good, bad = engine.new_session(), engine.new_session()
+    good.prefill(SYSTEM + [80])
+    bad.prefill(SYSTEM + [90])
+    rows = bad.cache.read(0, next(iter(bad.cache.layouts[0])), bad.length)
+    rows[:] += 1.0
+    pool = SessionPool(engine.new_session, max_sessions=4)
+    pool.adopt([good, bad])
+    _, taken = pool.checkout(1, None, SYSTEM + [90, 91])  # shares the most with `bad`
+    assert taken is good  # `bad` failed its check and is gone; `good` continues
+    assert len(pool) == 1
