@@ -28,6 +28,7 @@ from colibrid.engine import kv_files
 PROMPT = "Write a short line about the sea"
 ASK = ("ask", "--temperature", "0", "--max-tokens", "12", PROMPT)
 MARK = "FAULT-HERE"
+KILL_TRIALS = int(os.environ.get("COLIBRI_KILL_TRIALS", "3"))  # the long form: 50 or more
 STREAMED = dict(cache=2, shutdown_grace_s=2.0, profile_save_s=0.5)
 
 
@@ -117,7 +118,7 @@ def test_kill_9_at_random_moments(
     home = Home(tmp_path_factory.mktemp("kill"), demo_container, **STREAMED)
     rng = random.Random(18)
     try:
-        for _trial in range(3):
+        for _trial in range(KILL_TRIALS):
             home.start()
             pid = home.pid()
             assert pid is not None
