@@ -53,6 +53,7 @@ class StoreOptions:
     profile: str | None = None  # .coli_usage path (read, and written after each request)
     policy: str = DEFAULT_POLICY
     memwatch: bool = True
+    memory_floor_gb: float | None = None  # MEMWATCH keeps this much available (None: derived)
     save_profile: bool = True
     pin_at_start: bool = True  # pin from `profile` now (the daemon's profile book pins later)
 
@@ -67,6 +68,8 @@ class StoreOptions:
             raise ValueError(f"--cache must be >= 0, got {self.cache}")
         if self.io_threads < 0:
             raise ValueError(f"--io-threads must be >= 0, got {self.io_threads}")
+        if self.memory_floor_gb is not None and self.memory_floor_gb < 0:
+            raise ValueError(f"memory_floor_gb must be >= 0, got {self.memory_floor_gb}")
 
 
 @dataclass(frozen=True)
@@ -168,8 +171,10 @@ def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> 
     )
     if opts.pin_at_start:
         store.apply_pins(usage.counts)
-    if opts.memwatch:
+    if opts.memwatch:  # whenever experts stream, `--cache` included (it is the ceiling)
         from colibrid.store.memwatch import default_watch
 
-        store.memwatch = default_watch(base.total, store)
+        floor = None if opts.memory_floor_gb is None else int(opts.memory_floor_gb * budgets.GiB)
+        store.memwatch = default_watch(base.total, store, floor=floor)
+        store.memwatch_note = store.memwatch.describe(store)
     log.info("colibri: %s; %s; pins: %s", base.describe(), store.plan.describe(), store.pins.note)

@@ -131,7 +131,7 @@ class ResidentExpertStore:
             pinned=0,
             io_mode="resident",
             policy="-",
-            memwatch="off",
+            memwatch="off (experts resident)",  # nothing to shrink: the page cache is the cache
         )
         return replace(
             snap,

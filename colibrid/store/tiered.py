@@ -77,8 +77,8 @@ class TieredStore:
         self.counts = self.recorder.counts
         self.profile_path: str | None = None  # where usage is saved after each request
         self.pins = PinController(PinBudget("off", 0, 0))
-        self.memwatch = None  # a memwatch.MemWatch when it is on
-        self.memwatch_note = "off"
+        self.memwatch = None  # a memwatch.MemWatch, attached by options.allocate_store
+        self.memwatch_note = "off"  # what `ps` shows: the watch's "on: ..." until it acts
         self.placement: Placement | None = None
         self.prefetcher: Prefetcher | None = None
         self.completions: Completions | None = None
