@@ -25,6 +25,7 @@ class Settings:
     default_model: str | None = None  # model NAME (under models/) or a directory
     ram_gb: float | None = None  # memory budget (default: 88% of available memory)
     cache: int | None = None  # experts per layer in the RAM cache (overrides the budget)
+    memory_floor_gb: float | None = None  # MEMWATCH keeps this free (default: 5% RAM, >= 0.5)
     pilot: str | None = None  # lookahead prefetch: on | off | auto
     io_threads: int | None = None  # expert reader threads (0 = reads on the engine thread)
     direct: bool | None = None  # O_DIRECT / F_NOCACHE expert reads
@@ -42,6 +43,7 @@ class Settings:
     http_api_key: str | None = None  # bearer key the HTTP API requires (needed off loopback)
     http_cors: str | None = None  # comma-separated allowed CORS origins ("*" = any); off if unset
     http_max_body_bytes: int = 4 * 1024 * 1024  # larger HTTP request bodies answer 413
+    http_body_timeout_s: float = 15.0  # time for headers, then the body (408); also keep-alive idle
     http_retry_after_s: int = 1  # Retry-After of a 429 (admission queue full)
     debug_layer_delay_s: float = 0.0  # tests only: slow every layer to make races visible
     debug_fail_prompt: str | None = None  # tests only: the first prompt holding this fails...
@@ -92,6 +94,7 @@ def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
         return StoreOptions(
             mode="tiered" if given else "auto",
             pin=settings.pin,
+            memory_floor_gb=settings.memory_floor_gb,  # MEMWATCH's, not a placement knob
             save_profile=False,
             pin_at_start=False,
             **given,

@@ -69,6 +69,20 @@ def _convert(role: str, content: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def tool_choice(value: Any) -> str:
+    """Anthropic's `tool_choice` checked for shape: ``{"type": "auto" | "any" | "none"}``
+    or ``{"type": "tool", "name": str}``; returns the type."""
+    if value is None:
+        return "auto"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("auto", "any", "none") or (kind == "tool" and isinstance(value.get("name"), str)):
+        return kind
+    raise bad_request(
+        '`tool_choice` must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}',
+        "tool_choice",
+    )
+
+
 def messages_plan(
     body: Any, *, served: str, client: int, max_context: int, features: Features
 ) -> Plan:
@@ -93,16 +107,16 @@ def messages_plan(
             raise bad_request(f"{where}: role must be user or assistant", where)
         messages += _convert(message["role"], message.get("content"), where)
     tools = body.get("tools")
-    choice = body.get("tool_choice") or {"type": "auto"}
+    choice = tool_choice(body.get("tool_choice"))
     template_tools = None
-    if tools and (not isinstance(choice, dict) or choice.get("type") != "none"):
+    if tools and choice != "none":
         if not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
         ):
             raise bad_request(
                 "`tools` must be a list of {name, description, input_schema}", "tools"
             )
-        if not isinstance(choice, dict) or choice.get("type") != "auto":
+        if choice != "auto":
             raise bad_request("only `tool_choice` auto or none is supported", "tool_choice")
         if not features.tools:
             raise bad_request("this model's chat template does not support tools", "tools")

@@ -1,5 +1,8 @@
-"""The ASGI app (routes, body limit, API key, CORS, error bodies) and `serve_http`, which
+"""The ASGI app (routes, browser rules, API key, CORS, error bodies) and `serve_http`, which
 runs it with hypercorn's trio worker inside the daemon nursery.
+
+Every request passes `Gate` (Host / Origin) before anything else, then the route, the
+key and, for POST, `require_json`; bodies are read and decoded by `colibrid.http.body`.
 
 Every generation goes through `scheduler.submit_nowait` + `scheduler.track`, exactly like
 a SERVE session: the queue, fairness, cancellation and the engine thread are shared.
@@ -23,7 +26,9 @@ import trio
 
 from colibrid.errors import ColibriError, ConfigError
 from colibrid.http import anthropic, errors, openai, sse
+from colibrid.http.body import Decoder, decode_json, read_body
 from colibrid.http.errors import ApiError
+from colibrid.http.gate import Gate, require_json
 from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
 from colibrid.http.openapi import describe
 from colibrid.http.parsing import Features
@@ -87,6 +92,10 @@ class HttpApp:
         self.features = Features.of_template(getattr(state.host.codec, "chat_templates", None))
         origins = [o.strip() for o in (settings.http_cors or "").split(",") if o.strip()]
         self.cors = origins
+        self.gate = Gate(
+            keyed=bool(settings.http_api_key), cors=origins, bound=bound_host(settings.http)
+        )
+        self.decoder = Decoder()
         self._clients = itertools.count(1 << 40)  # never collides with SERVE connection ids
 
     @property
@@ -110,6 +119,8 @@ class HttpApp:
         responder = Responder(send, self._cors_headers(scope))
         route = path if path in ROUTES or not path.startswith("/v1/models/") else "/v1/models/"
         try:
+            headers = dict(scope["headers"])
+            self.gate.check(headers)
             if method == "OPTIONS" and responder.extra:
                 await responder.full(
                     204,
@@ -131,8 +142,16 @@ class HttpApp:
                 raise ApiError(405, f"{path} takes {want}, not {method}", code="method_not_allowed")
             if path != "/health":
                 self._authorize(scope)
-            body = await self._read_json(scope, receive) if want == "POST" else None
-            await self._route(path, body, receive, responder)
+            data = None
+            if want == "POST":
+                require_json(headers)
+                data = await read_body(
+                    receive,
+                    headers,
+                    limit=self.settings.http_max_body_bytes,
+                    timeout_s=self.settings.http_body_timeout_s,
+                )
+            await self._route(path, data, receive, responder)
         except ApiError as exc:
             await self._fail(responder, exc, anthropic=path == "/v1/messages")
         except Exception as exc:  # a bug costs this request only
@@ -183,32 +202,9 @@ class HttpApp:
                 code="invalid_api_key",
             )
 
-    async def _read_json(self, scope: Scope, receive: Receive) -> Any:
-        limit = self.settings.http_max_body_bytes
-        length = dict(scope["headers"]).get(b"content-length")
-        too_large = ApiError(
-            413, f"the request body exceeds {limit} bytes", code="request_too_large"
-        )
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise too_large
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError(400, "the client left before sending the body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.bad_request(f"the body is not valid JSON: {exc}") from None
-
-    async def _route(self, path: str, body: Any, receive: Receive, responder: Responder) -> None:
+    async def _route(
+        self, path: str, data: bytes | None, receive: Receive, responder: Responder
+    ) -> None:
         state = self.state
         if path == "/health":
             await responder.json(200, {"status": "ok", "model": state.model_name})
@@ -229,21 +225,29 @@ class HttpApp:
                 )
             await responder.json(200, openai.model_card(name, int(state.started)))
         else:
-            common = {
-                "served": state.model_name,
-                "client": next(self._clients),
-                "max_context": self.max_context,
-            }
-            if path == "/v1/chat/completions":
-                plan = openai.chat_plan(body, features=self.features, **common)
-                translator: Any = openai.ChatStream(plan)
-            elif path == "/v1/completions":
-                plan = openai.completion_plan(body, **common)
-                translator = openai.CompletionStream(plan)
-            else:
-                plan = anthropic.messages_plan(body, features=self.features, **common)
-                translator = anthropic.MessageStream(plan)
+            assert data is not None
+            client = next(self._clients)
+            plan, translator = await self.decoder.run(
+                len(data), lambda: self._plan(path, data, client)
+            )
             await self._generate(plan, translator, receive, responder)
+
+    def _plan(self, path: str, data: bytes, client: int) -> tuple[openai.Plan, Any]:
+        """Body bytes -> (Plan, translator); pure, so it may run in a worker thread."""
+        body = decode_json(data)
+        common = {
+            "served": self.state.model_name,
+            "client": client,
+            "max_context": self.max_context,
+        }
+        if path == "/v1/chat/completions":
+            plan = openai.chat_plan(body, features=self.features, **common)
+            return plan, openai.ChatStream(plan)
+        if path == "/v1/completions":
+            plan = openai.completion_plan(body, **common)
+            return plan, openai.CompletionStream(plan)
+        plan = anthropic.messages_plan(body, features=self.features, **common)
+        return plan, anthropic.MessageStream(plan)
 
     # ---- generation -----------------------------------------------------------------------
     async def _generate(
@@ -338,6 +342,14 @@ async def _watch_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
 
 
 # ---- the listener ---------------------------------------------------------------------------
+def bound_host(value: str | None) -> str | None:
+    """The host part of the `http` setting (what `parse_bind` binds), for the Host rule."""
+    if not value:
+        return None
+    host = value.rpartition(":")[0].strip("[]")
+    return host or "127.0.0.1"
+
+
 def parse_bind(value: str, api_key: str | None) -> str:
     """ "HOST:PORT" or "PORT" -> hypercorn bind; refuses a non-loopback host without a key."""
     host, _, port = value.rpartition(":")
@@ -379,5 +391,11 @@ async def serve_http(
     config.accesslog = None
     config.errorlog = logging.getLogger("colibrid.http.server")
     config.graceful_timeout = 2.0
-    config.keep_alive_timeout = 30.0
+    # Slow clients: hypercorn's idle timer runs from accept until a request's headers are
+    # complete (and between keep-alive requests), so this bounds a slowloris header phase as
+    # well as an idle connection; the body has its own deadline (`read_body`). Headers
+    # beyond h11's buffer (16 KiB) are refused with 431. No `read_timeout`: it would cut a
+    # client that sends nothing while it waits minutes for a long generation.
+    config.keep_alive_timeout = settings.http_body_timeout_s
+    config.h11_max_incomplete_size = 16 * 1024
     await serve(HttpApp(state, settings), config, task_status=task_status)

@@ -10,6 +10,7 @@ from typing import Any
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "invalid_request_error",
@@ -79,4 +80,6 @@ def from_code(
         return ApiError(400, message, code=code.lower())
     if code == "CANCELLED":
         return ApiError(503, message, code="cancelled")
+    if code == "IO":  # the daemon could not read or write its own files (saved KV, profiles)
+        return ApiError(500, message, code="io_error")
     return ApiError(500, message, code=code.lower())

@@ -91,26 +91,27 @@ def _stop(value: Any, name: str = "stop") -> tuple[str, ...]:
 def sampling(
     body: dict[str, Any], *, max_tokens: int | None, max_context: int, stop: tuple[str, ...]
 ) -> SamplingParams:
-    """OpenAI defaults: temperature 1, top_p 1; no max_tokens means up to the context."""
-    seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise bad_request("`seed` must be an integer", "seed")
+    """OpenAI defaults: temperature 1, top_p 1; no max_tokens means up to the context.
+
+    `seed` is passed as given: `SamplingParams` is the one check of its range ([0, 2**64),
+    an int, not a bool) for HTTP and SERVE alike, so the two cannot drift apart."""
     try:
         return SamplingParams(
             max_tokens=max_tokens or max_context,
             temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
             top_p=_num(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
             top_k=_int(body, "top_k", low=0) or 0,
-            seed=None if seed is None else seed % 2**64,
+            seed=body.get("seed"),
             stop=stop,
         )
     except RequestError as exc:
-        raise bad_request(str(exc)) from None
+        name = str(exc).split(" ", 1)[0]  # SamplingParams' messages start with the field
+        raise bad_request(str(exc), name if name in body else None) from None
 
 
 def _common(body: dict[str, Any]) -> tuple[bool, bool]:
     n = body.get("n", 1)
-    if n != 1:
+    if type(n) is not int or n != 1:  # `true == 1` in Python; not in JSON
         raise bad_request("only `n` = 1 is supported (one choice per request)", "n")
     if body.get("logprobs") not in (None, False, 0):
         raise bad_request("`logprobs` is not supported", "logprobs")
@@ -171,9 +172,15 @@ def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
             raise bad_request(f"{where}: role must be one of {sorted(ROLES)}", where)
         role = "system" if message["role"] == "developer" else message["role"]
+        calls = (message.get("tool_calls") or []) if role == "assistant" else []
+        if message.get("content") is None and not calls:
+            raise bad_request(
+                f"{where}: `content` is required (a string or a list of text parts; only "
+                "an assistant message with tool_calls may leave it null)",
+                where,
+            )
         msg: dict[str, Any] = {"role": role, "content": _text(message.get("content"), where)}
         if role == "assistant":
-            calls = message.get("tool_calls") or []
             if not isinstance(calls, list):
                 raise bad_request(f"{where}: tool_calls must be a list", where)
             if calls:
@@ -189,9 +196,29 @@ def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def tool_choice(value: Any) -> str:
+    """OpenAI's `tool_choice` checked for shape: "none" | "auto" | "required" or
+    ``{"type": "function", "function": {"name": str}}`` (returned as "function")."""
+    if value is None:
+        return "auto"
+    if isinstance(value, str) and value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        fn = value.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            return "function"
+    raise bad_request(
+        '`tool_choice` must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
 def chat_tools(body: dict[str, Any], features: Features) -> tuple[dict[str, Any], ...] | None:
-    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
+    tools, choice = body.get("tools"), tool_choice(body.get("tool_choice"))
     if tools is None or tools == [] or choice == "none":
+        if choice in ("required", "function"):
+            raise bad_request("`tool_choice` names tools but `tools` is empty", "tool_choice")
         return None
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
@@ -250,7 +277,8 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
     for name in ("echo", "suffix"):
         if body.get(name):
             raise bad_request(f"`{name}` is not supported", name)
-    if body.get("best_of", 1) != 1:
+    best_of = body.get("best_of", 1)
+    if type(best_of) is not int or best_of != 1:
         raise bad_request("only `best_of` = 1 is supported", "best_of")
     max_tokens = _int(body, "max_tokens")
     params = sampling(

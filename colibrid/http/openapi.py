@@ -24,7 +24,7 @@ _SAMPLING = {
     "max_tokens": {"type": "integer", "nullable": True},
     "temperature": {"type": "number", "nullable": True},
     "top_p": {"type": "number", "nullable": True},
-    "seed": {"type": "integer", "nullable": True},
+    "seed": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1, "nullable": True},
     "stop": _STOP,
     "stream": {"type": "boolean"},
     "n": {"type": "integer"},
@@ -41,7 +41,7 @@ _ERROR = {
         }
     },
 }
-_ERRORS = {str(s): _ERROR for s in (400, 401, 404, 413, 429, 503)}
+_ERRORS = {str(s): _ERROR for s in (400, 401, 403, 404, 408, 413, 415, 429, 503)}
 
 
 def _post(summary: str, required: list[str], props: dict[str, Any]) -> dict[str, Any]:

@@ -192,7 +192,12 @@ def test_error_bodies(home, method, path, body, status, code) -> None:
 
 
 def test_bad_json_and_streamed_context_error(home) -> None:
-    r = httpx.post(home.url + "/v1/chat/completions", content=b"{nope", timeout=30)
+    r = httpx.post(
+        home.url + "/v1/chat/completions",
+        content=b"{nope",
+        headers={"content-type": "application/json"},  # without it: 415, before any parsing
+        timeout=30,
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     body = {
         "model": MODEL,
