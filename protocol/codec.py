@@ -222,10 +222,13 @@ def encode_line(kind: str, *args: object) -> bytes:
 
 
 def encode_text_line(kind: str, *args: object, text: str) -> bytes:
-    """Like `encode_line` with free text at the end (an ERROR message): LFs become spaces."""
+    """Like `encode_line` with free text at the end (an ERROR message): LFs become spaces.
+    Text that is not valid Unicode (a lone surrogate from some exception's message) is
+    escaped rather than raised: an ERROR line must always be sendable."""
     head = encode_line(kind, *args)[:-1]
     clean = " ".join(text.split())
-    return head + (b" " + clean.encode("utf-8") if clean else b"") + b"\n"
+    body = clean.encode("utf-8", errors="backslashreplace")
+    return head + (b" " + body if clean else b"") + b"\n"
 
 
 def encode_framed(kind: str, *args: object, payload: bytes, options: Sequence[str] = ()) -> bytes:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
+from colibri_protocol.bounded_json import JsonTooDeep, loads_bounded
 from colibri_protocol.codec import (
     Frame,
     encode_framed,
@@ -108,7 +110,7 @@ def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
                 if not math.isfinite(opts[key]):
                     raise ValueError(value)
             elif key == "stop":
-                opts["stop"].append(unquote(value, errors="strict"))
+                opts["stop"].append(_stop_string(value, rid))
             elif key == "chat":
                 if value not in ("0", "1"):
                     raise ValueError(value)
@@ -126,9 +128,33 @@ def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
     return opts
 
 
+# `%` not followed by two hex digits: `unquote` would keep it literally, so `%ZZ%` and a
+# cut-off `%4` would silently become stop strings nobody meant.
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def _stop_string(value: str, rid: str) -> str:
+    """A `stop=` value: percent-decoded strictly (every `%` starts a `%XX` escape, the bytes
+    are UTF-8) and non-empty, since an empty stop string would end every answer at once."""
+    bad = _BAD_ESCAPE.search(value)
+    if bad:
+        raise ProtocolError(
+            "BAD_REQUEST",
+            f"bad percent escape in stop at {value[bad.start() : bad.start() + 3]!r} "
+            "(write a % as %25)",
+            rid,
+        )
+    text = unquote(value, errors="strict")  # UnicodeDecodeError: the caller's BAD_REQUEST
+    if not text:
+        raise ProtocolError("BAD_REQUEST", "stop strings must not be empty", rid)
+    return text
+
+
 def _messages(text: str, rid: str) -> tuple[dict[str, Any], ...]:
     try:
-        value = json.loads(text)
+        value = loads_bounded(text)
+    except JsonTooDeep as exc:  # 100,000 brackets: a bad request, not a RecursionError
+        raise ProtocolError("BAD_REQUEST", f"chat payload refused: {exc}", rid) from None
     except ValueError as exc:
         raise ProtocolError("BAD_REQUEST", f"chat payload is not JSON: {exc}", rid) from None
     if isinstance(value, dict):
@@ -367,7 +393,7 @@ def parse_response(frame: Frame) -> Response:
         if kind == "ERROR":
             return ErrorReply(args[0], args[1] if len(args) > 1 else "INTERNAL", " ".join(args[2:]))
         if kind in ("STATUS", "MODEL", "TELEMETRY", "PROFILES", "PROFILE"):
-            return Reply(kind, json.loads(frame.payload or b"null"))
+            return Reply(kind, loads_bounded(frame.payload or b"null"))
     except (IndexError, ValueError) as exc:
         raise ProtocolError("BAD_FRAME", f"malformed {kind} from the daemon: {exc}") from None
     return Line(kind, args)

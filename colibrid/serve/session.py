@@ -3,8 +3,10 @@
 Every request runs in its own task under the connection's nursery, so several can be in
 flight and their DATA lines interleave; one lock keeps each frame's bytes together.
 A malformed line costs one ERROR line, never the connection (unless the framing is lost:
-TOO_LARGE). When the peer goes away (EOF, reset, a failed write) the nursery is
-cancelled, which cancels that connection's requests and frees the engine.
+TOO_LARGE). A bug met while handling one frame or one request's events costs that frame
+or request an `ERROR <id> INTERNAL` line (and a traceback in the log), never the
+connection's other requests. When the peer goes away (EOF, reset, a failed write) the
+nursery is cancelled, which cancels that connection's requests and frees the engine.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import itertools
 import logging
 
 import trio
-from colibri_protocol.codec import FrameDecoder, encode_line, request_payload_length
+from colibri_protocol.codec import (
+    Frame,
+    FrameDecoder,
+    encode_line,
+    is_valid_id,
+    request_payload_length,
+)
 from colibri_protocol.errors import ProtocolError
 from colibri_protocol.messages import (
     Cancel,
@@ -74,7 +82,13 @@ class Connection:
                         break
                     if not data:
                         break
-                    for item in decoder.feed(data):
+                    try:
+                        items = decoder.feed(data)
+                    except Exception:  # a codec bug: the framing is lost, say so and close
+                        log.exception("client %d: frame decoder failed", self.client)
+                        await self.send(encode_error("-", "INTERNAL", "frame decoder failed"))
+                        break
+                    for item in items:
                         await self._dispatch(item, nursery)
                     if decoder.broken:
                         break
@@ -85,6 +99,7 @@ class Connection:
                 await trio.aclose_forcefully(self.stream)
 
     async def _dispatch(self, item: object, nursery: trio.Nursery) -> None:
+        before = dict(self.requests)  # what was in flight before this frame
         try:
             if isinstance(item, ProtocolError):
                 raise item
@@ -95,7 +110,10 @@ class Connection:
             if exc.fatal:
                 self._closed = True
         except ColibriError as exc:
-            await self.send(encode_error("-", _code(exc), str(exc)))
+            await self.send(encode_error(_frame_id(item, before), _code(exc), str(exc)))
+        except Exception as exc:  # a bug: this frame is lost, the connection is not
+            log.exception("client %d: handling %s failed", self.client, _frame_kind(item))
+            await self.send(encode_error(_frame_id(item, before), "INTERNAL", _one_line(exc)))
 
     async def _handle(self, request: Request, nursery: trio.Nursery) -> None:
         state = self.state
@@ -152,8 +170,32 @@ class Connection:
                         break
         except ColibriError as exc:
             await self.send(encode_error(rid, _code(exc), str(exc)))
+        except Exception as exc:  # e.g. an event that cannot be encoded: this request ends
+            log.exception("client %d: request %s failed while answering", self.client, rid)
+            await self.send(encode_error(rid, "INTERNAL", _one_line(exc)))
         finally:
             self.requests.pop(rid, None)
+
+
+def _frame_id(item: object, in_flight: dict[str, Handle]) -> str:
+    """The id an ERROR about `item` names: a SUBMIT's, when it is valid and not (yet) in
+    flight, since that ERROR ends the request; else `-`, so a failed STOP or CANCEL (or a
+    SUBMIT that already runs) is never mistaken for the end of a running request."""
+    if isinstance(item, Frame) and item.kind == "SUBMIT" and item.args:
+        rid = item.args[0]
+        if is_valid_id(rid) and rid not in in_flight:
+            return rid
+    return "-"
+
+
+def _frame_kind(item: object) -> str:
+    return item.kind if isinstance(item, Frame) else type(item).__name__
+
+
+def _one_line(exc: BaseException) -> str:
+    """`Type: message`, bounded: the ERROR line stays one short line whatever failed."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _code(exc: ColibriError) -> str:
