@@ -2,7 +2,9 @@
 
 `TextCodec` wraps `tokenizer.json` (the `tokenizers` library, so the ids are exactly the
 ones Hugging Face produces) and renders the chat template the way transformers'
-`apply_chat_template` does, so a prompt built here is byte-identical to the reference.
+`apply_chat_template` does, so a prompt built here is byte-identical to the reference,
+under the limits of `chat_template` (a template is a program from whoever published the
+model; `load` renders a sample chat so that a template bomb refuses the model at once).
 `StreamingDetokenizer` turns a stream of generated ids into text pieces that never split
 a UTF-8 character, which byte-level BPE tokens routinely do.
 
@@ -14,10 +16,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from colibrid.engine.chat_template import (
+    DEFAULT_MAX_CONTEXT,
+    DEFAULT_TIME_S,
+    ChatTemplate,
+    Limits,
+    probe,
+)
 from colibrid.errors import CheckpointError, RequestError
 
 # The special-token names transformers passes to every chat template (special_tokens_map).
@@ -108,44 +116,6 @@ def _pick_template(raw: Any, source: Path) -> str | dict[str, str] | None:
     raise CheckpointError(f"{source}: chat_template must be a string or a list of name/template")
 
 
-def _compile_template(source: str, origin: str) -> Any:
-    """Compile like transformers: immutable sandbox, trim/lstrip blocks, HF globals."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: Any = None,
-        sort_keys: bool = False,
-    ) -> str:
-        # Jinja's own tojson escapes HTML characters; transformers' (and ours) does not.
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as exc:
-        raise CheckpointError(
-            f"chat template of {origin} does not parse (line {exc.lineno}): {exc.message}"
-        ) from None
-
-
 def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     """Drop None-valued keys and alias reasoning fields, as transformers does."""
     if not isinstance(messages, (list, tuple)) or not messages:
@@ -163,7 +133,12 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 class TextCodec:
-    """A checkpoint's tokenizer, chat template and stop ids. Load with `TextCodec.load`."""
+    """A checkpoint's tokenizer, chat template and stop ids. Load with `TextCodec.load`.
+
+    `max_context` (settable) sizes the template's output limit: a prompt never needs
+    more than a few characters per token of context, plus the input itself.
+    `template_time_s` bounds one render.
+    """
 
     def __init__(
         self,
@@ -173,16 +148,21 @@ class TextCodec:
         special_tokens: Mapping[str, str] | None = None,
         stop_token_ids: frozenset[int] = frozenset(),
         origin: str = "<memory>",
+        max_context: int | None = None,
     ) -> None:
         self._tok = tokenizer
         self._templates = chat_template
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[str, ChatTemplate] = {}
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self.stop_token_ids = frozenset(stop_token_ids)
         self.origin = origin
+        self.max_context = max_context or DEFAULT_MAX_CONTEXT
+        self.template_time_s = DEFAULT_TIME_S
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> TextCodec:
+    def load(cls, model_dir: str | Path, *, max_context: int | None = None) -> TextCodec:
+        """The codec of a checkpoint folder. Its chat template is tried on a sample chat:
+        a template that goes over a limit on it is a CheckpointError (the model is refused)."""
         from tokenizers import Tokenizer
 
         root = Path(model_dir)
@@ -219,19 +199,35 @@ class TextCodec:
             template = _pick_template(config.get("chat_template"), root / "tokenizer_config.json")
 
         stops = load_stop_token_ids(root, tokenizer.token_to_id)
-        return cls(
+        codec = cls(
             tokenizer,
             chat_template=template,
             special_tokens=special,
             stop_token_ids=stops,
             origin=str(root),
+            max_context=max_context,
         )
+        codec.probe_chat_template()
+        return codec
+
+    def probe_chat_template(self) -> None:
+        """Refuse a template that is a bomb on every request (see `chat_template.probe`)."""
+        templates = self._templates
+        if not templates:
+            return
+        sources = templates.values() if isinstance(templates, dict) else [templates]
+        probe(self.render_chat, self.origin, mentions_tools=any("tools" in t for t in sources))
 
     # ---- ids <-> text -------------------------------------------------------------------
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` runs the tokenizer's post-processor."""
+        """Token ids of `text`; `add_special_tokens` runs the tokenizer's post-processor.
+
+        Through `encode_batch`, which releases the GIL while it works (`encode` holds it):
+        a multi-megabyte prompt tokenised on the engine thread must not stall the event
+        loop that answers `/health`, `ps` and other clients meanwhile. Same ids."""
         try:
-            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+            batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(batch[0].ids)
         except TypeError:
             try:
                 text.encode("utf-8")
@@ -262,7 +258,7 @@ class TextCodec:
         see whether the model takes tools or thinks)."""
         return self._templates
 
-    def _template(self, tools: Any) -> Any:
+    def _template(self, tools: Any) -> ChatTemplate:
         templates = self._templates
         if not templates:
             raise RequestError(f"model dir {self.origin} has no chat template; use --raw")
@@ -276,7 +272,7 @@ class TextCodec:
             name = "default"
         if name not in self._compiled:
             source = templates[name] if isinstance(templates, dict) else templates
-            self._compiled[name] = _compile_template(source, self.origin)
+            self._compiled[name] = ChatTemplate(source, self.origin)
         return self._compiled[name]
 
     def render_chat(
@@ -290,29 +286,21 @@ class TextCodec:
         """The prompt text the chat template makes of `messages` (transformers-compatible).
 
         Extra keyword arguments (e.g. `enable_thinking=False`) reach the template as
-        variables and override the special tokens of the same name.
+        variables and override the special tokens of the same name. Any failure of the
+        template, or a limit it goes over, is one `TemplateError` line.
         """
-        import jinja2
-
         template = self._template(tools)
-        variables = {**self.special_tokens, **kwargs}
-        try:
-            return template.render(
-                messages=_normalize_messages(messages),
-                tools=tools,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except (
-            jinja2.exceptions.TemplateError,
-            TypeError,
-            ValueError,
-            KeyError,
-            AttributeError,
-            IndexError,
-        ) as exc:
-            raise RequestError(f"chat template failed: {_one_line(exc)}") from None
+        normalized = _normalize_messages(messages)
+        limits = Limits.for_chat(self.max_context, normalized, tools, time_s=self.template_time_s)
+        variables = {
+            **self.special_tokens,
+            **kwargs,
+            "messages": normalized,
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        return template.render(limits, variables)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
         """Ids of the rendered chat. Like `apply_chat_template(tokenize=True)` the text is
