@@ -263,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ColibriError as exc:
-        sys.stdout.flush()
-        print(f"colibrid: error: {exc}", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+            print(f"colibrid: error: {exc}", file=sys.stderr)
+        except OSError:  # the detached daemon's stderr is the log, on the disk that filled
+            pass
         return 1
     except KeyboardInterrupt:
         return 130

@@ -5,6 +5,9 @@
 on a readiness pipe until the model is loaded and the socket bound, then prints where it
 listens; if the daemon dies first its error is shown. `stop` sends SIGTERM to the pid in
 the pidfile and waits until the daemon lock is released. `status` asks the daemon.
+
+A start that cannot write its state (a full disk, a read-only home) fails with one line
+naming the file and the reason, in the foreground and through the readiness pipe alike.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 
 from colibrid.config import load_settings, resolve_model
 from colibrid.errors import ColibriError
-from colibrid.paths import Paths, atomic_write
+from colibrid.paths import Paths, atomic_write, persisting
 from colibrid.serve import socket_server
 
 
@@ -102,6 +105,12 @@ def _say(ready_fd: int | None, line: str) -> None:
         pass
 
 
+def _fail(ready_fd: int | None, exc: ColibriError) -> None:
+    """Tell the waiting `colibrid start` why; in the foreground the caller prints it."""
+    if ready_fd is not None:
+        _say(ready_fd, f"ERROR {exc}")
+
+
 def run(args: argparse.Namespace) -> int:
     """The daemon in the foreground; returns when stopped."""
     import trio
@@ -126,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
     except ColibriError as exc:
-        _say(ready_fd, f"ERROR {exc}")
+        _fail(ready_fd, exc)
         raise
     logging.basicConfig(
         level=logging.INFO,
@@ -135,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         socket_server.remove_stale(paths)
-        atomic_write(paths.pidfile, f"{os.getpid()}\n")
+        with persisting(paths.pidfile):
+            atomic_write(paths.pidfile, f"{os.getpid()}\n")
 
         def ready(where: str) -> None:
             if ready_fd is None:
@@ -145,8 +155,15 @@ def run(args: argparse.Namespace) -> int:
 
         trio.run(daemon.serve, settings, paths, model_dir, ready)
     except ColibriError as exc:
-        _say(ready_fd, f"ERROR {exc}")
+        _fail(ready_fd, exc)
         raise
+    except OSError as exc:
+        if exc.filename is None:
+            _say(ready_fd, f"ERROR {type(exc).__name__}: {exc}")
+            raise
+        error = ColibriError(f"{exc.filename}: {exc.strerror or exc}")  # one line, named
+        _fail(ready_fd, error)
+        raise error from exc
     except BaseException as exc:
         _say(ready_fd, f"ERROR {type(exc).__name__}: {exc}")
         raise
@@ -158,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
 def start(args: argparse.Namespace) -> int:
     paths = Paths.from_env(args.socket)
-    paths.ensure()
+    paths.ensure()  # raises PersistError naming the folder it cannot make
     if socket_server.lock_is_held(paths):
         pid = socket_server.read_pid(paths)
         raise socket_server.AlreadyRunning(
@@ -181,16 +198,27 @@ def start(args: argparse.Namespace) -> int:
     ):
         if value is not None:
             cmd += [flag, str(value)]
-    with open(paths.log, "ab") as log:
+    try:
+        log_fd = open_log(paths)
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+    try:
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
+            stdout=log_fd,
+            stderr=log_fd,
             pass_fds=(write_fd,),
             start_new_session=True,
         )
-    os.close(write_fd)
+    except OSError as exc:
+        os.close(read_fd)
+        raise ColibriError(f"cannot run {sys.executable}: {exc.strerror or exc}") from None
+    finally:
+        os.close(log_fd)
+        os.close(write_fd)
     lines = _read_ready(read_fd, args.wait)
     ready = next((line for line in lines if line.startswith("READY ")), None)
     if ready is None:
@@ -205,6 +233,18 @@ def start(args: argparse.Namespace) -> int:
     _, pid, where = ready.split(" ", 2)
     print(f"colibrid: listening on {where} (pid {pid}; log {paths.log})")
     return 0
+
+
+def open_log(paths: Paths) -> int:
+    """The log for appending, private (0600: it quotes paths and errors of the user's
+    requests); a log an older version made 0644 is tightened."""
+    with persisting(paths.log):
+        fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except OSError:
+        pass  # not ours to change (a shared log): keep logging to it
+    return fd
 
 
 def _read_ready(fd: int, timeout_s: float) -> list[str]:

@@ -16,6 +16,10 @@
 Readiness (`ready`) is reported only after the socket is bound. Shutdown: refuse new
 requests, let running ones finish within `shutdown_grace_s`, cancel the rest (freed within
 one token), wait until their last lines are written, then cancel the rest of the tree.
+
+A disk that fills (or fails) never stops the daemon: a periodic save that fails is logged
+once per distinct error and tried again next period; the final save at shutdown tries the
+profiles and the prompt cache each, logs what was not saved, and never raises.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from colibrid.config import Settings, store_options
+from colibrid.errors import ColibriError
 from colibrid.http.app import parse_bind, serve_http
-from colibrid.paths import Paths
+from colibrid.paths import Paths, make_state_private, remove_orphan_temps
 from colibrid.serve.host import EngineHost
 from colibrid.serve.profiles import ProfileBook
 from colibrid.serve.scheduler import Scheduler
@@ -50,7 +55,8 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[object, object]:
     from colibrid.engine.tokenizer import TextCodec
 
     engine = Engine.load(model_dir, max_context=settings.max_context, store=store_options(settings))
-    codec = TextCodec.load(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    has_tokenizer = (model_dir / "tokenizer.json").is_file()
+    codec = TextCodec.load(model_dir, max_context=engine.max_context) if has_tokenizer else None
     return engine, codec
 
 
@@ -62,13 +68,46 @@ def make_profiles(paths: Paths, settings: Settings, engine: Engine, name: str) -
     )
 
 
+def tidy_home(paths: Paths) -> None:
+    """At start, with the daemon lock held: remove the temp files a killed write left
+    (this daemon is the only writer, and it has written nothing yet) and make state
+    written by older versions private."""
+    removed = remove_orphan_temps(paths.home, lock_held=True)
+    if removed:
+        log.info("removed %d orphan temp file(s) of interrupted writes", len(removed))
+    fixed = make_state_private(paths)
+    if fixed:
+        log.info("made %d state folder(s) or file(s) private (0700/0600)", fixed)
+
+
+def _reason(exc: BaseException) -> str:
+    """A write failure in words: PersistError's message names the file already."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+    return str(exc) or type(exc).__name__
+
+
 def _save_prompt_cache(host: EngineHost, directory: Path) -> int:
     """A prompt cache that cannot be written (a full disk) is logged; the stop goes on."""
     try:
         return host.save_prompt_cache(directory)
-    except OSError as exc:
-        log.warning("prompt cache not saved to %s: %s", directory, exc)
-        return 0
+    except (OSError, ColibriError) as exc:
+        log.warning("prompt cache not saved to %s: %s", directory, _reason(exc))
+    except Exception:  # the final save must not turn a clean stop into a crash
+        log.exception("prompt cache not saved to %s", directory)
+    return 0
+
+
+def _save_profiles_finally(book: ProfileBook) -> bool:
+    """The last save of the profiles; False (logged, naming the files) when it failed."""
+    try:
+        book.save_all()
+        return True
+    except (OSError, ColibriError) as exc:
+        log.warning("profiles not saved: %s", _reason(exc))
+    except Exception:
+        log.exception("profiles not saved to %s", book.directory)
+    return False
 
 
 async def watch_signals(stopping: trio.Event) -> None:
@@ -79,9 +118,21 @@ async def watch_signals(stopping: trio.Event) -> None:
 
 
 async def save_profiles(book: ProfileBook, every_s: float) -> None:
+    """Save every `every_s`; a failure is logged when it first happens or changes (not
+    every period while the disk stays full) and when saving works again."""
+    failing: str | None = None
     while True:
         await trio.sleep(every_s)
-        await trio.to_thread.run_sync(book.save_all)
+        try:
+            await trio.to_thread.run_sync(book.save_all)
+        except (OSError, ColibriError) as exc:
+            if _reason(exc) != failing:
+                failing = _reason(exc)
+                log.warning("profiles not saved (trying again every %g s): %s", every_s, failing)
+            continue
+        if failing is not None:
+            log.info("profiles saved again")
+            failing = None
 
 
 async def drain(scheduler: Scheduler, grace_s: float) -> None:
@@ -100,6 +151,7 @@ async def serve(
     name = model_dir.name
     if settings.http:
         parse_bind(settings.http, settings.http_api_key)  # refuse before loading the model
+    tidy_home(paths)
     log.info("loading %s", model_dir)
     engine, codec = await trio.to_thread.run_sync(load_model, model_dir, settings)
     book = make_profiles(paths, settings, engine, name)
@@ -151,7 +203,11 @@ async def serve(
                 host.close()
             daemon.cancel_scope.cancel()
     finally:
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(book.save_all)
+        with trio.CancelScope(shield=True):  # each attempted; neither raises
+            saved = await trio.to_thread.run_sync(_save_profiles_finally, book)
             kept = await trio.to_thread.run_sync(_save_prompt_cache, host, kv_dir)
-        log.info("stopped; profiles saved; prompt cache: %d session(s) kept", kept)
+        log.info(
+            "stopped; %s; prompt cache: %d session(s) kept",
+            "profiles saved" if saved else "profiles NOT saved (see above)",
+            kept,
+        )

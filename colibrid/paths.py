@@ -9,12 +9,19 @@
       kv/MODEL/N.npz          the prompt cache kept across restarts (engine/kv_files.py)
       colibrid.log            the detached daemon's log
       run/                    0700: colibrid.sock (0600), colibrid.pid, colibrid.lock
+
+Everything colibri writes there is private to the user: what the profiles and the prompt
+cache hold spells out what was asked (directories 0700, files 0600, the log 0600).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +29,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from colibri_protocol import home as protocol_home
+
+from colibrid.errors import PersistError
+
+log = logging.getLogger("colibrid.paths")
+
+# atomic_file's temp files: ".{target name}." + mkstemp's 8 random characters + ".tmp".
+ORPHAN_TEMP = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")
+ORPHAN_AGE_S = 5.0  # older than any atomic write in flight (a write takes milliseconds)
 
 
 @dataclass(frozen=True)
@@ -74,18 +89,42 @@ class Paths:
         Our own run directory is (re)made private; a directory given with `--socket`
         elsewhere is never chmod-ed (it may be /tmp): if others can enter it, refuse.
         """
-        self.home.mkdir(parents=True, exist_ok=True)
-        self.run.mkdir(mode=0o700, parents=True, exist_ok=True)
-        mode = self.run.stat().st_mode & 0o777
-        if mode & 0o077:
-            if self.run.resolve() != (self.home / "run").resolve():
-                from colibrid.errors import ConfigError
+        with persisting(self.home):
+            self.home.mkdir(parents=True, exist_ok=True)
+        with persisting(self.run):
+            self.run.mkdir(mode=0o700, parents=True, exist_ok=True)
+            mode = self.run.stat().st_mode & 0o777
+            if mode & 0o077:
+                if self.run.resolve() != (self.home / "run").resolve():
+                    from colibrid.errors import ConfigError
 
-                raise ConfigError(
-                    f"the socket directory {self.run} is open to other users "
-                    f"(mode {mode:o}); put the socket in a private directory"
-                )
-            os.chmod(self.run, 0o700)
+                    raise ConfigError(
+                        f"the socket directory {self.run} is open to other users "
+                        f"(mode {mode:o}); put the socket in a private directory"
+                    )
+                os.chmod(self.run, 0o700)
+
+
+@contextmanager
+def persisting(path: Path) -> Iterator[None]:
+    """Turn an OSError while writing `path` into a PersistError naming it: the user sees
+    "cannot write PATH: No space left on device" instead of a bare errno."""
+    try:
+        yield
+    except OSError as exc:
+        raise PersistError.of(path, exc) from exc
+
+
+def make_private_dirs(directory: Path) -> None:
+    """Create `directory` and its missing parents 0700 (`mkdir(parents=True)` would make
+    the parents with the umask's mode, e.g. a 0755 profiles/ above a 0700 profiles/MODEL)."""
+    missing = []
+    for each in (directory, *directory.parents):
+        if each.is_dir():
+            break
+        missing.append(each)
+    for each in reversed(missing):
+        each.mkdir(mode=0o700, exist_ok=True)
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:
@@ -99,8 +138,12 @@ def atomic_write(path: Path, data: bytes | str) -> None:
 @contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
     """A binary file that appears at `path` whole, or not at all: written to a temp file
-    beside it, fsynced, renamed over `path` when the block ends without an exception."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    beside it, fsynced, renamed over `path` when the block ends without an exception.
+
+    The file is 0600 (mkstemp's mode, kept by the rename) and directories made for it are
+    0700. A kill -9 mid-write leaves the temp file behind: `remove_orphan_temps` clears
+    those at the next daemon start. Errors stay OSError; `persisting` names the path."""
+    make_private_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -119,3 +162,90 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def remove_orphan_temps(
+    home: Path, *, lock_held: bool = False, min_age_s: float = ORPHAN_AGE_S
+) -> list[Path]:
+    """Remove the temp files atomic writes left when killed (`.NAME.XXXXXXXX.tmp`) from
+    the home, profiles/*/, kv/*/ and run/; returns what was removed.
+
+    Only files of atomic_file's exact pattern go (never a user's file, a link or a folder,
+    never anything under models/). A temp file may belong to a write in flight, so only
+    those older than `min_age_s` go, unless the caller holds the daemon lock: the daemon
+    is then the only writer of this state, and at its start it writes nothing yet."""
+    folders = [home, home / "run"]
+    for tree in (home / "profiles", home / "kv"):
+        folders.append(tree)
+        folders.extend(sorted(_subdirs(tree)))
+    now, removed = time.time(), []
+    for folder in folders:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            if not ORPHAN_TEMP.match(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if not lock_held and now - st.st_mtime < min_age_s:
+                    continue
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue  # its writer finished (renamed or removed it) meanwhile
+            except OSError as exc:
+                log.warning("cannot remove the orphan temp file %s: %s", entry.path, exc)
+                continue
+            removed.append(Path(entry.path))
+    return removed
+
+
+def make_state_private(paths: Paths) -> int:
+    """Tighten the modes of state written by older versions (or by other tools, such as
+    `colibri profile show`'s heat maps): profiles/, kv/ and their MODEL/ folders 0700,
+    their files and the log 0600. Returns how many modes changed; one that cannot change
+    is logged (a start is not refused for it)."""
+    wanted: list[tuple[Path, int]] = []
+    for tree in (paths.profiles, paths.kv):
+        if not tree.is_dir():
+            continue
+        wanted.append((tree, 0o700))
+        wanted.extend((f, 0o600) for f in _files(tree))
+        for folder in _subdirs(tree):
+            wanted.append((folder, 0o700))
+            wanted.extend((f, 0o600) for f in _files(folder))
+    if paths.log.is_file() and not paths.log.is_symlink():
+        wanted.append((paths.log, 0o600))
+    changed = 0
+    for path, mode in wanted:
+        try:
+            if stat.S_IMODE(path.stat().st_mode) & 0o077:
+                os.chmod(path, mode)
+                changed += 1
+        except OSError as exc:
+            log.warning("cannot make %s private: %s", path, exc)
+    return changed
+
+
+def _subdirs(folder: Path) -> Iterator[Path]:
+    """Real subdirectories (a link to a folder elsewhere is not walked into)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            yield Path(entry.path)
+
+
+def _files(folder: Path) -> Iterator[Path]:
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_file(follow_symlinks=False):
+            yield Path(entry.path)

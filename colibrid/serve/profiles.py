@@ -7,6 +7,10 @@ recorder hands the selections over after every engine step (one way: store -> bo
 The active profile's counts are what the store's pin controller chooses pins from (on
 the engine thread, `DaemonState.repin_soon`); this module never touches the store.
 Counts are added from the engine thread and read from the trio thread: one lock.
+
+A save that cannot be written (a full disk, an I/O error, a read-only home) raises
+PersistError naming the file; the counts stay in memory and the next save tries again.
+The file on disk is the last complete one (writes are atomic), never a torn one.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.errors import ColibriError
-from colibrid.paths import atomic_write
+from colibrid.errors import ColibriError, PersistError
+from colibrid.paths import atomic_write, persisting
 from colibrid.store.usage import parse_counts, usage_text
 
 log = logging.getLogger("colibrid.profiles")
@@ -92,15 +96,33 @@ class ProfileBook:
             ]
 
     def save(self, name: str | None = None, *, source: str | None = None) -> Path:
-        """Write `name` (default: the active profile); with `source`, copy its counts first."""
+        """Write `name` (default: the active profile); with `source`, copy its counts first.
+
+        Raises PersistError naming the file when it cannot be written."""
         name = name or self.active
         with self._lock:
             if source is not None and source != name:
                 self._counts[name] = self._get(source).copy()
             counts = self._get(name).copy()
-        atomic_write(self.path(name), usage_text(counts, self.model_type))
-        return self.path(name)
+        path = self.path(name)
+        with persisting(path):
+            atomic_write(path, usage_text(counts, self.model_type))
+        return path
 
-    def save_all(self) -> None:
-        for name in list(self._counts):
-            self.save(name)
+    def save_all(self) -> list[Path]:
+        """Write every profile counted into; returns the files written.
+
+        Every profile is tried even when one fails (the disk may have room for a small
+        file, or only one file is read-only); the failures are raised together, as one
+        PersistError whose message names each file."""
+        with self._lock:
+            names = list(self._counts)
+        saved, failures = [], []
+        for name in names:
+            try:
+                saved.append(self.save(name))
+            except PersistError as exc:
+                failures.append(str(exc))
+        if failures:
+            raise PersistError("; ".join(failures))
+        return saved

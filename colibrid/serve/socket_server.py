@@ -6,6 +6,7 @@
 * A socket file left by a crashed daemon (no lock holder, connection refused) is stale and
   is removed; so is its pidfile.
 * The socket's directory is 0700 and the socket 0600 (created under umask 0177).
+* A file that cannot be made (a full disk, a read-only home) is named in the error.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import trio
 
 from colibrid.errors import ColibriError
-from colibrid.paths import Paths
+from colibrid.paths import Paths, persisting
 
 
 class AlreadyRunning(ColibriError):
@@ -37,7 +38,8 @@ def read_pid(paths: Paths) -> int | None:
 def claim(paths: Paths) -> int:
     """Take the daemon lock (returns its fd, keep it open) or raise AlreadyRunning."""
     paths.ensure()
-    fd = os.open(paths.lockfile, os.O_RDWR | os.O_CREAT, 0o600)
+    with persisting(paths.lockfile):
+        fd = os.open(paths.lockfile, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -49,7 +51,7 @@ def claim(paths: Paths) -> int:
                 + (f" (pid {pid})" if pid else "")
                 + "; `colibrid stop` stops it"
             ) from None
-        raise
+        raise ColibriError(f"cannot lock {paths.lockfile}: {exc.strerror or exc}") from None
     return fd
 
 
@@ -85,8 +87,10 @@ def remove_stale(paths: Paths) -> None:
     if paths.socket.exists() or paths.socket.is_symlink():
         if socket_answers(paths.socket):
             raise AlreadyRunning(f"another daemon answers on {paths.socket}")
-        paths.socket.unlink()
-    paths.pidfile.unlink(missing_ok=True)
+        with persisting(paths.socket):
+            paths.socket.unlink()
+    with persisting(paths.pidfile):
+        paths.pidfile.unlink(missing_ok=True)
 
 
 def bind(path: Path) -> trio.socket.SocketType:
@@ -94,10 +98,13 @@ def bind(path: Path) -> trio.socket.SocketType:
     old = os.umask(0o177)
     try:
         raw.bind(str(path))
+        os.chmod(path, 0o600)
+        raw.listen(128)
+    except OSError as exc:
+        raw.close()
+        raise ColibriError(f"cannot listen on {path}: {exc.strerror or exc}") from None
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
-    raw.listen(128)
     return trio.socket.from_stdlib_socket(raw)
 
 

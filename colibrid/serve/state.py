@@ -110,7 +110,11 @@ class DaemonState:
         }
 
     async def profile(self, action: str, name: str | None) -> tuple[str, Any]:
-        """Returns (reply kind, body): PROFILES json, PROFILE json, or OK words."""
+        """Returns (reply kind, body): PROFILES json, PROFILE json, or OK words.
+
+        SAVE and FLUSH that cannot write raise PersistError (code IO, naming the file):
+        the client gets `ERROR - IO cannot write ...`, the counts stay in memory and the
+        daemon goes on serving."""
         book = self.profiles
         if action == "LIST":
             return "PROFILES", {
