@@ -17,6 +17,10 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
         "colibrid.bench.kernels",
         "effective weight GB/s of each kernel path next to measured memory bandwidth",
     ),
+    "decode": (
+        "colibrid.bench.decode",
+        "resident prefill and decode tok/s vs the memory-bandwidth roofline",
+    ),
     "stream": ("colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"),
     "replay": ("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
     "policy": ("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),

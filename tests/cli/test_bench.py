@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 
 def colibri(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -96,3 +99,52 @@ def test_stream_reports_against_its_own_probe(oracle_checkpoint) -> None:
 def test_record_needs_a_model(tmp_path: Path) -> None:
     out = colibri("bench", "replay", "--record", str(tmp_path / "t.json"))
     assert out.returncode == 2 and "--record needs --model" in out.stderr
+
+
+def _decode_bytes_per_token(model: Path) -> int:
+    """What one resident decode step must read, counted from the checkpoint alone: every
+    matrix of the trunk's layers except the router (scored in numpy) and the routed
+    experts, plus top-k experts per MoE layer, the output head and one embedding row."""
+    from safetensors import safe_open
+
+    config = json.loads((model / "config.json").read_text())
+    layers, top_k = config["num_hidden_layers"], config["num_experts_per_tok"]
+    total, expert_bytes, moe_layers = 0, 0, set()
+    for path in sorted(model.glob("*.safetensors")):
+        with safe_open(path, "np") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                size = 4 * int(np.prod(shape))  # the tiny checkpoints are float32
+                if name == "lm_head.weight":
+                    total += size
+                elif name == "model.embed_tokens.weight":
+                    total += size // shape[0]
+                match = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
+                if not match or int(match[1]) >= layers or len(shape) != 2:
+                    continue
+                if ".mlp.experts.0." in name:
+                    expert_bytes += size
+                    moe_layers.add(int(match[1]))
+                elif ".mlp.experts." not in name and not name.endswith(".mlp.gate.weight"):
+                    total += size
+    return total + top_k * expert_bytes
+
+
+def test_decode_bench_counts_the_bytes_a_token_reads_and_its_roofline(chat_model) -> None:
+    run = colibri(
+        "bench", "decode", "--model", str(chat_model), "--prompt-tokens", "8", "--tokens", "4",
+        "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)
+    assert r["weight_gb_per_token"] * 1e9 == pytest.approx(_decode_bytes_per_token(chat_model))
+    assert r["membw_gbs"] > 0 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
+    assert r["roofline_tok_s"] == pytest.approx(r["membw_gbs"] / r["weight_gb_per_token"])
+    assert r["ratio"] == pytest.approx(r["decode_tok_s"] / r["roofline_tok_s"])
+    assert r["kv_mb_per_token"] > 0
+    text = colibri("bench", "decode", "--model", str(chat_model), "--prompt-tokens", "8")
+    assert text.returncode == 0, text.stderr
+    assert re.search(r"roofline: [\d.]+ tok/s .* decode is \d+% of it", text.stdout)
+    too_long = colibri("bench", "decode", "--model", str(chat_model), "--prompt-tokens", "250")
+    assert too_long.returncode == 1
+    assert "context is 256: lower them" in too_long.stderr and "Traceback" not in too_long.stderr

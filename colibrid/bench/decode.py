@@ -1,0 +1,221 @@
+"""`colibri bench decode`: resident prefill and decode speed against the memory roofline.
+
+With every expert in RAM, decode is a stream of weights through the cores: each token
+reads the attention and dense weights, the shared experts, the output head and the routed
+experts it chose. The honest limit is therefore memory read bandwidth divided by the
+weight bytes a token touches. Both are measured in this run (DESIGN §8): the bytes by
+counting every weight handed to the kernels during a few extra decode steps, the
+bandwidth by the native read probe right before and right after decoding (the faster one
+is the limit, so a noisy moment never flatters the ratio).
+
+Printed: prefill tok/s (and its GFLOP/s from the same byte count, two flops per weight),
+decode tok/s, GB of weights per token, the KV cache read per token at the end, the
+roofline tok/s and decode as a fraction of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibrid.backends.base import KernelFamily
+from colibrid.errors import ConfigError
+from colibrid.formats.weights import QuantWeight
+
+COUNTED_STEPS = 4  # decode steps whose weight bytes are counted (after the timed ones)
+
+
+class CountingOps:
+    """The CPU backend, counting the weight bytes (data + scales) and weight elements
+    (multiply-adds per row) it is handed while `counting` is on. Off, its methods are the
+    backend's own bound methods, so timing runs pay nothing for it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.bytes = 0
+        self.elements = 0
+        self.counting = False
+
+    @property
+    def counting(self) -> bool:
+        return self._counting
+
+    @counting.setter
+    def counting(self, on: bool) -> None:
+        self._counting = on
+        for name in ("matmul", "matmul_blocks", "expert_swiglu", "embed"):
+            if on:
+                self.__dict__.pop(name, None)  # the counting method of the class
+            else:
+                self.__dict__[name] = getattr(self.inner, name)
+
+    def _count(self, *weights: QuantWeight) -> None:
+        for w in weights:
+            self.bytes += w.nbytes
+            self.elements += w.shape[0] * w.shape[1]
+
+    def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        self._count(w)
+        return self.inner.matmul(w, x, family)
+
+    def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        self._count(w)
+        return self.inner.matmul_blocks(w, x, family)
+
+    def expert_swiglu(self, gate, up, down, x, family):  # noqa: ANN001, ANN201
+        self._count(gate, up, down)
+        return self.inner.expert_swiglu(gate, up, down, x, family)
+
+    def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
+        self.bytes += len(ids) * table.nbytes // table.shape[0]  # one row per id
+        return self.inner.embed(table, ids)
+
+
+@dataclass
+class Result:
+    model: str
+    threads: int
+    prompt_tokens: int
+    prefill_tok_s: float
+    prefill_gflop_s: float
+    decode_tokens: int
+    decode_tok_s: float
+    weight_gb_per_token: float
+    kv_mb_per_token: float
+    membw_gbs: float
+    roofline_tok_s: float
+    ratio: float
+
+
+def _resolve(model: str) -> Path:
+    """A model folder, or the name of one installed under $COLIBRI_HOME/models."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from colibrid.config import resolve_model
+    from colibrid.paths import Paths
+
+    return resolve_model(Paths.from_env(None), model)
+
+
+def measure(
+    model_dir: Path, *, prompt_tokens: int, tokens: int, warmup: int, family: KernelFamily
+) -> Result:
+    from colibrid.backends import native
+    from colibrid.backends.cpu import CpuOps
+    from colibrid.engine.engine import Engine
+    from colibrid.store.options import StoreOptions
+
+    ops = CountingOps(CpuOps())
+    engine = Engine.load(model_dir, family=family, ops=ops, store=StoreOptions(mode="resident"))
+    try:
+        needed = prompt_tokens + warmup + tokens + COUNTED_STEPS
+        if needed > engine.max_context:
+            raise ConfigError(
+                f"--prompt-tokens {prompt_tokens} + --warmup {warmup} + --tokens {tokens} "
+                f"(+ {COUNTED_STEPS} counted steps) need {needed} positions; this model's "
+                f"context is {engine.max_context}: lower them"
+            )
+        vocab = engine.vocab_size
+        rng = np.random.default_rng(0)
+        prompt = [int(t) for t in rng.integers(1, vocab, prompt_tokens)]
+        probe_before = native.membw_probe(1 << 29)
+
+        engine.new_session().prefill(prompt[: min(16, prompt_tokens)])  # faults pages in
+        session = engine.new_session()
+        started = time.perf_counter()
+        logits = session.prefill(prompt)
+        prefill_s = time.perf_counter() - started
+        for _ in range(warmup):
+            logits = session.decode(int(np.argmax(logits)))
+        started = time.perf_counter()
+        for _ in range(tokens):
+            logits = session.decode(int(np.argmax(logits)))
+        decode_s = time.perf_counter() - started
+
+        probe_after = native.membw_probe(1 << 29)
+        ops.counting = True
+        counted = COUNTED_STEPS
+        for _ in range(counted):
+            logits = session.decode(int(np.argmax(logits)))
+        ops.counting = False
+        gb_token = ops.bytes / counted / 1e9
+        flops_token = 2 * ops.elements / counted
+        per_position = sum(
+            int(np.prod(shape)) * 4
+            for layout in engine.model.cache_layouts()
+            for shape in layout.values()
+        )
+        kv_mb = per_position * session.length / 1e6
+    finally:
+        engine.close()
+    membw = max(probe_before, probe_after)
+    roofline = membw / gb_token
+    decode_tok_s = tokens / decode_s
+    return Result(
+        model=str(model_dir),
+        threads=native.threads(),
+        prompt_tokens=prompt_tokens,
+        prefill_tok_s=prompt_tokens / prefill_s,
+        prefill_gflop_s=flops_token * prompt_tokens / prefill_s / 1e9,
+        decode_tokens=tokens,
+        decode_tok_s=decode_tok_s,
+        weight_gb_per_token=gb_token,
+        kv_mb_per_token=kv_mb,
+        membw_gbs=membw,
+        roofline_tok_s=roofline,
+        ratio=decode_tok_s / roofline,
+    )
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="colibri bench decode", description=__doc__)
+    p.add_argument("--model", required=True, metavar="NAME|DIR", help="model name or folder")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prefill length (default 256)")
+    p.add_argument("--tokens", type=int, default=128, help="decode steps measured (default 128)")
+    p.add_argument("--warmup", type=int, default=4, help="decode steps before measuring")
+    p.add_argument(
+        "--family", choices=[f.value for f in KernelFamily], default="f32", help="kernel family"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if args.prompt_tokens < 1 or args.tokens < 1 or args.warmup < 0:
+        p.error("--prompt-tokens and --tokens must be >= 1, --warmup >= 0")
+    r = measure(
+        _resolve(args.model),
+        prompt_tokens=args.prompt_tokens,
+        tokens=args.tokens,
+        warmup=args.warmup,
+        family=KernelFamily(args.family),
+    )
+    if args.json:
+        print(json.dumps(asdict(r)))
+        return 0
+    print(f"model: {r.model} ({r.threads} threads, experts resident)")
+    print(f"memory read probe: {r.membw_gbs:.1f} GB/s (best of before and after decoding)")
+    print(
+        f"prefill: {r.prefill_tok_s:.1f} tok/s over {r.prompt_tokens} tokens "
+        f"({r.prefill_gflop_s:.1f} GFLOP/s of weight multiply-adds)"
+    )
+    print(
+        f"decode: {r.decode_tok_s:.1f} tok/s over {r.decode_tokens} tokens; "
+        f"{r.weight_gb_per_token:.3f} GB of weights per token "
+        f"(+ {r.kv_mb_per_token:.1f} MB of KV cache at the end)"
+    )
+    print(
+        f"roofline: {r.roofline_tok_s:.1f} tok/s (probe GB/s / weight GB per token); "
+        f"decode is {100 * r.ratio:.0f}% of it"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
