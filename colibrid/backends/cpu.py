@@ -33,5 +33,12 @@ class CpuOps:
             gate, up, down, np.ascontiguousarray(x, dtype=np.float32), family
         )
 
+    def attend_gqa(
+        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+    ) -> np.ndarray:
+        return native.attend_gqa(
+            np.ascontiguousarray(q, dtype=np.float32), keys, values, scale, start
+        )
+
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))

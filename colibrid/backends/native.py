@@ -280,4 +280,33 @@ def expert_swiglu(
     return y
 
 
+def attend_gqa(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+) -> np.ndarray:
+    """Causal grouped-query attention: q float32 [S, H, d] at positions start..start+S-1,
+    keys and values float32 [T, G, d] (C-contiguous, T >= start + S); returns [S, H * d].
+
+    Query head h reads KV head h // (H / G). Softmax in float32 with the row's maximum
+    subtracted; every (row, head) is computed alone, so S rows equal S one-row calls."""
+    if not isinstance(q, np.ndarray) or q.ndim != 3:
+        raise ValueError("q must be a 3-D [S, H, d] numpy array")
+    s, h, d = q.shape
+    if not isinstance(keys, np.ndarray) or keys.ndim != 3:
+        raise ValueError("keys must be a 3-D [T, G, d] numpy array")
+    t, g = keys.shape[0], keys.shape[1]
+    _check_array("q", q, np.float32, (s, h, d))
+    _check_array("keys", keys, np.float32, (t, g, d))
+    _check_array("values", values, np.float32, (t, g, d))
+    if s < 1 or g < 1 or h % g or not 0 <= start <= t - s:
+        raise ValueError(
+            f"attention shapes disagree: q {q.shape}, keys {keys.shape}, start {start}"
+        )
+    out = np.empty((s, h * d), dtype=np.float32)
+    rc = lib.colibri_attend_gqa(
+        _fptr(q), s, h, d, _fptr(keys), _fptr(values), t, g, float(scale), start, _fptr(out)
+    )
+    _raise_rc(rc)
+    return out
+
+
 _init_from_env()

@@ -74,6 +74,9 @@ class CountingOps:
         self._count(gate, up, down)
         return self.inner.expert_swiglu(gate, up, down, x, family)
 
+    def attend_gqa(self, q, keys, values, scale, start):  # noqa: ANN001, ANN201
+        return self.inner.attend_gqa(q, keys, values, scale, start)
+
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         self.bytes += len(ids) * table.nbytes // table.shape[0]  # one row per id
         return self.inner.embed(table, ids)

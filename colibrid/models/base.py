@@ -68,6 +68,13 @@ class Ops(Protocol):
         family: KernelFamily,
     ) -> np.ndarray: ...
 
+    def attend_gqa(
+        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+    ) -> np.ndarray:
+        """Causal attention of q [S, H, d] (positions start..) over the cached keys and
+        values [T, G, d]; query head h reads KV head h // (H / G). Returns [S, H * d]."""
+        ...
+
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray: ...
 
 

@@ -55,6 +55,12 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
                           const colibri_weight *down, int family, const float *x, int S,
                           float *y);
 
+/* Causal grouped-query attention, float32: q [S, H, d] (rows at positions start..start+S-1)
+ * over keys and values [T, G, d] (a sequence's cache, T >= start + S); query head h reads
+ * KV head h / (H / G); out [S, H, d]. Each (row, head) is computed alone, in a fixed order. */
+int colibri_attend_gqa(const float *q, int S, int H, int d, const float *k, const float *v, int T,
+                       int G, float scale, int start, float *out);
+
 /* Best read bandwidth in GB/s over `repeats` passes of a buffer of nbytes. */
 double colibri_membw_probe(size_t nbytes, int threads, int repeats);
 

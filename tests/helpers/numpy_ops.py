@@ -12,6 +12,7 @@ import numpy as np
 from colibrid.backends.base import KernelFamily
 from colibrid.formats.quant import dequantize, dequantize_rows
 from colibrid.formats.weights import QuantWeight
+from colibrid.models.layers.attention import causal_mask, masked_softmax
 
 
 class NumpyOps:
@@ -41,6 +42,23 @@ class NumpyOps:
         u = self.matmul(up, x, family)
         h = (g / (1.0 + np.exp(-g))) * u
         return self.matmul(down, h.astype(np.float32), family)
+
+    def attend_gqa(
+        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+    ) -> np.ndarray:
+        """Grouped-query attention in numpy: the KV heads' query heads stacked as rows of
+        one batched matmul (the engine's own path before the native kernel)."""
+        rows, heads, d = q.shape
+        kv_heads = keys.shape[1]
+        group = heads // kv_heads
+        q_g = q.transpose(1, 0, 2).reshape(kv_heads, group * rows, d)
+        scores = np.matmul(q_g, keys.transpose(1, 2, 0)) * np.float32(scale)
+        scores = scores.reshape(heads, rows, keys.shape[0])
+        probs = masked_softmax(scores, causal_mask(start, rows, keys.shape[0]))
+        out = np.matmul(probs.reshape(kv_heads, group * rows, -1), values.transpose(1, 0, 2))
+        return np.ascontiguousarray(out.reshape(heads, rows, d).transpose(1, 0, 2)).reshape(
+            rows, heads * d
+        )
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibrid.models.base import Linear, Ops, Step, WeightSource
-from colibrid.models.layers.attention import causal_mask, masked_softmax
 from colibrid.models.layers.norm import rms_norm
 from colibrid.models.layers.rope import apply_half
 
@@ -31,6 +30,7 @@ class GQAAttention:
     def __init__(self, src: WeightSource, ops: Ops, prefix: str, shape: GQAShape) -> None:
         s = shape
         self.shape = s
+        self.ops = ops
         self.q_proj = Linear.load(
             src, ops, f"{prefix}.q_proj", s.heads * s.head_dim, s.hidden, bias=s.bias
         )
@@ -76,29 +76,5 @@ class GQAAttention:
         k = apply_half(k, cos, sin)
         keys = cache.write(layer, "k", k)  # [T, G, d]
         values = cache.write(layer, "v", v)  # [T, G, d]
-        out = grouped_attention(q, keys, values, self.scale, step.start)  # [S, H * d]
+        out = self.ops.attend_gqa(q, keys, values, self.scale, step.start)  # [S, H * d]
         return self.o_proj(out, step.family), None
-
-
-def grouped_attention(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: np.float32, start: int
-) -> np.ndarray:
-    """Causal attention of q [S, H, d] over keys and values [T, G, d]; returns [S, H * d].
-
-    Query head h reads KV head h // (H / G) (transformers' `repeat_kv`). The H / G query
-    heads of a KV head are stacked as rows of one matmul against that head's keys, read
-    where the cache holds them: no per-step copy of the cache repeated H / G times (that
-    copy grew with the context and was a quarter of decode time on the demo).
-    """
-    rows, heads, d = q.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    q_g = q.transpose(1, 0, 2).reshape(kv_heads, group * rows, d)  # [G, group * S, d]
-    scores = np.matmul(q_g, keys.transpose(1, 2, 0))  # [G, group * S, T]
-    scores *= scale
-    scores = scores.reshape(heads, rows, keys.shape[0])  # [H, S, T]
-    probs = masked_softmax(scores, causal_mask(start, rows, keys.shape[0]))
-    out = np.matmul(probs.reshape(kv_heads, group * rows, -1), values.transpose(1, 0, 2))
-    return np.ascontiguousarray(out.reshape(heads, rows, d).transpose(1, 0, 2)).reshape(
-        rows, heads * d
-    )

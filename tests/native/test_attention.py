@@ -1,0 +1,97 @@
+"""The native grouped-query attention: close to a float64 softmax reference, causal, each
+row computed alone (S rows equal S one-row calls bit for bit, the property batched decode
+relies on), the same bits on every thread count, and bad shapes refused before C runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+native = pytest.importorskip("colibrid.backends.native")
+
+CASES = [  # S, H, G, d, T
+    (1, 9, 3, 64, 300),
+    (1, 4, 4, 48, 1),
+    (5, 4, 2, 48, 12),
+    (7, 8, 8, 16, 7),
+    (3, 6, 1, 20, 40),
+    (16, 8, 2, 13, 16),
+]
+
+
+def _inputs(s: int, h: int, g: int, d: int, t: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((s, h, d), dtype=np.float32)
+    cache = rng.standard_normal((t + 3, g, d), dtype=np.float32) * 2  # a cache's rows
+    values = rng.standard_normal((t + 3, g, d), dtype=np.float32)
+    return q, cache[:t], values[:t]
+
+
+def _reference(q, keys, values, scale: float, start: int) -> np.ndarray:
+    s, h, d = q.shape
+    group = h // keys.shape[1]
+    out = np.zeros((s, h, d))
+    for row in range(s):
+        visible = start + row + 1
+        for head in range(h):
+            k = keys[:visible, head // group].astype(np.float64)
+            v = values[:visible, head // group].astype(np.float64)
+            scores = k @ q[row, head].astype(np.float64) * scale
+            p = np.exp(scores - scores.max())
+            out[row, head] = (p / p.sum()) @ v
+    return out.reshape(s, h * d)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_float64_reference(case: tuple[int, ...]) -> None:
+    s, h, g, d, t = case
+    q, keys, values = _inputs(s, h, g, d, t)
+    got = native.attend_gqa(q, keys, values, d**-0.5, t - s)
+    assert got.shape == (s, h * d) and got.dtype == np.float32
+    np.testing.assert_allclose(got, _reference(q, keys, values, d**-0.5, t - s), atol=2e-6)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rows_equal_one_row_calls_and_threads_change_nothing(case: tuple[int, ...]) -> None:
+    s, h, g, d, t = case
+    q, keys, values = _inputs(s, h, g, d, t, seed=1)
+    start = t - s
+    batch = native.attend_gqa(q, keys, values, 0.3, start)
+    for row in range(s):
+        end = start + row + 1
+        one = native.attend_gqa(q[row : row + 1], keys[:end], values[:end], 0.3, start + row)
+        assert np.array_equal(batch[row : row + 1], one)
+    threads = native.threads()
+    try:
+        native.set_threads(1)
+        assert np.array_equal(batch, native.attend_gqa(q, keys, values, 0.3, start))
+    finally:
+        native.set_threads(threads)
+
+
+def test_a_row_never_sees_a_later_key() -> None:
+    q, keys, values = _inputs(4, 4, 2, 8, 10)
+    before = native.attend_gqa(q, keys, values, 0.5, 6)
+    keys2, values2 = keys.copy(), values.copy()
+    keys2[8:] += 100.0  # only rows 2 and 3 (positions 8, 9) may see these
+    values2[8:] -= 50.0
+    after = native.attend_gqa(q, keys2, values2, 0.5, 6)
+    assert np.array_equal(before[:2], after[:2])
+    assert not np.allclose(before[2:], after[2:])
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "kv_shape", "start", "message"),
+    [
+        ((1, 6, 8), (5, 4, 8), 4, "shapes disagree"),  # 6 heads do not group over 4
+        ((2, 4, 8), (5, 2, 8), 4, "shapes disagree"),  # rows past the cache
+        ((1, 4, 8), (5, 2, 7), 4, "values has shape"),
+        ((4, 8), (5, 2, 8), 4, "3-D"),
+    ],
+)
+def test_bad_shapes_are_refused(q_shape, kv_shape, start, message) -> None:
+    q = np.zeros(q_shape, dtype=np.float32)
+    keys = np.zeros((5, 2, 8) if message == "values has shape" else kv_shape, dtype=np.float32)
+    values = np.zeros(kv_shape, dtype=np.float32)
+    with pytest.raises(ValueError, match=message):
+        native.attend_gqa(q, keys, values, 1.0, start)
