@@ -9,6 +9,13 @@ instead of showing a traceback.
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none): what a
+    one-line error quotes of a library's multi-line message."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 class ColibriError(Exception):
     """Base of every expected, user-facing error."""
 

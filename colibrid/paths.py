@@ -22,7 +22,7 @@ import re
 import stat
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,7 +167,7 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
 def remove_orphan_temps(
     home: Path, *, lock_held: bool = False, min_age_s: float = ORPHAN_AGE_S
 ) -> list[Path]:
-    """Remove the temp files atomic writes left when killed (`.NAME.XXXXXXXX.tmp`) from
+    """Remove the temp files atomic writes left when killed (see ORPHAN_TEMP) from
     the home, profiles/*/, kv/*/ and run/; returns what was removed.
 
     Only files of atomic_file's exact pattern go (never a user's file, a link or a folder,
@@ -180,27 +180,22 @@ def remove_orphan_temps(
         folders.extend(sorted(_subdirs(tree)))
     now, removed = time.time(), []
     for folder in folders:
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        for entry in entries:
-            if not ORPHAN_TEMP.match(entry.name):
-                continue
+        for path in _entries(folder, _is_orphan_temp):
             try:
-                st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
+                if not lock_held and now - path.lstat().st_mtime < min_age_s:
                     continue
-                if not lock_held and now - st.st_mtime < min_age_s:
-                    continue
-                os.unlink(entry.path)
+                path.unlink()
             except FileNotFoundError:
                 continue  # its writer finished (renamed or removed it) meanwhile
             except OSError as exc:
-                log.warning("cannot remove the orphan temp file %s: %s", entry.path, exc)
+                log.warning("cannot remove the orphan temp file %s: %s", path, exc)
                 continue
-            removed.append(Path(entry.path))
+            removed.append(path)
     return removed
+
+
+def _is_orphan_temp(entry: os.DirEntry) -> bool:
+    return bool(ORPHAN_TEMP.match(entry.name)) and entry.is_file(follow_symlinks=False)
 
 
 def make_state_private(paths: Paths) -> int:
@@ -232,20 +227,19 @@ def make_state_private(paths: Paths) -> int:
 
 def _subdirs(folder: Path) -> Iterator[Path]:
     """Real subdirectories (a link to a folder elsewhere is not walked into)."""
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for entry in entries:
-        if entry.is_dir(follow_symlinks=False):
-            yield Path(entry.path)
+    return _entries(folder, lambda entry: entry.is_dir(follow_symlinks=False))
 
 
 def _files(folder: Path) -> Iterator[Path]:
+    return _entries(folder, lambda entry: entry.is_file(follow_symlinks=False))
+
+
+def _entries(folder: Path, keep: Callable[[os.DirEntry], bool]) -> Iterator[Path]:
+    """The entries of `folder` that `keep` accepts; none when it cannot be listed."""
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return
     for entry in entries:
-        if entry.is_file(follow_symlinks=False):
+        if keep(entry):
             yield Path(entry.path)

@@ -98,15 +98,11 @@ class Result:
     ratio: float
 
 
-def _resolve(model: str) -> Path:
-    """A model folder, or the name of one installed under $COLIBRI_HOME/models."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    from colibrid.config import resolve_model
-    from colibrid.paths import Paths
-
-    return resolve_model(Paths.from_env(None), model)
+def _greedy(session: Any, logits: np.ndarray, steps: int) -> np.ndarray:
+    """Decode `steps` greedy tokens after `logits`; the last logits."""
+    for _ in range(steps):
+        logits = session.decode(int(np.argmax(logits)))
+    return logits
 
 
 def measure(
@@ -115,6 +111,7 @@ def measure(
     from colibrid.backends import native
     from colibrid.backends.cpu import CpuOps
     from colibrid.engine.engine import Engine
+    from colibrid.engine.kv import bytes_per_position
     from colibrid.store.options import StoreOptions
 
     ops = CountingOps(CpuOps())
@@ -137,27 +134,18 @@ def measure(
         started = time.perf_counter()
         logits = session.prefill(prompt)
         prefill_s = time.perf_counter() - started
-        for _ in range(warmup):
-            logits = session.decode(int(np.argmax(logits)))
+        logits = _greedy(session, logits, warmup)
         started = time.perf_counter()
-        for _ in range(tokens):
-            logits = session.decode(int(np.argmax(logits)))
+        logits = _greedy(session, logits, tokens)
         decode_s = time.perf_counter() - started
 
         probe_after = native.membw_probe(1 << 29)
         ops.counting = True
-        counted = COUNTED_STEPS
-        for _ in range(counted):
-            logits = session.decode(int(np.argmax(logits)))
+        _greedy(session, logits, COUNTED_STEPS)
         ops.counting = False
-        gb_token = ops.bytes / counted / 1e9
-        flops_token = 2 * ops.elements / counted
-        per_position = sum(
-            int(np.prod(shape)) * 4
-            for layout in engine.model.cache_layouts()
-            for shape in layout.values()
-        )
-        kv_mb = per_position * session.length / 1e6
+        gb_token = ops.bytes / COUNTED_STEPS / 1e9
+        flops_token = 2 * ops.elements / COUNTED_STEPS
+        kv_mb = bytes_per_position(engine.model.cache_layouts()) * session.length / 1e6
     finally:
         engine.close()
     membw = max(probe_before, probe_after)
@@ -190,10 +178,13 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    from colibrid.config import resolve_model
+    from colibrid.paths import Paths
+
     if args.prompt_tokens < 1 or args.tokens < 1 or args.warmup < 0:
         p.error("--prompt-tokens and --tokens must be >= 1, --warmup >= 0")
     r = measure(
-        _resolve(args.model),
+        resolve_model(Paths.from_env(None), args.model),
         prompt_tokens=args.prompt_tokens,
         tokens=args.tokens,
         warmup=args.warmup,

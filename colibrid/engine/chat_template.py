@@ -46,7 +46,7 @@ from jinja2.nodes import Concat, Dict, List, Tuple
 from jinja2.runtime import BlockReference
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from colibrid.errors import CheckpointError, TemplateError
+from colibrid.errors import CheckpointError, TemplateError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,6 @@ class _Over(Exception):
 
 def _chars(n: float) -> str:
     return f"{n:,.0f}" if n < 1e18 else f"about 10^{math.log10(n):.0f}"
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 # ---- how big a value is ---------------------------------------------------------------------
@@ -573,7 +568,7 @@ class ChatTemplate:
             ) from None
         except Exception as exc:  # e.g. RecursionError on absurdly nested source
             raise CheckpointError(
-                f"chat template of {origin} cannot be compiled: {_one_line(exc)}"
+                f"chat template of {origin} cannot be compiled: {first_line(exc)}"
             ) from None
 
     def render(self, limits: Limits, variables: Mapping[str, Any]) -> str:
@@ -606,11 +601,11 @@ class ChatTemplate:
             raise TemplateLimitError(f"chat template of {self.origin} ran out of memory") from None
         except jinja2.exceptions.TemplateError as exc:  # raise_exception, undefined, sandbox
             raise TemplateError(
-                f"chat template of {self.origin} failed: {_one_line(exc)}"
+                f"chat template of {self.origin} failed: {first_line(exc)}"
             ) from None
         except Exception as exc:
             raise TemplateError(
-                f"chat template of {self.origin} failed: {type(exc).__name__}: {_one_line(exc)}"
+                f"chat template of {self.origin} failed: {type(exc).__name__}: {first_line(exc)}"
             ) from None
         finally:
             guard.deadline = math.inf  # closing the generator below must not time out

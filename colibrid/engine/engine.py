@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
-from colibrid.engine.kv import KVCache
+from colibrid.engine.kv import KVCache, bytes_per_position
 from colibrid.engine.validate import validate
 from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
@@ -105,11 +105,7 @@ class Engine:
         model = module.build(args, checkpoint, experts, ops)
         limit = args.trunk.max_position_embeddings
         context = min(max_context or DEFAULT_MAX_CONTEXT, limit)
-        kv = sum(
-            int(np.prod(shape)) * 4 * context
-            for layout in model.cache_layouts()
-            for shape in layout.values()
-        )
+        kv = bytes_per_position(model.cache_layouts()) * context
         allocate_store(experts, store_opts, kv_bytes=kv)
         if pilot_wanted(store_opts.pilot, experts):
             from colibrid.engine.pilot import attach

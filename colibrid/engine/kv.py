@@ -19,6 +19,12 @@ import numpy as np
 from colibrid.errors import RequestError
 
 
+def bytes_per_position(layouts: list[Mapping[str, tuple[int, ...]]]) -> int:
+    """Bytes one token's entries take across every layer (float32): what a sequence
+    costs per position of context, and what one attention pass reads per cached token."""
+    return sum(4 * int(np.prod(shape)) for layout in layouts for shape in layout.values())
+
+
 class KVCache:
     def __init__(
         self,

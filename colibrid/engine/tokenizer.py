@@ -26,7 +26,7 @@ from colibrid.engine.chat_template import (
     Limits,
     probe,
 )
-from colibrid.errors import CheckpointError, RequestError
+from colibrid.errors import CheckpointError, RequestError, first_line
 
 # The special-token names transformers passes to every chat template (special_tokens_map).
 _SPECIAL_TOKEN_KEYS = (
@@ -42,11 +42,6 @@ _SPECIAL_TOKEN_KEYS = (
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 def read_json(path: Path) -> Any | None:
     """Parse a JSON file of the checkpoint; None if absent, CheckpointError if unreadable."""
     if not path.is_file():
@@ -54,7 +49,7 @@ def read_json(path: Path) -> Any | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {_one_line(exc)}") from None
+        raise CheckpointError(f"{path} is not valid JSON: {first_line(exc)}") from None
 
 
 def _token_content(value: Any) -> str | None:
@@ -176,7 +171,7 @@ class TextCodec:
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exception subclasses
-            raise CheckpointError(f"{path} cannot be loaded: {_one_line(exc)}") from None
+            raise CheckpointError(f"{path} cannot be loaded: {first_line(exc)}") from None
 
         config = read_json(root / "tokenizer_config.json") or {}
         legacy = read_json(root / "special_tokens_map.json") or {}
@@ -194,7 +189,7 @@ class TextCodec:
             try:
                 template: str | dict[str, str] | None = jinja_file.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"{jinja_file} cannot be read: {_one_line(exc)}") from None
+                raise CheckpointError(f"{jinja_file} cannot be read: {first_line(exc)}") from None
         else:
             template = _pick_template(config.get("chat_template"), root / "tokenizer_config.json")
 
