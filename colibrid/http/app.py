@@ -28,7 +28,7 @@ from colibrid.errors import ColibriError, ConfigError
 from colibrid.http import anthropic, errors, openai, sse
 from colibrid.http.body import Decoder, decode_json, read_body
 from colibrid.http.errors import ApiError
-from colibrid.http.gate import Gate, require_json
+from colibrid.http.gate import Gate, is_loopback_host, require_json
 from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
 from colibrid.http.openapi import describe
 from colibrid.http.parsing import Features
@@ -365,18 +365,16 @@ def parse_bind(value: str, api_key: str | None) -> str:
 
 
 def _loopback(host: str) -> bool:
-    if host == "localhost":
+    """A bind address on this machine only: a loopback name or literal (the Gate's rule),
+    or a name every address of which is loopback (binding resolves it once, now)."""
+    if is_loopback_host(host.lower()):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        try:
-            return all(
-                ipaddress.ip_address(info[4][0]).is_loopback
-                for info in socket.getaddrinfo(host, None)
-            )
-        except (OSError, ValueError):
-            return False
+        return all(
+            ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None)
+        )
+    except (OSError, ValueError):
+        return False
 
 
 async def serve_http(

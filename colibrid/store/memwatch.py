@@ -28,9 +28,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colibrid.store.budget import mem_available, process_rss
+
+if TYPE_CHECKING:
+    from colibrid.store.tiered import TieredStore
 
 log = logging.getLogger("colibri.store")
 GiB = 1 << 30
@@ -106,12 +109,12 @@ def mapping_rss(start: int, end: int, smaps: str = "/proc/self/smaps") -> int | 
     return total if found else None
 
 
-def unfilled_planned_bytes(store: Any) -> int:
+def unfilled_planned_bytes(store: TieredStore) -> int:
     """Bytes of ``store``'s slots the plan keeps un-parked (cache, pins, work, PILOT) that
-    have no pages now: never faulted, swapped out, or reclaimed while empty. 0 when
-    unknown (no /proc: the floor then reads MemAvailable alone, as before)."""
-    arena = getattr(getattr(store, "reader", None), "arena", None)
-    if arena is None or getattr(store, "placement", None) is None:
+    have no pages now: never faulted, swapped out, or reclaimed while empty. 0 before the
+    store is placed, and when unknown (no /proc: the floor then reads MemAvailable alone)."""
+    arena = store.reader.arena
+    if arena is None or store.placement is None:
         return 0
     start = arena.buf.ctypes.data
     for _ in range(3):  # the engine thread may park or fault a slot meanwhile: read again
@@ -217,7 +220,7 @@ def default_floor() -> int:
     return max(MIN_FLOOR, int(phys * FLOOR_FRACTION))
 
 
-def default_watch(total_budget: int, store: Any, *, floor: int | None = None) -> MemWatch:
+def default_watch(total_budget: int, store: TieredStore, *, floor: int | None = None) -> MemWatch:
     """The daemon's watch: ``floor`` bytes kept available (default :func:`default_floor`),
     a band of two experts per layer, RSS capped at the budget, the unfilled plan counted."""
     return MemWatch(

@@ -73,7 +73,7 @@ class MoE:
                 y *= gates[row, slot]
                 ordered[row, rank] = y[0]
                 continue
-            xs = x if row_idx == _ALL_ROWS[rows] else x[row_idx]
+            xs = x if len(row_idx) == rows else x[row_idx]  # a row chooses an expert once
             y = self.ops.expert_swiglu(w.gate, w.up, w.down, np.ascontiguousarray(xs), family)
             y *= gates[row_idx, slot_idx][:, None]
             ordered[row_idx, rank_idx] = y
@@ -81,17 +81,6 @@ class MoE:
         for k in range(top_k):
             out += ordered[:, k]
         return out
-
-
-class _AllRows(dict):
-    """`[0, 1, ..., S-1]` per S, made once: an expert every row chose takes x as it is."""
-
-    def __missing__(self, rows: int) -> list[int]:
-        self[rows] = list(range(rows))
-        return self[rows]
-
-
-_ALL_ROWS = _AllRows()
 
 
 def _plan(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int], list[int]]]:
