@@ -27,37 +27,29 @@ CHAT = {"model": MODEL, "messages": HI, "max_tokens": 2, "temperature": 0}
 KEY = "sekret"
 
 
-@pytest.fixture(scope="module")
-def home(chat_model: Path, tmp_path_factory):
+def _serving(folder: Path, chat_model: Path, **settings: object):
+    """The real daemon with the HTTP API on a free loopback port; stopped at the end."""
     port = free_port()
-    h = Home(
-        tmp_path_factory.mktemp("g"),
-        chat_model,
-        http=f"127.0.0.1:{port}",
-        http_body_timeout_s=1.0,
-        shutdown_grace_s=1.0,
-    )
+    h = Home(folder, chat_model, http=f"127.0.0.1:{port}", shutdown_grace_s=1.0, **settings)
     h.start()
     h.url, h.port = f"http://127.0.0.1:{port}", port
     yield h
     h.close()
+
+
+@pytest.fixture(scope="module")
+def home(chat_model: Path, tmp_path_factory):
+    yield from _serving(tmp_path_factory.mktemp("g"), chat_model, http_body_timeout_s=1.0)
 
 
 @pytest.fixture(scope="module")
 def keyed(chat_model: Path, tmp_path_factory):
-    port = free_port()
-    h = Home(
+    yield from _serving(
         tmp_path_factory.mktemp("k"),
         chat_model,
-        http=f"127.0.0.1:{port}",
         http_api_key=KEY,
         http_cors="https://ok.example",
-        shutdown_grace_s=1.0,
     )
-    h.start()
-    h.url, h.port = f"http://127.0.0.1:{port}", port
-    yield h
-    h.close()
 
 
 @pytest.fixture(scope="module")
