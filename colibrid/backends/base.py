@@ -1,5 +1,6 @@
-"""Types shared by every backend: kernel families. The weight formats and the quantised
-weight type they compute on live in :mod:`colibrid.formats.weights`.
+"""Types shared by every backend: kernel families and the batch of experts one call
+applies. The weight formats and the quantised weight type they compute on live in
+:mod:`colibrid.formats.weights`.
 
 Shape legend used across kernels and models: S rows (tokens), I input features,
 O output features, D hidden size, F expert FFN width.
@@ -8,6 +9,11 @@ O output features, D hidden size, F expert FFN width.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from colibrid.formats.weights import QuantWeight
 
 
 class KernelFamily(enum.Enum):
@@ -24,3 +30,28 @@ class KernelFamily(enum.Enum):
 
     F32 = "f32"
     I8 = "i8"
+
+
+class SwiGLUWeights(Protocol):
+    """An expert's (or a dense MLP's) three projections: gate/up [F, D], down [D, F]."""
+
+    gate: QuantWeight
+    up: QuantWeight
+    down: QuantWeight
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """Experts to apply in one call and where each result goes.
+
+    Expert e (``weights[e]``) owns the pairs p in ``[start[e], start[e + 1])``: it is
+    applied to row ``rows[p]`` of the input, scaled by ``gates[p]`` and written to row
+    ``dest[p]`` of the output. Plain lists: a decode step has a handful of pairs and
+    building arrays for them cost more than the arithmetic on small models.
+    """
+
+    weights: Sequence[SwiGLUWeights]
+    start: list[int]
+    rows: list[int]
+    gates: list[float]
+    dest: list[int]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from colibrid.backends import native
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import ExpertBatch, KernelFamily
 from colibrid.formats.quant import dequantize_rows
 from colibrid.formats.weights import QuantWeight
 
@@ -17,6 +19,11 @@ class CpuOps:
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return native.matmul(w, np.ascontiguousarray(x, dtype=np.float32), family)
+
+    def matmul_many(
+        self, weights: Sequence[QuantWeight], x: np.ndarray, family: KernelFamily
+    ) -> list[np.ndarray]:
+        return native.matmul_many(list(weights), np.ascontiguousarray(x, dtype=np.float32), family)
 
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return native.matmul_blocks(w, np.ascontiguousarray(x, dtype=np.float32), family)
@@ -31,6 +38,33 @@ class CpuOps:
     ) -> np.ndarray:
         return native.expert_swiglu(
             gate, up, down, np.ascontiguousarray(x, dtype=np.float32), family
+        )
+
+    def apply_experts(
+        self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
+    ) -> None:
+        native.apply_experts(
+            batch.weights,
+            batch.start,
+            batch.rows,
+            batch.gates,
+            batch.dest,
+            np.ascontiguousarray(x, dtype=np.float32),
+            out,
+            family,
+        )
+
+    def rank_sum(self, parts: np.ndarray) -> np.ndarray:
+        return native.rank_sum(parts)
+
+    def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        return native.rope_half(np.ascontiguousarray(x, dtype=np.float32), cos, sin)
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return native.rms_norm(
+            np.ascontiguousarray(x, dtype=np.float32),
+            np.ascontiguousarray(weight, dtype=np.float32),
+            eps,
         )
 
     def attend_gqa(

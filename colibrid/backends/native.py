@@ -280,6 +280,148 @@ def expert_swiglu(
     return y
 
 
+def matmul_many(
+    weights: list[QuantWeight], x: np.ndarray, family: KernelFamily
+) -> list[np.ndarray]:
+    """x float32 [S, I] times each of several weights of the same I, in one dispatch:
+    [x @ W^T for W in weights], bit-identical to ``matmul`` of each."""
+    if not weights:
+        raise ValueError("matmul_many needs at least one weight")
+    views = [_native(w, family, f"weights[{k}]") for k, w in enumerate(weights)]
+    width = weights[0].shape[1]
+    if any(w.shape[1] != width for w in weights):
+        raise ValueError(f"weights disagree on I: {[w.shape for w in weights]}")
+    x2 = _rows(x, width)
+    ys = [np.empty((x2.shape[0], w.shape[0]), dtype=np.float32) for w in weights]
+    rc = lib.colibri_matmul_many(
+        ffi.new("colibri_weight *[]", views),
+        len(views),
+        _FAMILY_CODE[family],
+        _fptr(x2),
+        x2.shape[0],
+        ffi.new("float *[]", [_fptr(y) for y in ys]),
+    )
+    _raise_rc(rc)
+    return ys
+
+
+def apply_experts(
+    weights: list,
+    start: list[int],
+    rows: list[int],
+    gates: list[float],
+    dest: list[int],
+    x: np.ndarray,
+    out: np.ndarray,
+    family: KernelFamily,
+) -> None:
+    """A MoE layer's experts in two dispatches (gate and up of all, then every down).
+
+    ``weights[e]`` has .gate/.up/.down ([F, D], [F, D], [D, F]); expert e takes the pairs
+    p in [start[e], start[e + 1]): out[dest[p]] = gates[p] * swiglu_e(x[rows[p]]), each
+    bit-identical to ``expert_swiglu`` on that row. x: float32 [S, D]; out: [R, D]."""
+    n = len(weights)
+    pairs = len(rows)
+    if len(start) != n + 1 or start[0] != 0 or start[-1] != pairs:
+        raise ValueError(f"start must run from 0 to {pairs} over {n} experts, got {start}")
+    if len(gates) != pairs or len(dest) != pairs:
+        raise ValueError("rows, gates and dest must have one entry per pair")
+    if any(b < a for a, b in zip(start, start[1:])):
+        raise ValueError(f"start must not decrease, got {start}")
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError("x must be a 2-D [S, D] numpy array")
+    d = x.shape[1]
+    _check_array("x", x, np.float32, (x.shape[0], d))
+    if not isinstance(out, np.ndarray) or out.ndim != 2:
+        raise ValueError("out must be a 2-D [R, D] numpy array")
+    _check_array("out", out, np.float32, (out.shape[0], d))
+    if not out.flags.writeable:
+        raise ValueError("out must be writable")
+    views = []
+    for k, w in enumerate(weights):
+        views += (
+            _native(w.gate, family, f"weights[{k}].gate"),
+            _native(w.up, family, f"weights[{k}].up"),
+            _native(w.down, family, f"weights[{k}].down"),
+        )
+        f = w.gate.shape[0]
+        if w.gate.shape != (f, d) or w.up.shape != (f, d) or w.down.shape != (d, f):
+            raise ValueError(
+                f"expert {k}: gate {w.gate.shape}, up {w.up.shape}, down {w.down.shape} "
+                f"do not fit x of width {d}"
+            )
+    if n == 0 or pairs == 0:
+        return
+    if min(rows) < 0 or max(rows) >= x.shape[0]:
+        raise ValueError(f"a row index is outside [0, {x.shape[0]}): {rows}")
+    if min(dest) < 0 or max(dest) >= out.shape[0]:
+        raise ValueError(f"a destination row is outside [0, {out.shape[0]}): {dest}")
+    rc = lib.colibri_experts(
+        ffi.new("colibri_weight *[]", views),
+        n,
+        _FAMILY_CODE[family],
+        _fptr(x),
+        x.shape[0],
+        d,
+        ffi.new("int[]", start),
+        ffi.new("int[]", rows),
+        ffi.new("float[]", gates),
+        ffi.new("int[]", dest),
+        out.shape[0],
+        ffi.from_buffer("float[]", out),
+    )
+    _raise_rc(rc)
+
+
+def rank_sum(parts: np.ndarray) -> np.ndarray:
+    """float32 [S, R, D] summed over R in rank order, starting from +0.0: [S, D]."""
+    if not isinstance(parts, np.ndarray) or parts.ndim != 3:
+        raise ValueError("parts must be a 3-D [S, R, D] numpy array")
+    s, r, d = parts.shape
+    _check_array("parts", parts, np.float32, (s, r, d))
+    if s < 1 or r < 1 or d < 1:
+        raise ValueError(f"parts {parts.shape} must be non-empty")
+    out = np.empty((s, d), dtype=np.float32)
+    _raise_rc(lib.colibri_rank_sum(_fptr(parts), s, r, d, _fptr(out)))
+    return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis of float32 x [..., D] with weight [D]: weight * (x /
+    sqrt(mean(x^2) + eps)); each row alone, so S rows equal S one-row calls."""
+    if not isinstance(x, np.ndarray) or x.ndim < 1:
+        raise ValueError("x must be a numpy array of rows")
+    d = x.shape[-1]
+    _check_array("x", x, np.float32, x.shape)
+    _check_array("weight", weight, np.float32, (d,))
+    rows = x.size // d if d else 0
+    if rows < 1 or d < 1:
+        raise ValueError(f"x {x.shape} must be non-empty")
+    out = np.empty(x.shape, dtype=np.float32)
+    _raise_rc(lib.colibri_rms_norm(_fptr(x), rows, d, _fptr(weight), float(eps), _fptr(out)))
+    return out
+
+
+def rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """rotate_half RoPE of float32 x [S, H, d] by cos/sin [S, half] (the first 2 * half dims
+    rotate, the rest are copied); bit-identical to the numpy formula."""
+    if not isinstance(x, np.ndarray) or x.ndim != 3:
+        raise ValueError("x must be a 3-D [S, H, d] numpy array")
+    s, h, d = x.shape
+    _check_array("x", x, np.float32, (s, h, d))
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2:
+        raise ValueError("cos must be a 2-D [S, half] numpy array")
+    half = cos.shape[1]
+    _check_array("cos", cos, np.float32, (s, half))
+    _check_array("sin", sin, np.float32, (s, half))
+    if s < 1 or h < 1 or half < 1 or 2 * half > d:
+        raise ValueError(f"rope shapes disagree: x {x.shape}, cos {cos.shape}")
+    out = np.empty_like(x)
+    rc = lib.colibri_rope_half(_fptr(x), s, h, d, _fptr(cos), _fptr(sin), half, _fptr(out))
+    _raise_rc(rc)
+    return out
+
+
 def attend_gqa(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
 ) -> np.ndarray:

@@ -51,7 +51,14 @@ class CountingOps:
     @counting.setter
     def counting(self, on: bool) -> None:
         self._counting = on
-        for name in ("matmul", "matmul_blocks", "expert_swiglu", "embed"):
+        for name in (
+            "matmul",
+            "matmul_many",
+            "matmul_blocks",
+            "expert_swiglu",
+            "apply_experts",
+            "embed",
+        ):
             if on:
                 self.__dict__.pop(name, None)  # the counting method of the class
             else:
@@ -66,6 +73,10 @@ class CountingOps:
         self._count(w)
         return self.inner.matmul(w, x, family)
 
+    def matmul_many(self, weights, x, family):  # noqa: ANN001, ANN201
+        self._count(*weights)
+        return self.inner.matmul_many(weights, x, family)
+
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         self._count(w)
         return self.inner.matmul_blocks(w, x, family)
@@ -73,6 +84,21 @@ class CountingOps:
     def expert_swiglu(self, gate, up, down, x, family):  # noqa: ANN001, ANN201
         self._count(gate, up, down)
         return self.inner.expert_swiglu(gate, up, down, x, family)
+
+    def apply_experts(self, batch, x, out, family):  # noqa: ANN001, ANN201
+        for e, w in enumerate(batch.weights):
+            if batch.start[e + 1] > batch.start[e]:
+                self._count(w.gate, w.up, w.down)
+        return self.inner.apply_experts(batch, x, out, family)
+
+    def rank_sum(self, parts):  # noqa: ANN001, ANN201
+        return self.inner.rank_sum(parts)
+
+    def rope_half(self, x, cos, sin):  # noqa: ANN001, ANN201
+        return self.inner.rope_half(x, cos, sin)
+
+    def rms_norm(self, x, weight, eps):  # noqa: ANN001, ANN201
+        return self.inner.rms_norm(x, weight, eps)
 
     def attend_gqa(self, q, keys, values, scale, start):  # noqa: ANN001, ANN201
         return self.inner.attend_gqa(q, keys, values, scale, start)

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from colibrid.models.layers.moe import MoE
-from colibrid.models.layers.norm import rms_norm
 from colibrid.store.protocol import ExpertStore
 
 # Runners-up hinted after the top-k, as a share of k (measured with `colibri bench stream`
@@ -49,7 +48,7 @@ def _predictor(nxt: Any, store: Any) -> Callable[[np.ndarray], None]:
     n_guess = mlp.router.top_k + int(mlp.router.top_k * EXTRA_GUESSES)
 
     def lookahead(h: np.ndarray) -> None:
-        ranked = mlp.router.candidates(rms_norm(h, nxt.post_norm, nxt.eps), n_guess)
+        ranked = mlp.router.candidates(nxt.mlp_input(h), n_guess)
         store.hint(mlp.layer, most_confident_first(ranked))
 
     return lookahead

@@ -62,7 +62,7 @@ class _Recorder:
 
 
 class _NoExperts:
-    def iter_ready(self, layer: int, experts: Any) -> Any:
+    def iter_groups(self, layer: int, experts: Any) -> Any:
         return iter(())
 
     def record(self, layer: int, experts: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import ExpertBatch, KernelFamily
 from colibrid.errors import ConfigError
 from colibrid.formats.weights import QuantWeight
 
@@ -46,14 +46,45 @@ class ExpertSource(Protocol):
 
     def record(self, layer: int, experts: Sequence[int]) -> None: ...
 
-    def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, Any]]:
-        """(expert, weights) pairs in any order; each valid until the next is asked for."""
+    def iter_groups(self, layer: int, experts: Sequence[int]) -> Iterator[list[tuple[int, Any]]]:
+        """Lists of (expert, weights) pairs: first every expert in memory now (possibly
+        none), then one or more at a time as reads land; a list is valid until the next
+        one is asked for. Misses start reading in this call."""
+
+
+def apply_experts_each(
+    ops: Ops, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
+) -> None:
+    """`Ops.apply_experts` one expert at a time through `Ops.expert_swiglu`: the
+    definition every backend's batched form must match bit for bit."""
+    for e, w in enumerate(batch.weights):
+        lo, hi = batch.start[e], batch.start[e + 1]
+        if lo == hi:
+            continue
+        xs = np.ascontiguousarray(x[batch.rows[lo:hi]])
+        y = ops.expert_swiglu(w.gate, w.up, w.down, xs, family)
+        y *= np.asarray(batch.gates[lo:hi], dtype=np.float32)[:, None]
+        out[batch.dest[lo:hi]] = y
+
+
+def rank_sum_each(parts: np.ndarray) -> np.ndarray:
+    """`Ops.rank_sum` in numpy: [S, R, D] summed over R in rank order from zero."""
+    out = np.zeros((parts.shape[0], parts.shape[2]), dtype=np.float32)
+    for r in range(parts.shape[1]):
+        out += parts[:, r]
+    return out
 
 
 class Ops(Protocol):
     """The compute a model may call; every quantised op takes the kernel family explicitly."""
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray: ...
+
+    def matmul_many(
+        self, weights: Sequence[QuantWeight], x: np.ndarray, family: KernelFamily
+    ) -> list[np.ndarray]:
+        """[matmul(w, x) for w in weights] (all of the same I) in one backend call."""
+        ...
 
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         """Block-diagonal: W's rows in x.shape[-2] equal blocks, block b times x[..., b, :]."""
@@ -67,6 +98,25 @@ class Ops(Protocol):
         x: np.ndarray,
         family: KernelFamily,
     ) -> np.ndarray: ...
+
+    def apply_experts(
+        self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
+    ) -> None:
+        """Every expert of `batch` on its rows of x [S, D], gated, into rows of out [R, D];
+        bit-identical to `apply_experts_each` (one `expert_swiglu` per expert)."""
+        ...
+
+    def rank_sum(self, parts: np.ndarray) -> np.ndarray:
+        """parts [S, R, D] summed over R in order, starting from zero: [S, D]."""
+        ...
+
+    def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """rotate_half RoPE of x [S, H, d] by cos/sin [S, half] (see layers.rope.apply_half)."""
+        ...
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """RMSNorm over the last axis in float32, each row alone (S rows equal S calls)."""
+        ...
 
     def attend_gqa(
         self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int

@@ -12,7 +12,6 @@ import numpy as np
 
 from colibrid.backends.base import KernelFamily
 from colibrid.models.base import Linear, Ops, WeightSource
-from colibrid.models.layers.norm import rms_norm
 from colibrid.models.transformer import DecoderLayer
 
 
@@ -28,6 +27,7 @@ class MTPLayer:
     ) -> None:
         prefix = f"model.layers.{index}"
         self.index = index
+        self.ops = ops
         self.eps = eps
         self.eh_proj = Linear.load(src, ops, f"{prefix}.eh_proj", hidden, 2 * hidden)
         self.enorm = src.vector(f"{prefix}.enorm.weight", (hidden,))
@@ -42,7 +42,10 @@ class MTPLayer:
     def input(self, embedded: np.ndarray, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:
         """The MTP decoder input [S, D] from next-token embeddings and main hidden states."""
         joined = np.concatenate(
-            [rms_norm(embedded, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)],
+            [
+                self.ops.rms_norm(embedded, self.enorm, self.eps),
+                self.ops.rms_norm(hidden, self.hnorm, self.eps),
+            ],
             axis=-1,
         )
         return self.eh_proj(np.ascontiguousarray(joined), family)

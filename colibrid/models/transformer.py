@@ -18,7 +18,6 @@ from colibrid.backends.base import KernelFamily
 from colibrid.models.base import ExpertSource, Ops, Step, WeightSource
 from colibrid.models.layers.mlp import MLP
 from colibrid.models.layers.moe import MoE
-from colibrid.models.layers.norm import rms_norm
 from colibrid.models.layers.rope import Rotary
 from colibrid.models.layers.router import Router
 
@@ -45,7 +44,9 @@ class DecoderLayer:
         input_norm: np.ndarray,
         post_norm: np.ndarray,
         eps: float,
+        ops: Ops,
     ) -> None:
+        self.ops = ops
         self.attention = attention
         self.mlp = mlp
         self.input_norm = input_norm
@@ -64,15 +65,19 @@ class DecoderLayer:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         t0 = time.perf_counter()
         attn, selection = self.attention(
-            rms_norm(h, self.input_norm, self.eps), layer, cache, step, rope, selection
+            self.ops.rms_norm(h, self.input_norm, self.eps), layer, cache, step, rope, selection
         )
         if step.clock is not None:
             step.clock.attention_s += time.perf_counter() - t0
         h = h + attn
         if self.lookahead is not None:
             self.lookahead(h)
-        h = h + self.mlp(rms_norm(h, self.post_norm, self.eps), step.family)
+        h = h + self.mlp(self.mlp_input(h), step.family)
         return h, selection
+
+    def mlp_input(self, h: np.ndarray) -> np.ndarray:
+        """The post-attention residual as the MLP sees it (PILOT guesses from it too)."""
+        return self.ops.rms_norm(h, self.post_norm, self.eps)
 
 
 def load_decoder_layer(
@@ -99,6 +104,7 @@ def load_decoder_layer(
         src.vector(f"{prefix}.input_layernorm.weight", (hidden,)),
         src.vector(f"{prefix}.post_attention_layernorm.weight", (hidden,)),
         eps,
+        ops,
     )
 
 
@@ -170,7 +176,7 @@ class Transformer:
             if step.between_layers is not None:
                 step.between_layers(index)
             h, selection = layer(h, index, cache, step, rope, selection)
-        return rms_norm(h, self.norm, self.eps)
+        return self.ops.rms_norm(h, self.norm, self.eps)
 
     def logits(self, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:
         return self.ops.matmul(self.lm_head, np.ascontiguousarray(hidden), family)  # [S, V]

@@ -44,6 +44,12 @@ class ExpertStore(Protocol):
     def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """(expert, weights) pairs as they become available; misses start reading now."""
 
+    def iter_groups(
+        self, layer: int, experts: Sequence[int]
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Lists of pairs: every expert in memory now (possibly none), then misses as
+        they land; each list valid until the next is asked for (the model's form)."""
+
     def hint(self, layer: int, experts: Sequence[int]) -> int:
         """PILOT: ``layer`` will probably choose ``experts``; returns reads started."""
 

@@ -86,6 +86,11 @@ class ResidentExpertStore:
     def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         return iter([(int(e), self.get(layer, int(e))) for e in experts])
 
+    def iter_groups(
+        self, layer: int, experts: Sequence[int]
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        return iter([[(int(e), self.get(layer, int(e))) for e in experts]])  # all in memory
+
     def record(self, layer: int, experts: Sequence[int]) -> None:
         idx = self.recorder.record(layer, experts)
         self.stats.hits_pinned += len(idx)  # the union: every lookup is a RAM hit

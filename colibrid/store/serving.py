@@ -133,10 +133,10 @@ class LayerServer:
         early."""
         st, pl = self.stats, self.placement
         try:
+            t0 = now()
+            yield [(e, self.reader.view(slot, (layer, e))) for e, slot in hits]
+            st.compute_s += now() - t0
             for e, slot in hits:
-                t0 = now()
-                yield e, self.reader.view(slot, (layer, e))
-                st.compute_s += now() - t0
                 if slot in owned:
                     owned.discard(slot)
                     self._done_with(layer, e, slot, need, streaming)
@@ -148,7 +148,7 @@ class LayerServer:
                 pl.state[slot] = HELD
                 owned.add(slot)  # in the consumer's hands: freed if it never comes back
                 t0 = now()
-                yield e, self.reader.view(slot, (layer, e))
+                yield [(e, self.reader.view(slot, (layer, e)))]
                 st.compute_s += now() - t0
                 owned.discard(slot)
                 self._done_with(layer, e, slot, need, streaming)

@@ -220,18 +220,26 @@ class TieredStore:
         """Every expert at once, valid until the next store call (misses wait here)."""
         keys = [int(e) for e in experts]
         out: dict[int, ExpertWeights] = {}
-        for expert, weights in self._served().serve(layer, keys, streaming=False):
-            out[expert] = weights
+        for group in self._served().serve(layer, keys, streaming=False):
+            out.update(group)
         return [out[e] for e in keys]
 
-    def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
-        """(expert, weights) pairs: resident first (ascending), then misses as reads land.
+    def iter_groups(
+        self, layer: int, experts: Sequence[int]
+    ) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Lists of (expert, weights): first every resident one (ascending, possibly none),
+        then each miss as its read lands.
 
         The lookup and the miss reads happen in this call, not at the first ``next``, so
         the caller can compute something else (the shared expert) while the drive works.
-        A yielded expert is valid until the consumer asks for the next one.
+        A list is valid until the consumer asks for the next one.
         """
         return self._served().serve(layer, [int(e) for e in experts], streaming=True)
+
+    def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
+        """`iter_groups` one pair at a time; a pair is valid until the next is asked for."""
+        groups = self.iter_groups(layer, experts)
+        return (pair for group in groups for pair in group)
 
     # ---- PILOT ---------------------------------------------------------------------------
     def hint(self, layer: int, experts: Sequence[int]) -> int:

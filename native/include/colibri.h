@@ -55,6 +55,32 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
                           const colibri_weight *down, int family, const float *x, int S,
                           float *y);
 
+/* Several products of one activation in one dispatch: y[k][S, O_k] = x[S, I] @ W_k^T for
+ * n weights of the same I. Bit-identical to n colibri_matmul calls. */
+int colibri_matmul_many(const colibri_weight *const *w, int n, int family, const float *x, int S,
+                        float *const *y);
+
+/* A MoE layer's experts in two dispatches. Expert e has projections w[3e..3e+2] (gate [F, D],
+ * up [F, D], down [D, F]; F may differ per expert) and the pairs p in [start[e], start[e+1]):
+ * it is applied to row rows[p] of x [S, D] and out[dest[p], :] = gates[p] * y, out being
+ * [R, D]. Each y is bit-identical to colibri_expert_swiglu on that row. */
+int colibri_experts(const colibri_weight *const *w, int E, int family, const float *x, int S,
+                    int D, const int *start, const int *rows, const float *gates,
+                    const int *dest, int R, float *out);
+
+/* out[s, :] = ((0 + parts[s, 0, :]) + parts[s, 1, :]) + ... over r < R, parts [S, R, D]:
+ * the rank-ordered sum that makes a MoE result independent of expert arrival order. */
+int colibri_rank_sum(const float *parts, int S, int R, int D, float *out);
+
+/* RMSNorm of S rows of D floats: out = w * (x / sqrt(mean(x^2) + eps)), each row alone
+ * with a fixed operation order (out may equal x). */
+int colibri_rms_norm(const float *x, int S, int D, const float *w, float eps, float *out);
+
+/* rotate_half RoPE of x [S, H, d]: dims j < half pair with half + j, rotated by cos/sin
+ * [S, half]; dims from 2 * half on are copied. Equals the two-products-then-sum formula. */
+int colibri_rope_half(const float *x, int S, int H, int d, const float *cos, const float *sin,
+                      int half, float *out);
+
 /* Causal grouped-query attention, float32: q [S, H, d] (rows at positions start..start+S-1)
  * over keys and values [T, G, d] (a sequence's cache, T >= start + S); query head h reads
  * KV head h / (H / G); out [S, H, d]. Each (row, head) is computed alone, in a fixed order. */

@@ -82,33 +82,45 @@ int colibri_get_threads(void) {
 
 /* ---- per-calling-thread scratch (no allocation on the hot path once warm) ---- */
 
-enum { SLOT_QX, SLOT_QXP, SLOT_XS, SLOT_GSUM, SLOT_XP, SLOT_G, SLOT_U, SLOT_BX, SLOT_BY, SLOT_N };
+enum { SLOT_PREP, SLOT_G, SLOT_U, SLOT_BX, SLOT_BY, SLOT_N };
 static _Thread_local struct { void *p; size_t n; } tl_slot[SLOT_N];
 
-static void *scratch(int k, size_t n) {
-    if (tl_slot[k].n < n) {
-        free(tl_slot[k].p);
+static void *grow_slot(void **p, size_t *have, size_t n) {
+    if (*have < n) {
+        free(*p);
         size_t m = (n + 4095) & ~(size_t)4095;
-        tl_slot[k].p = aligned_alloc(64, m);
-        tl_slot[k].n = tl_slot[k].p ? m : 0;
+        *p = aligned_alloc(64, m);
+        *have = *p ? m : 0;
     }
-    return tl_slot[k].p;
+    return *p;
 }
+
+static void *scratch(int k, size_t n) { return grow_slot(&tl_slot[k].p, &tl_slot[k].n, n); }
+
+static _Thread_local struct { void *p; size_t n; } tl_arena[COLIBRI_ARENAS];
+
+void *colibri_arena(int k, size_t n) { return grow_slot(&tl_arena[k].p, &tl_arena[k].n, n); }
 
 /* ---- job preparation ---- */
 
-static int is_integer(const colibri_weight *w, int family) {
+const isa_ops *colibri_isa_ops(void) { return isa_table(colibri_get_isa()); }
+
+int colibri_is_integer(const colibri_weight *w, int family) {
     return family == COLIBRI_FAM_I8 && (w->fmt == COLIBRI_FMT_Q8 || w->fmt == COLIBRI_FMT_Q4);
 }
 
-static int check_weight(const colibri_weight *w) {
+int colibri_check_weight(const colibri_weight *w) {
     if (w == NULL || w->data == NULL || w->O < 1 || w->I < 1 || w->fmt < 0 || w->fmt > 3) return -1;
     if ((w->fmt == COLIBRI_FMT_Q8 || w->fmt == COLIBRI_FMT_Q4) && w->scales == NULL) return -1;
     if (w->fmt == COLIBRI_FMT_Q4 && (w->gs < 0 || (w->gs & 1))) return -1;
     return 0;
 }
 
-static void describe(mm_job *j, const colibri_weight *w) {
+int colibri_same_layout(const colibri_weight *a, const colibri_weight *b) {
+    return a->fmt == b->fmt && a->I == b->I && a->gs == b->gs;
+}
+
+void colibri_describe(mm_job *j, const colibri_weight *w) {
     static const size_t elem[4] = {4, 2, 1, 0};
     memset(j, 0, sizeof *j);
     j->w = w;
@@ -118,18 +130,29 @@ static void describe(mm_job *j, const colibri_weight *w) {
     j->ldx = ((size_t)w->I + COLIBRI_XPAD - 1) / COLIBRI_XPAD * COLIBRI_XPAD;
 }
 
-/* Fill the activation side of a job: int8 rows, scales and group sums (I8), or the
- * ISA's preferred copy of x (F32).  Shared by gate and up in expert_swiglu. */
-static int prepare(mm_job *j, const isa_ops *ops, int family, const float *x, int S) {
+static size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+size_t colibri_prep_bytes(const mm_job *j, int family, int S) {
+    if (colibri_is_integer(j->w, family))
+        return 2 * up64((size_t)S * j->ldx) + up64((size_t)S * sizeof(float)) +
+               up64((size_t)S * j->G * sizeof(int32_t));
+    return up64((size_t)S * j->ldx * sizeof(float));
+}
+
+/* Fill the activation side of a job from `mem` (64-byte aligned, colibri_prep_bytes
+ * long): int8 rows, scales and group sums (I8), or the ISA's preferred copy of x (F32). */
+void colibri_prepare_into(mm_job *j, const isa_ops *ops, int family, const float *x, int S,
+                          void *mem) {
     const colibri_weight *w = j->w;
     const int I = w->I;
+    uint8_t *m = mem;
     j->x = x;
     j->S = S;
-    if (is_integer(w, family)) {
-        int8_t *qx = scratch(SLOT_QX, (size_t)S * j->ldx);
-        float *xs = scratch(SLOT_XS, (size_t)S * sizeof(float));
-        int32_t *gsum = scratch(SLOT_GSUM, (size_t)S * j->G * sizeof(int32_t));
-        if (!qx || !xs || !gsum) return -2;
+    if (colibri_is_integer(w, family)) {
+        int8_t *qx = (int8_t *)m;
+        int8_t *qp = (int8_t *)(m + up64((size_t)S * j->ldx));
+        float *xs = (float *)(m + 2 * up64((size_t)S * j->ldx));
+        int32_t *gsum = (int32_t *)((uint8_t *)xs + up64((size_t)S * sizeof(float)));
         for (int s = 0; s < S; s++) {
             int8_t *q = qx + (size_t)s * j->ldx;
             colibri_quant_row(x + (size_t)s * I, I, q, j->ldx, xs + s);
@@ -144,21 +167,24 @@ static int prepare(mm_job *j, const isa_ops *ops, int family, const float *x, in
         j->xs = xs;
         j->gsum = gsum;
         if (ops->prep_i8) {
-            int8_t *qp = scratch(SLOT_QXP, (size_t)S * j->ldx);
-            if (!qp) return -2;
             int used = 0;
             for (int s = 0; s < S; s++)
                 used = ops->prep_i8(w, qx + (size_t)s * j->ldx, j->ldx, qp + (size_t)s * j->ldx);
             j->qxp = used ? qp : NULL;
         }
     } else if (ops->prep_f32) {
-        float *xp = scratch(SLOT_XP, (size_t)S * j->ldx * sizeof(float));
-        if (!xp) return -2;
+        float *xp = (float *)m;
         int used = 0;
         for (int s = 0; s < S; s++)
             used = ops->prep_f32(w, x + (size_t)s * I, I, j->ldx, xp + (size_t)s * j->ldx);
         j->xp = used ? xp : NULL;
     }
+}
+
+static int prepare(mm_job *j, const isa_ops *ops, int family, const float *x, int S) {
+    void *mem = scratch(SLOT_PREP, colibri_prep_bytes(j, family, S));
+    if (!mem) return -2;
+    colibri_prepare_into(j, ops, family, x, S, mem);
     return 0;
 }
 
@@ -188,16 +214,16 @@ static void run(const mm_job *j, const isa_ops *ops, int family) {
     const int ntiles = (O + ops->tile - 1) / ops->tile;
     int tiles_per_chunk = nt > 1 ? ntiles / (nt * 8) : ntiles;
     if (tiles_per_chunk < 1) tiles_per_chunk = 1;
-    run_ctx c = {j, is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows,
+    run_ctx c = {j, colibri_is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows,
                  tiles_per_chunk * ops->tile};
     colibri_pool_for((O + c.rows_per_chunk - 1) / c.rows_per_chunk, nt, run_chunk, &c);
 }
 
 int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y) {
-    if (check_weight(w) || x == NULL || y == NULL || S < 1) return -1;
+    if (colibri_check_weight(w) || x == NULL || y == NULL || S < 1) return -1;
     const isa_ops *ops = isa_table(colibri_get_isa());
     mm_job j;
-    describe(&j, w);
+    colibri_describe(&j, w);
     j.y = y;
     int rc = prepare(&j, ops, family, x, S);
     if (rc) return rc;
@@ -205,14 +231,10 @@ int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, f
     return 0;
 }
 
-static int same_layout(const colibri_weight *a, const colibri_weight *b) {
-    return a->fmt == b->fmt && a->I == b->I && a->gs == b->gs;
-}
-
 int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
                           const colibri_weight *down, int family, const float *x, int S,
                           float *y) {
-    if (check_weight(gate) || check_weight(up) || check_weight(down) || !x || !y || S < 1)
+    if (colibri_check_weight(gate) || colibri_check_weight(up) || colibri_check_weight(down) || !x || !y || S < 1)
         return -1;
     const int F = gate->O, D = gate->I;
     if (up->O != F || up->I != D || down->O != D || down->I != F) return -1;
@@ -221,22 +243,22 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
     float *u = scratch(SLOT_U, (size_t)S * F * sizeof(float));
     if (!g || !u) return -2;
     mm_job j;
-    describe(&j, gate);
+    colibri_describe(&j, gate);
     j.y = g;
     int rc = prepare(&j, ops, family, x, S);
     if (rc) return rc;
     run(&j, ops, family);
-    if (same_layout(gate, up)) { /* reuse the prepared (quantised) activation */
+    if (colibri_same_layout(gate, up)) { /* reuse the prepared (quantised) activation */
         j.w = up;
         j.y = u;
     } else {
-        describe(&j, up);
+        colibri_describe(&j, up);
         j.y = u;
         if ((rc = prepare(&j, ops, family, x, S))) return rc;
     }
     run(&j, ops, family);
     for (size_t k = 0; k < (size_t)S * F; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-    describe(&j, down);
+    colibri_describe(&j, down);
     j.y = y;
     if ((rc = prepare(&j, ops, family, g, S))) return rc;
     run(&j, ops, family);
@@ -266,12 +288,12 @@ static void block_chunk(void *ctx, int b) {
     const int I = w->I, S = c->S;
     colibri_weight sub = *w;
     mm_job j;
-    describe(&j, w);
+    colibri_describe(&j, w);
     const size_t G = (size_t)j.G;
     sub.O = c->Ob;
     sub.data = (const uint8_t *)w->data + (size_t)b * c->Ob * j.wrow;
     if (w->scales) sub.scales = w->scales + (size_t)b * c->Ob * G;
-    describe(&j, &sub);
+    colibri_describe(&j, &sub);
     float *xb = scratch(SLOT_BX, (size_t)S * I * sizeof(float));
     float *yb = S == 1 ? c->y + (size_t)b * c->Ob : scratch(SLOT_BY, (size_t)S * c->Ob * sizeof(float));
     if (!xb || !yb) {
@@ -286,7 +308,7 @@ static void block_chunk(void *ctx, int b) {
         atomic_store(&c->rc, rc);
         return;
     }
-    (is_integer(&sub, c->family) ? ops->i8_rows : ops->f32_rows)(&j, 0, c->Ob);
+    (colibri_is_integer(&sub, c->family) ? ops->i8_rows : ops->f32_rows)(&j, 0, c->Ob);
     if (S > 1)
         for (int s = 0; s < S; s++)
             memcpy(c->y + (size_t)s * w->O + (size_t)b * c->Ob, yb + (size_t)s * c->Ob,
@@ -295,7 +317,7 @@ static void block_chunk(void *ctx, int b) {
 
 int colibri_matmul_blocks(const colibri_weight *w, int family, const float *x, int S, int B,
                           float *y) {
-    if (check_weight(w) || x == NULL || y == NULL || S < 1 || B < 1 || w->O % B) return -1;
+    if (colibri_check_weight(w) || x == NULL || y == NULL || S < 1 || B < 1 || w->O % B) return -1;
     blocks_ctx c = {w, family, S, B, w->O / B, x, y, 0};
     const double work = (double)w->O * w->I * S;
     colibri_pool_for(B, work < (double)(1 << 18) ? 1 : colibri_get_threads(), block_chunk, &c);

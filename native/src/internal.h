@@ -70,6 +70,21 @@ extern const isa_ops colibri_avx512_ops;
 extern const isa_ops colibri_neon_ops;
 #endif
 
+/* Job description and activation preparation (dispatch.c), shared with batch.c. */
+const isa_ops *colibri_isa_ops(void);
+int colibri_is_integer(const colibri_weight *w, int family);
+int colibri_check_weight(const colibri_weight *w);
+int colibri_same_layout(const colibri_weight *a, const colibri_weight *b);
+void colibri_describe(mm_job *j, const colibri_weight *w);
+size_t colibri_prep_bytes(const mm_job *j, int family, int S);
+void colibri_prepare_into(mm_job *j, const isa_ops *ops, int family, const float *x, int S,
+                          void *mem);
+/* Per-calling-thread buffer k (< COLIBRI_ARENAS) of at least n bytes, 64-byte aligned,
+ * reused by the next call from the same thread: what a batched call carves its job
+ * descriptions (0) and work buffers (1) from, so a warm decode allocates nothing. */
+#define COLIBRI_ARENAS 2
+void *colibri_arena(int k, size_t n);
+
 /* Reference single-output kernels: the bit-exact oracle for the integer paths and
  * the fallback every ISA uses for formats or group sizes it does not specialise. */
 float colibri_ref_f32_one(const mm_job *j, int o, int s);

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import ExpertBatch, KernelFamily
 from colibrid.formats.quant import dequantize, dequantize_rows
 from colibrid.formats.weights import QuantWeight
+from colibrid.models.base import apply_experts_each, rank_sum_each
 from colibrid.models.layers.attention import causal_mask, masked_softmax
+from colibrid.models.layers.norm import rms_norm
+from colibrid.models.layers.rope import apply_half
 
 
 class NumpyOps:
@@ -30,6 +33,9 @@ class NumpyOps:
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return (x.astype(np.float64) @ self._dense(w).T).astype(np.float32)
 
+    def matmul_many(self, weights, x, family):  # noqa: ANN001, ANN201
+        return [self.matmul(w, x, family) for w in weights]
+
     def expert_swiglu(
         self,
         gate: QuantWeight,
@@ -42,6 +48,20 @@ class NumpyOps:
         u = self.matmul(up, x, family)
         h = (g / (1.0 + np.exp(-g))) * u
         return self.matmul(down, h.astype(np.float32), family)
+
+    def apply_experts(
+        self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
+    ) -> None:
+        apply_experts_each(self, batch, x, out, family)
+
+    def rank_sum(self, parts: np.ndarray) -> np.ndarray:
+        return rank_sum_each(parts)
+
+    def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        return apply_half(x, cos, sin)
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return rms_norm(x, weight, eps)
 
     def attend_gqa(
         self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibrid.models.base import Linear, Ops, Step, WeightSource
-from colibrid.models.layers.norm import rms_norm
-from colibrid.models.layers.rope import apply_half
 
 
 @dataclass(frozen=True)
@@ -65,15 +63,20 @@ class GQAAttention:
         """Returns the attention output [S, D]; GQA has no sparse key selection."""
         s = self.shape
         rows = x.shape[0]
-        q = self.q_proj(x, step.family).reshape(rows, s.heads, s.head_dim)
-        k = self.k_proj(x, step.family).reshape(rows, s.kv_heads, s.head_dim)
-        v = self.v_proj(x, step.family).reshape(rows, s.kv_heads, s.head_dim)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.ops.matmul_many([p.weight for p in projections], x, step.family)
+        if s.bias:
+            for y, p in zip((q, k, v), projections, strict=True):
+                y += p.bias
+        q = q.reshape(rows, s.heads, s.head_dim)
+        k = k.reshape(rows, s.kv_heads, s.head_dim)
+        v = v.reshape(rows, s.kv_heads, s.head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, s.eps)
-            k = rms_norm(k, self.k_norm, s.eps)
+            q = self.ops.rms_norm(q, self.q_norm, s.eps)
+            k = self.ops.rms_norm(k, self.k_norm, s.eps)
         cos, sin = rope
-        q = apply_half(q, cos, sin)
-        k = apply_half(k, cos, sin)
+        q = self.ops.rope_half(q, cos, sin)
+        k = self.ops.rope_half(k, cos, sin)
         keys = cache.write(layer, "k", k)  # [T, G, d]
         values = cache.write(layer, "v", v)  # [T, G, d]
         out = self.ops.attend_gqa(q, keys, values, self.scale, step.start)  # [S, H * d]

@@ -23,7 +23,6 @@ from colibrid.models.base import Linear, Ops, Step, WeightSource
 from colibrid.models.layers.absorb import split_kv_b
 from colibrid.models.layers.attention import causal_mask, masked_softmax
 from colibrid.models.layers.dsa import Indexer
-from colibrid.models.layers.norm import rms_norm
 from colibrid.models.layers.rope import apply_half, apply_interleave
 
 # The reference builds q_a_layernorm / kv_a_layernorm with the default epsilon, not
@@ -117,14 +116,14 @@ class MLAAttention:
             q_resid = None
             q = self.q_proj(x, family)
         else:
-            q_resid = rms_norm(self.q_a_proj(x, family), self.q_a_norm, LATENT_NORM_EPS)
+            q_resid = self.ops.rms_norm(self.q_a_proj(x, family), self.q_a_norm, LATENT_NORM_EPS)
             q = self.q_b_proj(q_resid, family)
         q = q.reshape(rows, s.heads, s.nope + s.rope)
         cos, sin = rope
         q_nope = q[..., : s.nope]  # [S, H, N]
         q_rope = self._rotate(q[..., s.nope :], cos, sin)  # [S, H, R]
         kv = self.kv_a_proj(x, family)  # [S, C + R]
-        latent = rms_norm(kv[:, : s.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
+        latent = self.ops.rms_norm(kv[:, : s.kv_lora_rank], self.kv_a_norm, LATENT_NORM_EPS)
         k_rope = self._rotate(kv[:, None, s.kv_lora_rank :], cos, sin)[:, 0, :]  # [S, R]
         latents = cache.write(layer, "latent", latent)  # [T, C]
         rope_keys = cache.write(layer, "k_rope", k_rope)  # [T, R]

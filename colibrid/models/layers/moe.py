@@ -7,7 +7,8 @@ the experts the rows chose. Each expert's contribution lands in a per-(row, slot
 and the contributions are summed per row in ascending expert order, so the result does
 not depend on the order in which experts arrive (cache hits first, disk reads later) —
 placement never changes a token. The shared expert runs while the routed misses are being
-read (the store dispatches them when asked) and is added last, as it always was.
+read (the store dispatches them when asked) and is added last, as it always was. A group of
+experts is one backend call, so a resident layer costs one call however many experts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import ExpertBatch, KernelFamily
 from colibrid.models.base import ExpertSource, Ops
 from colibrid.models.layers.mlp import MLP
 from colibrid.models.layers.router import Route, Router
@@ -35,52 +36,77 @@ class MoE:
 
     def __call__(self, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         route = self.router.route(x)
-        pairs = self.fetch(route)  # misses start streaming now
-        shared = self.shared(x, family) if self.shared is not None else None
-        out = self.combine(x, route, pairs, family)
-        if shared is not None:
-            out += shared
-        return out
+        groups = self.fetch(route)  # misses start streaming now
+        return self.combine(x, route, groups, family)
 
-    def fetch(self, route: Route) -> Iterable[tuple[int, Any]]:
+    def fetch(self, route: Route) -> Iterable[list[tuple[int, Any]]]:
         """Record the routing and ask the store for the union of chosen experts."""
         union = sorted(set(route.experts.ravel().tolist()))  # ascending expert ids
         self.experts.record(self.layer, union)
-        return self.experts.iter_ready(self.layer, union)  # resident first, misses as they land
+        return self.experts.iter_groups(self.layer, union)  # resident first, misses as they land
 
     def combine(
-        self, x: np.ndarray, route: Route, pairs: Iterable[tuple[int, Any]], family: KernelFamily
+        self,
+        x: np.ndarray,
+        route: Route,
+        groups: Iterable[list[tuple[int, Any]]],
+        family: KernelFamily,
     ) -> np.ndarray:
-        """Apply each expert as it arrives; sum per row in ascending expert order.
+        """Apply each group of experts as it arrives; sum per row in ascending expert order.
 
-        Each (row, slot) writes its gated output at the expert's rank within its row, so
-        summing the ranks in turn adds in ascending expert order whatever the arrival
-        order. Where each expert's rows go is planned with plain Python over the S x K
-        ids: for a decode step (S = 1, K = 4..8) that is a few microseconds, where the
-        numpy equivalent (argsort, put_along_axis, a nonzero per expert) cost more than
-        the experts' arithmetic on small models.
+        Each (row, slot) writes its gated output at the expert's rank within its row, and
+        the shared expert (gate 1) writes after the last rank, so summing the ranks in
+        turn adds in ascending expert order, then the shared expert, whatever the arrival
+        order. The shared expert rides with the first group (the experts in memory), so
+        it is computed while the misses are read. Where each expert's rows go is planned
+        with plain Python over the S x K ids: for a decode step (S = 1, K = 4..8) that is
+        a few microseconds, where numpy's argsort and scatter cost more than the experts'
+        arithmetic on small models.
         """
         rows, top_k = route.experts.shape
         plan = _plan(route.experts.tolist())
-        gates = route.gates
-        ordered = np.zeros((rows, top_k, x.shape[1]), dtype=np.float32)  # [S, rank, D]
-        for expert, w in pairs:
-            row_idx, slot_idx, rank_idx = plan[expert]
-            if len(row_idx) == 1:  # decode, and rarely chosen experts: plain indexing
-                row, slot, rank = row_idx[0], slot_idx[0], rank_idx[0]
-                xs = np.ascontiguousarray(x[row : row + 1])
-                y = self.ops.expert_swiglu(w.gate, w.up, w.down, xs, family)
-                y *= gates[row, slot]
-                ordered[row, rank] = y[0]
-                continue
-            xs = x if len(row_idx) == rows else x[row_idx]  # a row chooses an expert once
-            y = self.ops.expert_swiglu(w.gate, w.up, w.down, np.ascontiguousarray(xs), family)
-            y *= gates[row_idx, slot_idx][:, None]
-            ordered[row_idx, rank_idx] = y
-        out = np.zeros((rows, x.shape[1]), dtype=np.float32)
-        for k in range(top_k):
-            out += ordered[:, k]
-        return out
+        gates = route.gates.tolist()
+        width = top_k + (self.shared is not None)  # ranks per row, the shared expert last
+        parts = np.empty((rows * width, x.shape[1]), dtype=np.float32)  # [S * rank, D]
+        shared = self.shared
+        for group in groups:
+            batch = _batch(group, plan, gates, width, shared, rows)
+            shared = None
+            self.ops.apply_experts(batch, x, parts, family)
+        if shared is not None:  # the store delivered no group at all
+            self.ops.apply_experts(_batch([], plan, gates, width, shared, rows), x, parts, family)
+        return self.ops.rank_sum(parts.reshape(rows, width, x.shape[1]))
+
+
+def _batch(
+    group: list[tuple[int, Any]],
+    plan: dict[int, tuple[list[int], list[int], list[int]]],
+    gates: list[list[float]],
+    width: int,
+    shared: MLP | None,
+    rows: int,
+) -> ExpertBatch:
+    """The pairs of a group's experts (and of the shared expert, when given)."""
+    weights: list[Any] = []
+    start = [0]
+    row_of: list[int] = []
+    gate_of: list[float] = []
+    dest: list[int] = []
+    for expert, w in group:
+        row_idx, slot_idx, rank_idx = plan[expert]
+        weights.append(w)
+        for row, slot, rank in zip(row_idx, slot_idx, rank_idx, strict=True):
+            row_of.append(row)
+            gate_of.append(gates[row][slot])
+            dest.append(row * width + rank)
+        start.append(len(row_of))
+    if shared is not None:
+        weights.append(shared)
+        row_of.extend(range(rows))
+        gate_of.extend([1.0] * rows)
+        dest.extend(row * width + width - 1 for row in range(rows))
+        start.append(len(row_of))
+    return ExpertBatch(weights, start, row_of, gate_of, dest)
 
 
 def _plan(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int], list[int]]]:
