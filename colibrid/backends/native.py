@@ -13,6 +13,7 @@ family has nothing to quantise against and runs the F32 arithmetic.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -326,7 +327,7 @@ def apply_experts(
         raise ValueError(f"start must run from 0 to {pairs} over {n} experts, got {start}")
     if len(gates) != pairs or len(dest) != pairs:
         raise ValueError("rows, gates and dest must have one entry per pair")
-    if any(b < a for a, b in zip(start, start[1:])):
+    if any(b < a for a, b in itertools.pairwise(start)):
         raise ValueError(f"start must not decrease, got {start}")
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise ValueError("x must be a 2-D [S, D] numpy array")
