@@ -95,3 +95,31 @@ def test_bad_shapes_are_refused(q_shape, kv_shape, start, message) -> None:
     values = np.zeros(kv_shape, dtype=np.float32)
     with pytest.raises(ValueError, match=message):
         native.attend_gqa(q, keys, values, 1.0, start)
+
+
+@pytest.mark.parametrize("case", CASES + [(2, 6, 3, 100, 37)])
+def test_every_isa_gives_the_same_bits(case: tuple[int, ...]) -> None:
+    """The four-lane portable build and the eight-lane AVX2 build share one arithmetic
+    (same partial sums, same exp), so switching ISA never changes an attention output."""
+    s, h, g, d, t = case
+    q, keys, values = _inputs(s, h, g, d, t, seed=3)
+    outputs = {}
+    for isa in native.available_isas():
+        with native.use_isa(isa):
+            outputs[isa] = native.attend_gqa(q, keys, values, d**-0.5, t - s)
+    first = next(iter(outputs.values()))
+    for isa, out in outputs.items():
+        assert np.array_equal(out.view(np.uint32), first.view(np.uint32)), isa
+
+
+def test_softmax_weights_far_below_the_maximum_are_zero_not_garbage() -> None:
+    """Scores more than 87 below a row's maximum take the exp's zero branch: the output is
+    then exactly the value of the dominant key."""
+    q = np.zeros((1, 1, 8), dtype=np.float32)
+    q[0, 0, 0] = 1.0
+    keys = np.zeros((12, 1, 8), dtype=np.float32)
+    keys[:, 0, 0] = -1000.0
+    keys[5, 0, 0] = 1000.0
+    values = np.arange(12 * 8, dtype=np.float32).reshape(12, 1, 8)
+    out = native.attend_gqa(q, keys, values, 1.0, 11)
+    assert np.array_equal(out[0], values[5, 0])
