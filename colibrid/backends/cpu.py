@@ -57,6 +57,9 @@ class CpuOps:
     def rank_sum(self, parts: np.ndarray) -> np.ndarray:
         return native.rank_sum(parts)
 
+    def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
+        return native.route(h, weight, bias, **rule)
+
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return native.rope_half(np.ascontiguousarray(x, dtype=np.float32), cos, sin)
 

@@ -423,6 +423,57 @@ def rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
+def route(
+    h: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    *,
+    n: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm: bool,
+    scaling: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sigmoid router for float32 h [S, D] and weight [E, D]: (ids int64 [S, n], the n
+    best experts by selection score, best first, and gates float32 [S, top_k] of the first
+    top_k). See colibri_route in colibri.h for the exact rule."""
+    if not isinstance(h, np.ndarray) or h.ndim != 2:
+        raise ValueError("h must be a 2-D [S, D] numpy array")
+    s, d = h.shape
+    _check_array("h", h, np.float32, (s, d))
+    if not isinstance(weight, np.ndarray) or weight.ndim != 2:
+        raise ValueError("weight must be a 2-D [E, D] numpy array")
+    e = weight.shape[0]
+    _check_array("weight", weight, np.float32, (e, d))
+    if bias is not None:
+        _check_array("bias", bias, np.float32, (e,))
+    if s < 1 or not 1 <= top_k <= n <= e or n_group < 1 or e % n_group:
+        raise ValueError(f"router arguments disagree: h {h.shape}, weight {weight.shape}, n {n}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group {topk_group} must be in [1, {n_group}]")
+    ids = np.empty((s, n), dtype=np.int32)
+    gates = np.empty((s, top_k), dtype=np.float32)
+    rc = lib.colibri_route(
+        _fptr(h),
+        s,
+        d,
+        _fptr(weight),
+        ffi.NULL if bias is None else _fptr(bias),
+        e,
+        n_group,
+        topk_group,
+        n,
+        top_k,
+        int(norm),
+        float(scaling),
+        ffi.from_buffer("int32_t[]", ids),
+        _fptr(gates),
+    )
+    _raise_rc(rc)
+    return ids.astype(np.int64), gates
+
+
 def attend_gqa(
     q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
 ) -> np.ndarray:

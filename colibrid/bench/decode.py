@@ -94,6 +94,9 @@ class CountingOps:
     def rank_sum(self, parts):  # noqa: ANN001, ANN201
         return self.inner.rank_sum(parts)
 
+    def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
+        return self.inner.route(h, weight, bias, **rule)
+
     def rope_half(self, x, cos, sin):  # noqa: ANN001, ANN201
         return self.inner.rope_half(x, cos, sin)
 

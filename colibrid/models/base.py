@@ -110,6 +110,23 @@ class Ops(Protocol):
         """parts [S, R, D] summed over R in order, starting from zero: [S, D]."""
         ...
 
+    def route(
+        self,
+        h: np.ndarray,
+        weight: np.ndarray,
+        bias: np.ndarray | None,
+        *,
+        n: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm: bool,
+        scaling: float,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The sigmoid MoE router (layers.router.route_reference is the rule): the n best
+        experts per row best first, int64 [S, n], and the gates of the first top_k."""
+        ...
+
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """rotate_half RoPE of x [S, H, d] by cos/sin [S, half] (see layers.rope.apply_half)."""
         ...

@@ -122,6 +122,7 @@ def load_moe(
         topk_group=args.topk_group,
         norm_topk_prob=args.norm_topk_prob,
         scaling=args.routed_scaling_factor,
+        ops=ops,
     )
     shared = None
     if args.n_shared_experts > 0:

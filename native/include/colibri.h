@@ -81,6 +81,15 @@ int colibri_rms_norm(const float *x, int S, int D, const float *w, float eps, fl
 int colibri_rope_half(const float *x, int S, int H, int d, const float *cos, const float *sin,
                       int half, float *out);
 
+/* The sigmoid MoE router (GLM-4.x/5.x, DeepSeek-V3) for S rows of h [S, D] with router
+ * weights w [E, D] f32 and an optional selection bias [E]: ids [S, n] the n best experts
+ * by selection score (group-limited when topk_group < n_group), best first, ties to the
+ * lowest index; gates [S, K] the sigmoid scores of the first K, normalised when norm,
+ * times scaling. n >= K. */
+int colibri_route(const float *h, int S, int D, const float *w, const float *bias, int E,
+                  int n_group, int topk_group, int n, int K, int norm, float scaling,
+                  int32_t *ids, float *gates);
+
 /* Causal grouped-query attention, float32: q [S, H, d] (rows at positions start..start+S-1)
  * over keys and values [T, G, d] (a sequence's cache, T >= start + S); query head h reads
  * KV head h / (H / G); out [S, H, d]. Each (row, head) is computed alone, in a fixed order. */

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from colibrid.backends.cpu import CpuOps
 from colibrid.engine.pilot import most_confident_first
 from colibrid.models.layers.router import Router
 
@@ -22,6 +23,7 @@ def test_candidates_extend_the_route(n_group, topk_group) -> None:
         topk_group=topk_group,
         norm_topk_prob=True,
         scaling=1.0,
+        ops=CpuOps(),
     )
     h = rng.standard_normal((5, 16)).astype(np.float32)
     cand = router.candidates(h, 6)

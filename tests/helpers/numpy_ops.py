@@ -16,6 +16,7 @@ from colibrid.models.base import apply_experts_each, rank_sum_each
 from colibrid.models.layers.attention import causal_mask, masked_softmax
 from colibrid.models.layers.norm import rms_norm
 from colibrid.models.layers.rope import apply_half
+from colibrid.models.layers.router import route_reference
 
 
 class NumpyOps:
@@ -56,6 +57,9 @@ class NumpyOps:
 
     def rank_sum(self, parts: np.ndarray) -> np.ndarray:
         return rank_sum_each(parts)
+
+    def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
+        return route_reference(h, weight, bias, **rule)
 
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return apply_half(x, cos, sin)

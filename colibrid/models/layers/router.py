@@ -4,7 +4,8 @@ Sigmoid scores in float32; `scores + e_score_correction_bias` is used for select
 group-limited top-k (a group's score is the sum of its two best experts; only the best
 `topk_group` groups compete); gates are the plain sigmoid of the chosen experts,
 normalised to sum 1 when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
-Ties go to the lowest expert index (a stable sort), so routing is deterministic.
+Ties go to the lowest expert index (a stable sort), so routing is deterministic. The
+backend computes it (`Ops.route`); `route_reference` is the rule in numpy.
 
 Shape legend: S rows, D hidden, E experts, K experts per token, G groups.
 """
@@ -12,8 +13,12 @@ Shape legend: S rows, D hidden, E experts, K experts per token, G groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from colibrid.models.base import Ops
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,8 @@ class Route:
 
 
 class Router:
+    """The routing rule's parameters; the arithmetic is the backend's (`Ops.route`)."""
+
     def __init__(
         self,
         weight: np.ndarray,
@@ -35,59 +42,75 @@ class Router:
         topk_group: int,
         norm_topk_prob: bool,
         scaling: float,
+        ops: Ops,
     ) -> None:
-        self.weight = weight  # f32 [E, D]
-        self.bias = bias  # f32 [E] or None
+        self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # f32 [E, D]
+        self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         self.top_k = top_k
         self.n_group = n_group
         self.topk_group = topk_group
         self.norm_topk_prob = norm_topk_prob
         self.scaling = np.float32(scaling)
+        self.ops = ops
 
     @property
     def n_experts(self) -> int:
         return self.weight.shape[0]
 
-    def scores(self, h: np.ndarray) -> np.ndarray:
-        """Sigmoid router scores, float32 [S, E]."""
-        logits = h.astype(np.float32, copy=False) @ self.weight.T  # [S, E]
-        np.negative(logits, out=logits)
-        np.exp(logits, out=logits)
-        logits += np.float32(1.0)
-        return np.divide(np.float32(1.0), logits, out=logits)  # in place: decode is ~1 us each
+    def _ranked(self, h: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.ops.route(
+            np.ascontiguousarray(h, dtype=np.float32),
+            self.weight,
+            self.bias,
+            n=n,
+            top_k=self.top_k,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm=self.norm_topk_prob,
+            scaling=float(self.scaling),
+        )
 
     def route(self, h: np.ndarray) -> Route:
-        scores = self.scores(h)  # [S, E]
-        experts = _top_indices(self._selection(scores), self.top_k)  # [S, K]
-        gates = scores[np.arange(scores.shape[0])[:, None], experts]  # [S, K]
-        if self.norm_topk_prob:
-            gates /= gates.sum(axis=1, keepdims=True, dtype=np.float32) + np.float32(1e-20)
-        gates *= self.scaling
+        experts, gates = self._ranked(h, self.top_k)
         return Route(experts=experts, gates=gates)
 
     def candidates(self, h: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` best experts per row by the selection score, best first [S, n]: the
         top-k that `route` picks, then the runners-up (PILOT's ranked guesses)."""
-        choice = self._selection(self.scores(h))
-        return _top_indices(np.where(np.isfinite(choice), choice, -np.inf), min(n, self.n_experts))
+        return self._ranked(h, max(self.top_k, min(n, self.n_experts)))[0]
 
-    def _selection(self, scores: np.ndarray) -> np.ndarray:
-        """Scores as selection sees them: bias added, losing groups masked to -inf."""
-        choice = scores + self.bias if self.bias is not None else scores.copy()
-        if self.n_group > 1 and self.topk_group < self.n_group:
-            choice = self._mask_groups(choice)
-        return choice
 
-    def _mask_groups(self, choice: np.ndarray) -> np.ndarray:
+def route_reference(
+    h: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    *,
+    n: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm: bool,
+    scaling: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The routing rule in numpy (the reference `Ops.route` implementations must match up
+    to float rounding): ids int64 [S, n] best first, gates float32 [S, top_k]."""
+    logits = h.astype(np.float32, copy=False) @ weight.T  # [S, E]
+    scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    choice = scores + bias if bias is not None else scores.copy()
+    if n_group > 1 and topk_group < n_group:
         rows = choice.shape[0]
-        grouped = choice.reshape(rows, self.n_group, -1)  # [S, G, E/G]
+        grouped = choice.reshape(rows, n_group, -1)  # [S, G, E/G]
         best_two = -np.sort(-grouped, axis=-1)[..., :2]
         group_scores = best_two.sum(axis=-1, dtype=np.float32)  # [S, G]
-        keep = _top_indices(group_scores, self.topk_group)  # [S, topk_group]
-        mask = np.zeros((rows, self.n_group), dtype=bool)
+        keep = _top_indices(group_scores, topk_group)  # [S, topk_group]
+        mask = np.zeros((rows, n_group), dtype=bool)
         np.put_along_axis(mask, keep, True, axis=1)
-        masked = np.where(mask[:, :, None], grouped, -np.inf).astype(np.float32)
-        return masked.reshape(rows, -1)
+        choice = np.where(mask[:, :, None], grouped, -np.inf).astype(np.float32).reshape(rows, -1)
+    experts = _top_indices(choice, n)  # [S, n]
+    gates = np.take_along_axis(scores, experts[:, :top_k], axis=1)  # [S, K]
+    if norm:
+        gates = gates / (gates.sum(axis=1, keepdims=True, dtype=np.float32) + np.float32(1e-20))
+    return experts, (gates * np.float32(scaling)).astype(np.float32)
 
 
 def _top_indices(values: np.ndarray, k: int) -> np.ndarray:

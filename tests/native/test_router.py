@@ -1,0 +1,65 @@
+"""The native sigmoid router against the numpy rule (`route_reference`): the same experts
+in the same order (group limit, bias, ties to the lowest index) and the same gates up to
+float rounding; each row alone; bad arguments refused before C runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibrid.models.layers.router import route_reference
+
+native = pytest.importorskip("colibrid.backends.native")
+
+CASES = [  # S, D, E, n_group, topk_group, K, n, bias, norm, scaling
+    (1, 576, 16, 1, 1, 4, 4, False, True, 1.0),
+    (3, 64, 32, 4, 2, 4, 6, True, True, 2.5),
+    (5, 100, 256, 8, 4, 8, 12, True, True, 2.5),
+    (2, 24, 8, 2, 1, 2, 3, True, False, 1.0),
+    (4, 33, 12, 3, 3, 3, 12, False, True, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_numpy_rule(case) -> None:
+    s, d, e, n_group, topk_group, k, n, with_bias, norm, scaling = case
+    rng = np.random.default_rng(e + s)
+    h = rng.standard_normal((s, d), dtype=np.float32)
+    w = rng.standard_normal((e, d), dtype=np.float32) * 0.2
+    bias = rng.standard_normal(e).astype(np.float32) * 0.1 if with_bias else None
+    rule = dict(n=n, top_k=k, n_group=n_group, topk_group=topk_group, norm=norm, scaling=scaling)
+    ids, gates = native.route(h, w, bias, **rule)
+    want_ids, want_gates = route_reference(h, w, bias, **rule)
+    assert ids.dtype == np.int64 and ids.shape == (s, n)
+    assert np.array_equal(ids, want_ids)
+    np.testing.assert_allclose(gates, want_gates, rtol=2e-6, atol=1e-7)
+    for row in range(s):  # each row alone
+        one_ids, one_gates = native.route(h[row : row + 1], w, bias, **rule)
+        assert np.array_equal(one_ids[0], ids[row])
+        assert np.array_equal(one_gates[0].view(np.uint32), gates[row].view(np.uint32))
+
+
+def test_ties_go_to_the_lowest_index() -> None:
+    h = np.ones((1, 8), dtype=np.float32)
+    w = np.zeros((6, 8), dtype=np.float32)  # every score is sigmoid(0) = 0.5
+    ids, gates = native.route(
+        h, w, None, n=4, top_k=3, n_group=1, topk_group=1, norm=True, scaling=1.0
+    )
+    assert ids.tolist() == [[0, 1, 2, 3]]
+    np.testing.assert_allclose(gates, [[1 / 3] * 3], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(n=2, top_k=3), "disagree"),
+        (dict(n=20), "disagree"),
+        (dict(n_group=3), "disagree"),
+        (dict(topk_group=5), "topk_group"),
+    ],
+)
+def test_bad_arguments_are_refused(change, message) -> None:
+    rule = dict(n=4, top_k=2, n_group=4, topk_group=2, norm=True, scaling=1.0) | change
+    h = np.zeros((1, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match=message):
+        native.route(h, np.zeros((16, 8), dtype=np.float32), None, **rule)
