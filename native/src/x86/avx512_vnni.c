@@ -271,10 +271,9 @@ ALWAYS_INLINE void finish(__m512 a[NS][4], int N, float scale, float *r) {
 
 /* Q4 through a 16-entry table scaled per group: vpermps turns each nibble (low 4 bits
  * of a widened byte) into its dequantised f32 weight in one instruction. */
-ALWAYS_INLINE void dot_q4_n(const mm_job *j, const uint8_t *row, const float *sc, const float *const *x,
-                            int N, float *r) {
+ALWAYS_INLINE void acc_q4_n(const mm_job *j, const uint8_t *row, const float *sc, const float *const *x,
+                            int N, __m512 a[NS][4]) {
     const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m512 a[NS][4];
     for (int n = 0; n < NS; n++)
         for (int k = 0; k < 4; k++) a[n][k] = _mm512_setzero_ps();
     const size_t nbytes = j->wrow;
@@ -313,6 +312,12 @@ ALWAYS_INLINE void dot_q4_n(const mm_job *j, const uint8_t *row, const float *sc
             fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts), x, 2 * b + 16, N, a, 1);
         }
     }
+}
+
+ALWAYS_INLINE void dot_q4_n(const mm_job *j, const uint8_t *row, const float *sc, const float *const *x,
+                            int N, float *r) {
+    __m512 a[NS][4];
+    acc_q4_n(j, row, sc, x, N, a);
     finish(a, N, 1.0f, r);
 }
 
@@ -334,10 +339,9 @@ ALWAYS_INLINE __m512 load_w(int fmt, const uint8_t *row, int i, __mmask16 m, int
 
 /* Four independent FMA chains per activation row (64 elements per step) hide the FMA
  * latency; only the tail uses masked loads. Q8 applies its row scale at the end. */
-ALWAYS_INLINE void dot_plain_n(int fmt, const uint8_t *row, int I, float scale, const float *const *x,
-                               int N, float *r) {
+ALWAYS_INLINE void acc_plain_n(int fmt, const uint8_t *row, int I, const float *const *x, int N,
+                               __m512 a[NS][4]) {
     const int esize = fmt == COLIBRI_FMT_F32 ? 4 : fmt == COLIBRI_FMT_BF16 ? 2 : 1;
-    __m512 a[NS][4];
     for (int n = 0; n < NS; n++)
         for (int k = 0; k < 4; k++) a[n][k] = _mm512_setzero_ps();
     int i = 0;
@@ -347,6 +351,12 @@ ALWAYS_INLINE void dot_plain_n(int fmt, const uint8_t *row, int I, float scale, 
             fma_rows(load_w(fmt, row, i + 16 * k, 0xffff, 1), x, (size_t)i + 16 * k, N, a, k);
     }
     for (; i < I; i += 16) fma_rows(load_w(fmt, row, i, mask16((size_t)(I - i)), 0), x, (size_t)i, N, a, 0);
+}
+
+ALWAYS_INLINE void dot_plain_n(int fmt, const uint8_t *row, int I, float scale, const float *const *x,
+                               int N, float *r) {
+    __m512 a[NS][4];
+    acc_plain_n(fmt, row, I, x, N, a);
     finish(a, N, scale, r);
 }
 
@@ -372,10 +382,76 @@ static void dot_rows_4(const mm_job *j, int o, const float *const *x, float *r) 
     }
 }
 
+/* The 16 row sums of t[0..15] (row r's partials in t[r]), each added in exactly the tree
+ * of _mm512_reduce_add_ps (lanes i + 8, then i + 4, then i + 2, then i + 1), so a tile of
+ * 16 rows reduced together gives the bits of 16 single-row reductions, in about a third
+ * of the instructions (the per-row reduction was an eighth of a decode-sized matvec). */
+ALWAYS_INLINE void reduce16(const __m512 t[16], float out[16]) {
+    __m512 p[8], q[4], r[2];
+    for (int k = 0; k < 8; k++) /* [row 2k: t_i + t_i+8 | row 2k+1: ...] */
+        p[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; k++) /* 128-bit lanes: rows 4k, 4k+1, 4k+2, 4k+3: u_i + u_i+4 */
+        q[k] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(p[2 * k], p[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; k++) /* per lane: [row a: v0+v2, v1+v3, row b: v0+v2, v1+v3] */
+        r[k] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(q[2 * k]), _mm512_castps_pd(q[2 * k + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(q[2 * k]), _mm512_castps_pd(q[2 * k + 1]))));
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* element m of 128-bit lane l holds row 4m + l */
+    static const int row_of[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    float tmp[16];
+    _mm512_storeu_ps(tmp, sums);
+    for (int k = 0; k < 16; k++) out[row_of[k]] = tmp[k];
+}
+
+/* Row o's four accumulators pre-added ((a0 + a1) + (a2 + a3)), as finish() reduces them. */
+ALWAYS_INLINE __m512 partials_1(const mm_job *j, int o, const float *x, float *scale) {
+    const colibri_weight *w = j->w;
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
+    __m512 a[NS][4];
+    const float *xs[1] = {x};
+    *scale = 1.0f;
+    switch (w->fmt) {
+    case COLIBRI_FMT_F32: acc_plain_n(COLIBRI_FMT_F32, row, w->I, xs, 1, a); break;
+    case COLIBRI_FMT_BF16: acc_plain_n(COLIBRI_FMT_BF16, row, w->I, xs, 1, a); break;
+    case COLIBRI_FMT_Q8:
+        acc_plain_n(COLIBRI_FMT_Q8, row, w->I, xs, 1, a);
+        *scale = w->scales[o];
+        break;
+    default: acc_q4_n(j, row, w->scales + (size_t)o * j->G, xs, 1, a); break;
+    }
+    return _mm512_add_ps(_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[0][2], a[0][3]));
+}
+
+/* Decode (S < NS): 16 output rows at a time share one reduction; the rest one by one. */
+static void f32_rows_small(const mm_job *j, int o0, int o1) {
+    const colibri_weight *w = j->w;
+    for (int s = 0; s < j->S; s++) {
+        const float *x = j->xp + (size_t)s * j->ldx;
+        float *y = j->y + (size_t)s * w->O;
+        int o = o0;
+        for (; o + 16 <= o1; o += 16) {
+            __m512 t[16];
+            float scale[16], sum[16];
+            for (int k = 0; k < 16; k++) t[k] = partials_1(j, o + k, x, &scale[k]);
+            reduce16(t, sum);
+            for (int k = 0; k < 16; k++) y[o + k] = scale[k] * sum[k];
+        }
+        for (; o < o1; o++) dot_rows_1(j, o, &x, y + o);
+    }
+}
+
 static void f32_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
     if (j->xp == NULL || (w->fmt == COLIBRI_FMT_Q4 && j->G > 1 && j->gsz % 32 != 0)) {
         colibri_ref_f32_rows(j, o0, o1);
+        return;
+    }
+    if (j->S < NS) {
+        f32_rows_small(j, o0, o1);
         return;
     }
     const int sb = colibri_x_block_rows(j, sizeof(float), NS);
