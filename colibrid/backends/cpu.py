@@ -58,7 +58,13 @@ class CpuOps:
         return native.rank_sum(parts)
 
     def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
-        return native.route(h, weight, bias, **rule)
+        f32 = np.float32
+        return native.route(
+            np.ascontiguousarray(h, dtype=f32),
+            np.ascontiguousarray(weight, dtype=f32),
+            None if bias is None else np.ascontiguousarray(bias, dtype=f32),
+            **rule,
+        )
 
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return native.rope_half(np.ascontiguousarray(x, dtype=np.float32), cos, sin)

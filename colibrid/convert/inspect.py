@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colibrid.convert.plan import classify, expert_of
-from colibrid.engine.validate import stored_bytes, validate
+from colibrid.engine.engine import DEFAULT_MAX_CONTEXT
+from colibrid.engine.validate import kv_bytes_per_position, stored_bytes, validate
 from colibrid.errors import ColibriError
+from colibrid.store.budget import MIN_WORK_SLOTS, GiB, minimum_budget
 from colibrid.store.checkpoint import Checkpoint
 
 
@@ -43,6 +45,8 @@ class Report:
     routed_bytes: int = 0
     total_bytes: int = 0
     files: int = 0
+    kv_bytes: int = 0  # KV cache at the daemon's default context
+    context: int = 0
 
     @property
     def expert_bytes_per_token(self) -> int:
@@ -72,6 +76,15 @@ class Report:
             f"({self.top_k} x {self.moe_layers} layers)",
             f"total          {self.total_bytes / gb:.3f} GB in {self.files} files",
         ]
+        if self.n_experts:
+            least = minimum_budget(
+                dense=self.resident_bytes, kv=self.kv_bytes, slot_bytes=self.expert_bytes
+            )
+            out.append(
+                f"least RAM      {least / GiB:.2f} GiB to stream experts at a {self.context}-token"
+                f" context (dense + KV {self.kv_bytes / GiB:.2f} + {MIN_WORK_SLOTS} work slabs"
+                " + reserve); more RAM caches experts"
+            )
         return out
 
 
@@ -120,6 +133,8 @@ def inspect(path: str | Path) -> Report:
         r.expert_contiguous = bool(names) and _adjacent(ckpt, names)
         r.total_bytes = sum(f.size for f in ckpt.files)
         r.files = len(ckpt.files)
+        r.context = min(DEFAULT_MAX_CONTEXT, t.max_position_embeddings)
+        r.kv_bytes = kv_bytes_per_position(ckpt.config, ckpt.has) * r.context
     return r
 
 

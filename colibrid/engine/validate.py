@@ -90,15 +90,27 @@ def expected_from_config(
     return args, rec.seen
 
 
-def _walk_model(module: Any, args: Any, rec: _Recorder) -> None:
+def kv_bytes_per_position(config: dict[str, Any], has: Callable[[str], bool]) -> int:
+    """Bytes of KV cache one position of context costs across every layer (what the RAM
+    planner reserves per token), from the config alone."""
+    from colibrid.models import family
+
+    module = family(config.get("model_type"))
+    return _walk_model(module, module.ModelArgs.from_config(config), _Recorder(has))
+
+
+def _walk_model(module: Any, args: Any, rec: _Recorder) -> int:
     """Run the family's loaders one layer at a time, dropping each layer at once, so a
     78-layer model is walked in one layer's worth of placeholder memory. This is the
-    loop of the families' ``build`` (all share load_decoder_layer / attention_at)."""
+    loop of the families' ``build`` (all share load_decoder_layer / attention_at).
+    Returns the KV bytes per position of the layers walked."""
+    from colibrid.engine.kv import bytes_per_position
     from colibrid.models.transformer import Transformer, load_decoder_layer
 
     t, experts = args.trunk, _NoExperts()
+    kv = 0
     for layer in range(t.num_hidden_layers):
-        load_decoder_layer(
+        decoder = load_decoder_layer(
             rec,
             None,
             experts,
@@ -109,6 +121,7 @@ def _walk_model(module: Any, args: Any, rec: _Recorder) -> None:
             moe=args.moe if args.is_moe[layer] else None,
             dense_width=t.intermediate_size,
         )
+        kv += bytes_per_position([decoder.attention.cache_layout()])
     Transformer(
         rec,
         None,
@@ -125,6 +138,7 @@ def _walk_model(module: Any, args: Any, rec: _Recorder) -> None:
     load_mtp = getattr(builder, "load_mtp", None)
     if load_mtp is not None:
         load_mtp(args, rec, experts, None)
+    return kv
 
 
 def expected_tensors(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected]]:

@@ -147,7 +147,8 @@ def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> 
         slot_bytes=store.slot_bytes,
         n_layers=store.n_layers,
         n_experts=n_exp,
-        work_slots=work + pilot_slots,
+        work_slots=work,
+        pilot_slots=pilot_slots,
         cache=opts.cache,
     )
     base = plan()
@@ -167,7 +168,10 @@ def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> 
     if budget.capacity:
         store.recorder.heat = np.zeros(store.counts.shape, dtype=np.float64)  # REPIN
     store.allocate(
-        base.cache_per_layer, work_slots=work, pilot_slots=pilot_slots, pin_budget=budget
+        base.cache_per_layer,
+        work_slots=base.work_slots,
+        pilot_slots=base.pilot_slots,
+        pin_budget=budget,
     )
     if opts.pin_at_start:
         store.apply_pins(usage.counts)

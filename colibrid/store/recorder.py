@@ -30,17 +30,21 @@ class UsageRecorder:
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no routed experts in this store")
         idx = np.asarray(experts, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.n_experts):
-            raise KeyError(f"expert index out of range in {list(idx)}")
+        if idx.size:
+            # a decode step's union is a short list: Python's min/max beat two reductions
+            source = experts if isinstance(experts, list) else idx.tolist()
+            if min(source) < 0 or max(source) >= self.n_experts:
+                raise KeyError(f"expert index out of range in {list(idx)}")
         return idx
 
     def record(self, layer: int, experts) -> np.ndarray:
         idx = self.check(layer, experts)
-        np.add.at(self.counts[layer], idx, 1)
+        selected = np.bincount(idx, minlength=self.n_experts)  # duplicates count twice
+        self.counts[layer] += selected
         if self.profile is not None:
             self.profile.record(layer, idx)
         if self.heat is not None:
-            np.add.at(self.heat[layer], idx, 1.0)
+            self.heat[layer] += selected
         if self._followed:
             self._pending.append((layer, idx))
         return idx

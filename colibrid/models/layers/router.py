@@ -44,8 +44,8 @@ class Router:
         scaling: float,
         ops: Ops,
     ) -> None:
-        self.weight = np.ascontiguousarray(weight, dtype=np.float32)  # f32 [E, D]
-        self.bias = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        self.weight = weight  # f32 [E, D]
+        self.bias = bias  # f32 [E] or None
         self.top_k = top_k
         self.n_group = n_group
         self.topk_group = topk_group
@@ -59,7 +59,7 @@ class Router:
 
     def _ranked(self, h: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         return self.ops.route(
-            np.ascontiguousarray(h, dtype=np.float32),
+            h,
             self.weight,
             self.bias,
             n=n,
