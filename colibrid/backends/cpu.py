@@ -66,6 +66,22 @@ class CpuOps:
             **rule,
         )
 
+    def gqa_attention(  # noqa: ANN201
+        self, weights, biases, qk_norm, eps, rope, x, caches, start, scale, family  # noqa: ANN001
+    ):
+        return native.gqa_attention(
+            weights,
+            biases,
+            qk_norm,
+            eps,
+            rope,
+            np.ascontiguousarray(x, dtype=np.float32),
+            caches,
+            start,
+            scale,
+            family,
+        )
+
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return native.rope_half(np.ascontiguousarray(x, dtype=np.float32), cos, sin)
 

@@ -153,21 +153,61 @@ def _check_weight(w: QuantWeight, family: KernelFamily, name: str = "w") -> None
             raise ValueError(f"{name}: I={i} too large for exact int32 sums (max {limit})")
 
 
+def _code(family: KernelFamily) -> int:
+    """The C code of a family, by identity: hashing an Enum runs Python code, and this is
+    asked several times per kernel call."""
+    if family is KernelFamily.F32:
+        return 0
+    if family is KernelFamily.I8:
+        return 1
+    raise ValueError(f"family must be a KernelFamily, got {family!r}")
+
+
 def _native(w: QuantWeight, family: KernelFamily, name: str = "w") -> object:
     """The checked C view of `w` for `family`, built once per weight object and kept on
     it: weights never change after loading, and checking and building the view on every
     call cost ~10 µs of a ~25 µs decode-sized kernel call."""
+    views = getattr(w, "_native_views", None)
+    code = _code(family)
+    if views is not None and views[code] is not None:
+        return views[code]
     if not isinstance(w, QuantWeight):
         raise ValueError(f"{name} must be a QuantWeight")
-    views = w.__dict__.get("_native_views")
     if views is None:
-        views = {}
+        views = [None, None]
         object.__setattr__(w, "_native_views", views)  # frozen dataclass: a private cache
-    view = views.get(family)
-    if view is None:
-        _check_weight(w, family, name)
-        view = views[family] = _weight_struct(w)
-    return view
+    _check_weight(w, family, name)
+    views[code] = _weight_struct(w)
+    return views[code]
+
+
+def _expert_views(w: object, family: KernelFamily, k: int, width: int) -> tuple[object, ...]:
+    """The three checked C views of an expert (anything with .gate/.up/.down), kept on the
+    expert object when it allows (resident experts and shared MLPs live for the model)."""
+    cache = getattr(w, "_native_expert_views", None)
+    code = _code(family)
+    if cache is not None and cache[code] is not None and cache[code][3] == width:
+        return cache[code][:3]
+    gate, up, down = w.gate, w.up, w.down  # type: ignore[attr-defined]
+    views = (
+        _native(gate, family, f"weights[{k}].gate"),
+        _native(up, family, f"weights[{k}].up"),
+        _native(down, family, f"weights[{k}].down"),
+    )
+    f = gate.shape[0]
+    if gate.shape != (f, width) or up.shape != (f, width) or down.shape != (width, f):
+        raise ValueError(
+            f"expert {k}: gate {gate.shape}, up {up.shape}, down {down.shape} "
+            f"do not fit x of width {width}"
+        )
+    if cache is None:
+        cache = [None, None]
+        try:
+            object.__setattr__(w, "_native_expert_views", cache)
+        except (AttributeError, TypeError):  # slotted or immutable: check every call
+            return views
+    cache[code] = (*views, width)
+    return views
 
 
 def _weight_struct(w: QuantWeight) -> object:
@@ -222,7 +262,7 @@ def matmul(
     o, i = w.shape
     x2 = _rows(x, i)
     y = _out(out, x2.shape[0], o, x.ndim == 1)
-    rc = lib.colibri_matmul(view, _FAMILY_CODE[family], _fptr(x2), x2.shape[0], _fptr(y))
+    rc = lib.colibri_matmul(view, _code(family), _fptr(x2), x2.shape[0], _fptr(y))
     _raise_rc(rc)
     return y
 
@@ -244,7 +284,7 @@ def matmul_blocks(
     if s < 1 or b < 1 or o % b:
         raise ValueError(f"{o} output rows do not split into {b} equal blocks")
     y = _out(out, s, o, x.ndim == 2)
-    rc = lib.colibri_matmul_blocks(view, _FAMILY_CODE[family], _fptr(x3), s, b, _fptr(y))
+    rc = lib.colibri_matmul_blocks(view, _code(family), _fptr(x3), s, b, _fptr(y))
     _raise_rc(rc)
     return y
 
@@ -272,7 +312,7 @@ def expert_swiglu(
     y = _out(out, x2.shape[0], d, x.ndim == 1)
     rc = lib.colibri_expert_swiglu(
         *views,
-        _FAMILY_CODE[family],
+        _code(family),
         _fptr(x2),
         x2.shape[0],
         _fptr(y),
@@ -297,7 +337,7 @@ def matmul_many(
     rc = lib.colibri_matmul_many(
         ffi.new("colibri_weight *[]", views),
         len(views),
-        _FAMILY_CODE[family],
+        _code(family),
         _fptr(x2),
         x2.shape[0],
         ffi.new("float *[]", [_fptr(y) for y in ys]),
@@ -338,19 +378,9 @@ def apply_experts(
     _check_array("out", out, np.float32, (out.shape[0], d))
     if not out.flags.writeable:
         raise ValueError("out must be writable")
-    views = []
+    views: list[object] = []
     for k, w in enumerate(weights):
-        views += (
-            _native(w.gate, family, f"weights[{k}].gate"),
-            _native(w.up, family, f"weights[{k}].up"),
-            _native(w.down, family, f"weights[{k}].down"),
-        )
-        f = w.gate.shape[0]
-        if w.gate.shape != (f, d) or w.up.shape != (f, d) or w.down.shape != (d, f):
-            raise ValueError(
-                f"expert {k}: gate {w.gate.shape}, up {w.up.shape}, down {w.down.shape} "
-                f"do not fit x of width {d}"
-            )
+        views += _expert_views(w, family, k, d)
     if n == 0 or pairs == 0:
         return
     if min(rows) < 0 or max(rows) >= x.shape[0]:
@@ -360,7 +390,7 @@ def apply_experts(
     rc = lib.colibri_experts(
         ffi.new("colibri_weight *[]", views),
         n,
-        _FAMILY_CODE[family],
+        _code(family),
         _fptr(x),
         x.shape[0],
         d,
@@ -472,6 +502,94 @@ def route(
     )
     _raise_rc(rc)
     return ids.astype(np.int64), gates
+
+
+def gqa_attention(
+    weights: tuple[QuantWeight, QuantWeight, QuantWeight, QuantWeight],
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    qk_norm: tuple[np.ndarray, np.ndarray] | None,
+    eps: float,
+    rope: tuple[np.ndarray, np.ndarray],
+    x: np.ndarray,
+    caches: tuple[np.ndarray, np.ndarray],
+    start: int,
+    scale: float,
+    family: KernelFamily,
+) -> np.ndarray:
+    """A GQA attention block in one call (see colibri_gqa_attention): x float32 [S, D],
+    weights (q, k, v, o), caches (keys, values) float32 [capacity, G, d] whose rows
+    [start, start + S) are written; returns [S, O] = attention(q, keys, values) Wo^T."""
+    wq, wk, wv, wo = weights
+    views = [_native(w, family, n) for w, n in zip(weights, ("q", "k", "v", "o"), strict=True)]
+    keys, values = caches
+    if not isinstance(keys, np.ndarray) or keys.ndim != 3:
+        raise ValueError("the key cache must be a 3-D [capacity, G, d] numpy array")
+    cap, g, d = keys.shape
+    _check_array("keys", keys, np.float32, (cap, g, d))
+    _check_array("values", values, np.float32, (cap, g, d))
+    if not (keys.flags.writeable and values.flags.writeable):
+        raise ValueError("the caches must be writable")
+    hidden = wq.shape[1]
+    x2 = _rows(x, hidden)
+    s = x2.shape[0]
+    heads = wq.shape[0] // d
+    if (
+        g < 1
+        or heads < 1
+        or heads % g
+        or wq.shape != (heads * d, hidden)
+        or wk.shape != (g * d, hidden)
+        or wv.shape != (g * d, hidden)
+        or wo.shape[1] != heads * d
+    ):
+        raise ValueError(
+            f"attention shapes disagree: q {wq.shape}, k {wk.shape}, v {wv.shape}, "
+            f"o {wo.shape}, caches {keys.shape}"
+        )
+    if not 0 <= start <= cap - s:
+        raise ValueError(f"rows [{start}, {start + s}) do not fit a cache of {cap} positions")
+    cos, sin = rope
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2:
+        raise ValueError("cos must be a 2-D [S, half] numpy array")
+    half = cos.shape[1]
+    _check_array("cos", cos, np.float32, (s, half))
+    _check_array("sin", sin, np.float32, (s, half))
+    if not 1 <= half <= d // 2:
+        raise ValueError(f"rope half {half} does not fit head dim {d}")
+    sizes = (heads * d, g * d, g * d)
+    bias_ptrs = [ffi.NULL] * 3
+    if biases is not None:
+        for k, (b, n) in enumerate(zip(biases, sizes, strict=True)):
+            _check_array(f"bias[{k}]", b, np.float32, (n,))
+            bias_ptrs[k] = _fptr(b)
+    norm_ptrs = [ffi.NULL, ffi.NULL]
+    if qk_norm is not None:
+        for k, w in enumerate(qk_norm):
+            _check_array(f"qk_norm[{k}]", w, np.float32, (d,))
+            norm_ptrs[k] = _fptr(w)
+    out = np.empty((s, wo.shape[0]), dtype=np.float32)
+    rc = lib.colibri_gqa_attention(
+        *views,
+        _code(family),
+        *bias_ptrs,
+        *norm_ptrs,
+        float(eps),
+        _fptr(cos),
+        _fptr(sin),
+        half,
+        _fptr(x2),
+        s,
+        heads,
+        g,
+        d,
+        ffi.from_buffer("float[]", keys),
+        ffi.from_buffer("float[]", values),
+        int(start),
+        float(scale),
+        _fptr(out),
+    )
+    _raise_rc(rc)
+    return out
 
 
 def attend_gqa(

@@ -57,6 +57,7 @@ class CountingOps:
             "matmul_blocks",
             "expert_swiglu",
             "apply_experts",
+            "gqa_attention",
             "embed",
         ):
             if on:
@@ -96,6 +97,10 @@ class CountingOps:
 
     def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
         return self.inner.route(h, weight, bias, **rule)
+
+    def gqa_attention(self, weights, *args):  # noqa: ANN001, ANN002, ANN201
+        self._count(*weights)
+        return self.inner.gqa_attention(weights, *args)
 
     def rope_half(self, x, cos, sin):  # noqa: ANN001, ANN201
         return self.inner.rope_half(x, cos, sin)

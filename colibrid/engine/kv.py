@@ -52,6 +52,12 @@ class KVCache:
         array[self.length : end] = rows
         return array[:end]
 
+    def arrays_for(self, layer: int, rows: int) -> dict[str, np.ndarray]:
+        """The layer's whole arrays, with room for ``rows`` more positions: a native block
+        writes rows [length, length + rows) itself (what `write` does from Python)."""
+        self._reserve(self.length + rows)
+        return self._arrays[layer]
+
     def read(self, layer: int, name: str, end: int) -> np.ndarray:
         return self._arrays[layer][name][:end]
 

@@ -127,6 +127,24 @@ class Ops(Protocol):
         experts per row best first, int64 [S, n], and the gates of the first top_k."""
         ...
 
+    def gqa_attention(
+        self,
+        weights: tuple[QuantWeight, QuantWeight, QuantWeight, QuantWeight],
+        biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+        qk_norm: tuple[np.ndarray, np.ndarray] | None,
+        eps: float,
+        rope: tuple[np.ndarray, np.ndarray],
+        x: np.ndarray,
+        caches: tuple[np.ndarray, np.ndarray],
+        start: int,
+        scale: float,
+        family: KernelFamily,
+    ) -> np.ndarray:
+        """A GQA block: projections (+ biases), optional qk RMSNorm, RoPE, k/v written to
+        cache rows [start, start + S), attention, output projection; bit-identical to
+        layers.gqa.gqa_attention_each (the same ops one by one)."""
+        ...
+
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """rotate_half RoPE of x [S, H, d] by cos/sin [S, half] (see layers.rope.apply_half)."""
         ...

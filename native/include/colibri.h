@@ -96,6 +96,19 @@ int colibri_route(const float *h, int S, int D, const float *w, const float *bia
 int colibri_attend_gqa(const float *q, int S, int H, int d, const float *k, const float *v, int T,
                        int G, float scale, int start, float *out);
 
+/* A GQA attention block: q = x Wq^T (+bq), k, v likewise (one dispatch); per-head RMSNorm of
+ * q and k when q_norm/k_norm are given (both or neither); rotate_half RoPE of q and k by
+ * cos/sin [S, half]; k and v written to rows [start, start + S) of the caches [*, G, d];
+ * attention of q over rows [0, start + S); out [S, O] = attn Wo^T. Bit-identical to those
+ * calls made one by one. */
+int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
+                          const colibri_weight *wv, const colibri_weight *wo, int family,
+                          const float *bq, const float *bk, const float *bv,
+                          const float *q_norm, const float *k_norm, float eps,
+                          const float *cos, const float *sin, int half, const float *x, int S,
+                          int H, int G, int d, float *kcache, float *vcache, int start,
+                          float scale, float *out);
+
 /* Best read bandwidth in GB/s over `repeats` passes of a buffer of nbytes. */
 double colibri_membw_probe(size_t nbytes, int threads, int repeats);
 

@@ -81,8 +81,9 @@ void colibri_prepare_into(mm_job *j, const isa_ops *ops, int family, const float
                           void *mem);
 /* Per-calling-thread buffer k (< COLIBRI_ARENAS) of at least n bytes, 64-byte aligned,
  * reused by the next call from the same thread: what a batched call carves its job
- * descriptions (0) and work buffers (1) from, so a warm decode allocates nothing. */
-#define COLIBRI_ARENAS 2
+ * descriptions (0) and work buffers (1) from, and a composed block (gqa.c) its
+ * activations (2), so a warm decode allocates nothing. */
+#define COLIBRI_ARENAS 3
 void *colibri_arena(int k, size_t n);
 
 /* Reference single-output kernels: the bit-exact oracle for the integer paths and

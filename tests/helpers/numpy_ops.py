@@ -14,6 +14,7 @@ from colibrid.formats.quant import dequantize, dequantize_rows
 from colibrid.formats.weights import QuantWeight
 from colibrid.models.base import apply_experts_each, rank_sum_each
 from colibrid.models.layers.attention import causal_mask, masked_softmax
+from colibrid.models.layers.gqa import gqa_attention_each
 from colibrid.models.layers.norm import rms_norm
 from colibrid.models.layers.rope import apply_half
 from colibrid.models.layers.router import route_reference
@@ -60,6 +61,9 @@ class NumpyOps:
 
     def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
         return route_reference(h, weight, bias, **rule)
+
+    def gqa_attention(self, *args):  # noqa: ANN002, ANN201
+        return gqa_attention_each(self, *args)
 
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return apply_half(x, cos, sin)

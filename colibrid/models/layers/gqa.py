@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from colibrid.backends.base import KernelFamily
+from colibrid.formats.weights import QuantWeight
 from colibrid.models.base import Linear, Ops, Step, WeightSource
 
 
@@ -62,22 +64,54 @@ class GQAAttention:
     ) -> tuple[np.ndarray, None]:
         """Returns the attention output [S, D]; GQA has no sparse key selection."""
         s = self.shape
-        rows = x.shape[0]
+        arrays = cache.arrays_for(layer, x.shape[0])
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = self.ops.matmul_many([p.weight for p in projections], x, step.family)
-        if s.bias:
-            for y, p in zip((q, k, v), projections, strict=True):
-                y += p.bias
-        q = q.reshape(rows, s.heads, s.head_dim)
-        k = k.reshape(rows, s.kv_heads, s.head_dim)
-        v = v.reshape(rows, s.kv_heads, s.head_dim)
-        if self.q_norm is not None:
-            q = self.ops.rms_norm(q, self.q_norm, s.eps)
-            k = self.ops.rms_norm(k, self.k_norm, s.eps)
-        cos, sin = rope
-        q = self.ops.rope_half(q, cos, sin)
-        k = self.ops.rope_half(k, cos, sin)
-        keys = cache.write(layer, "k", k)  # [T, G, d]
-        values = cache.write(layer, "v", v)  # [T, G, d]
-        out = self.ops.attend_gqa(q, keys, values, self.scale, step.start)  # [S, H * d]
-        return self.o_proj(out, step.family), None
+        out = self.ops.gqa_attention(
+            (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight),
+            tuple(p.bias for p in projections) if s.bias else None,
+            (self.q_norm, self.k_norm) if self.q_norm is not None else None,
+            s.eps,
+            rope,
+            x,
+            (arrays["k"], arrays["v"]),
+            step.start,
+            float(self.scale),
+            step.family,
+        )
+        return out, None
+
+
+def gqa_attention_each(
+    ops: Ops,
+    weights: tuple[QuantWeight, QuantWeight, QuantWeight, QuantWeight],
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    qk_norm: tuple[np.ndarray, np.ndarray] | None,
+    eps: float,
+    rope: tuple[np.ndarray, np.ndarray],
+    x: np.ndarray,
+    caches: tuple[np.ndarray, np.ndarray],
+    start: int,
+    scale: float,
+    family: KernelFamily,
+) -> np.ndarray:
+    """`Ops.gqa_attention` one op at a time: the definition a backend's block must match."""
+    wq, wk, wv, wo = weights
+    keys, values = caches
+    rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[2]
+    q, k, v = ops.matmul_many([wq, wk, wv], x, family)
+    if biases is not None:
+        for y, b in zip((q, k, v), biases, strict=True):
+            y += b
+    q = q.reshape(rows, -1, head_dim)
+    k = k.reshape(rows, kv_heads, head_dim)
+    v = v.reshape(rows, kv_heads, head_dim)
+    if qk_norm is not None:
+        q = ops.rms_norm(q, qk_norm[0], eps)
+        k = ops.rms_norm(k, qk_norm[1], eps)
+    cos, sin = rope
+    q = ops.rope_half(q, cos, sin)
+    keys[start : start + rows] = ops.rope_half(k, cos, sin)
+    values[start : start + rows] = v
+    end = start + rows
+    out = ops.attend_gqa(q, keys[:end], values[:end], scale, start)  # [S, H * d]
+    return ops.matmul(wo, out, family)

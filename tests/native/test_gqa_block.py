@@ -1,0 +1,110 @@
+"""The one-call GQA attention block equals the same ops called one by one
+(`gqa_attention_each` over CpuOps), bit for bit: output and the cache rows it writes,
+with and without biases and qk-norm, partial RoPE, one row and several, an empty and a
+filled cache; bad shapes are refused before C runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibrid.backends.base import KernelFamily
+from colibrid.backends.cpu import CpuOps
+from colibrid.formats.weights import WeightFormat
+from colibrid.models.layers.gqa import gqa_attention_each
+
+native = pytest.importorskip("colibrid.backends.native")
+
+H, G, D_HEAD, HIDDEN, CAP = 6, 2, 32, 128, 40
+
+
+def _case(kit, fmt: WeightFormat, rows: int, start: int, bias: bool, qk_norm: bool, half: int):
+    gs = 64 if fmt == WeightFormat.Q4 else 0
+    weights = (
+        kit.make_weight(fmt, H * D_HEAD, HIDDEN, gs, seed=1),
+        kit.make_weight(fmt, G * D_HEAD, HIDDEN, gs, seed=2),
+        kit.make_weight(fmt, G * D_HEAD, HIDDEN, gs, seed=3),
+        kit.make_weight(fmt, HIDDEN, H * D_HEAD, gs, seed=4),
+    )
+    rng = np.random.default_rng(rows * 100 + start)
+    biases = (
+        tuple(
+            rng.standard_normal(n, dtype=np.float32) for n in (H * D_HEAD, G * D_HEAD, G * D_HEAD)
+        )
+        if bias
+        else None
+    )
+    norms = (
+        tuple(rng.uniform(0.5, 1.5, D_HEAD).astype(np.float32) for _ in range(2))
+        if qk_norm
+        else None
+    )
+    angles = rng.uniform(0, 6.3, (rows, half)).astype(np.float32)
+    rope = (np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))
+    x = rng.standard_normal((rows, HIDDEN), dtype=np.float32)
+    keys = rng.standard_normal((CAP, G, D_HEAD), dtype=np.float32)  # earlier rows: history
+    values = rng.standard_normal((CAP, G, D_HEAD), dtype=np.float32)
+    return weights, biases, norms, rope, x, keys, values
+
+
+@pytest.mark.parametrize("family", [KernelFamily.F32, KernelFamily.I8])
+@pytest.mark.parametrize("fmt", [WeightFormat.Q8, WeightFormat.Q4, WeightFormat.F32])
+@pytest.mark.parametrize(
+    "rows,start,bias,qk_norm,half",
+    [
+        (1, 0, False, False, 16),
+        (1, 17, True, True, 8),
+        (5, 3, True, False, 16),
+        (7, 30, False, True, 4),
+    ],
+)
+def test_block_equals_the_ops_one_by_one(
+    kit, family, fmt, rows, start, bias, qk_norm, half
+) -> None:
+    weights, biases, norms, rope, x, keys, values = _case(
+        kit, fmt, rows, start, bias, qk_norm, half
+    )
+    history = keys.copy()
+    k_ref, v_ref = keys.copy(), values.copy()
+    want = gqa_attention_each(
+        CpuOps(), weights, biases, norms, 1e-6, rope, x, (k_ref, v_ref), start, 0.17, family
+    )
+    got = native.gqa_attention(
+        weights, biases, norms, 1e-6, rope, x, (keys, values), start, 0.17, family
+    )
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(keys.view(np.uint32), k_ref.view(np.uint32))  # same rows written
+    assert np.array_equal(values.view(np.uint32), v_ref.view(np.uint32))
+    assert not np.array_equal(keys[start : start + rows], history[start : start + rows])
+    assert np.array_equal(keys[:start], history[:start])  # earlier rows untouched
+
+
+def test_rows_outside_the_cache_and_bad_shapes_are_refused(kit) -> None:
+    weights, biases, norms, rope, x, keys, values = _case(
+        kit, WeightFormat.Q8, 2, 0, False, False, 16
+    )
+    family = KernelFamily.F32
+    with pytest.raises(ValueError, match="do not fit a cache"):
+        native.gqa_attention(
+            weights, None, None, 1e-6, rope, x, (keys, values), CAP - 1, 0.1, family
+        )
+    with pytest.raises(ValueError, match="disagree"):
+        native.gqa_attention(
+            (weights[0], weights[0], weights[2], weights[3]),
+            None,
+            None,
+            1e-6,
+            rope,
+            x,
+            (keys, values),
+            0,
+            0.1,
+            family,
+        )
+    with pytest.raises(ValueError, match="cos"):
+        native.gqa_attention(
+            weights, None, None, 1e-6, (rope[0][:1], rope[1][:1]), x, (keys, values), 0, 0.1, family
+        )
+    with pytest.raises(ValueError, match="writable"):
+        keys.flags.writeable = False
+        native.gqa_attention(weights, None, None, 1e-6, rope, x, (keys, values), 0, 0.1, family)
