@@ -67,7 +67,17 @@ class CpuOps:
         )
 
     def gqa_attention(  # noqa: ANN201
-        self, weights, biases, qk_norm, eps, rope, x, caches, start, scale, family  # noqa: ANN001
+        self,
+        weights,
+        biases,
+        qk_norm,
+        eps,
+        rope,
+        x,
+        caches,
+        start,
+        scale,
+        family,  # noqa: ANN001
     ):
         return native.gqa_attention(
             weights,
