@@ -64,7 +64,8 @@ class MoE:
         arithmetic on small models.
         """
         rows, top_k = route.experts.shape
-        plan = _plan(route.experts.tolist())
+        ids = route.experts.tolist()
+        plan = _plan_one(ids[0]) if rows == 1 else _plan(ids)
         gates = route.gates.tolist()
         width = top_k + (self.shared is not None)  # ranks per row, the shared expert last
         parts = np.empty((rows * width, x.shape[1]), dtype=np.float32)  # [S * rank, D]
@@ -95,10 +96,16 @@ def _batch(
     for expert, w in group:
         row_idx, slot_idx, rank_idx = plan[expert]
         weights.append(w)
-        for row, slot, rank in zip(row_idx, slot_idx, rank_idx, strict=True):
+        if len(row_idx) == 1:  # decode, and rarely chosen experts
+            row = row_idx[0]
             row_of.append(row)
-            gate_of.append(gates[row][slot])
-            dest.append(row * width + rank)
+            gate_of.append(gates[row][slot_idx[0]])
+            dest.append(row * width + rank_idx[0])
+        else:
+            for row, slot, rank in zip(row_idx, slot_idx, rank_idx, strict=True):
+                row_of.append(row)
+                gate_of.append(gates[row][slot])
+                dest.append(row * width + rank)
         start.append(len(row_of))
     if shared is not None:
         weights.append(shared)
@@ -107,6 +114,12 @@ def _batch(
         dest.extend(row * width + width - 1 for row in range(rows))
         start.append(len(row_of))
     return ExpertBatch(weights, start, row_of, gate_of, dest)
+
+
+def _plan_one(chosen: list[int]) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """`_plan` of a single row (a decode step): its expert ranks are its sorted order."""
+    rank_of = {e: r for r, e in enumerate(sorted(chosen))}
+    return {e: ([0], [slot], [rank_of[e]]) for slot, e in enumerate(chosen)}
 
 
 def _plan(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int], list[int]]]:
