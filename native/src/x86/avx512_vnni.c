@@ -52,6 +52,13 @@ static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, fl
 
 /* ------------------------------------------------------------- I8 family ---- */
 
+/* Software prefetch distance along a weight row (rows are contiguous, so it reaches into
+ * the next rows of the tile): 1 KiB left DRAM-bound matrices at ~60% of the read probe,
+ * 4 KiB (what the AVX2 kernels use) keeps enough lines in flight. */
+#ifndef PF_AHEAD
+#define PF_AHEAD 4096
+#endif
+
 static inline __m512i dot_q4(const uint8_t *p, __mmask64 m, __m512i xe, __m512i xo) {
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     const __m512i w = _mm512_maskz_loadu_epi8(m, p);
@@ -124,7 +131,7 @@ static void q4_group_sums(const mm_job *j, const uint8_t *row, const int8_t *x, 
         const uint8_t *p = row + (size_t)b0 * 64;
         const int8_t *xb = x + (size_t)b0 * 128;
         for (int k = 0; k < 8; k++) {
-            _mm_prefetch((const char *)p + 64 * k + 1024, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + 64 * k + PF_AHEAD, _MM_HINT_T0);
             v[k] = dot_q4(p + 64 * k, ~(__mmask64)0, _mm512_loadu_si512(xb + 128 * k),
                           _mm512_loadu_si512(xb + 128 * k + 64));
         }
@@ -150,7 +157,7 @@ static int32_t row_sum(const mm_job *j, const uint8_t *row, const int8_t *x, int
     __m512i a0 = _mm512_setzero_si512(), a1 = a0;
     for (size_t off = 0; off < nbytes; off += 64) {
         const __mmask64 m = tail_mask64(nbytes - off);
-        _mm_prefetch((const char *)row + off + 1024, _MM_HINT_T0);
+        _mm_prefetch((const char *)row + off + PF_AHEAD, _MM_HINT_T0);
         if (q4) a0 = _mm512_add_epi32(a0, dot_q4(row + off, m, _mm512_loadu_si512(x + 2 * off),
                                                  _mm512_loadu_si512(x + 2 * off + 64)));
         else if (off & 64) a1 = _mm512_add_epi32(a1, dot_q8(row + off, m, _mm512_loadu_si512(x + off)));
@@ -229,6 +236,11 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
             const int n = o1 - o < 16 ? o1 - o : 16;
             const float *ws[16];
             for (int r = 0; r < 16; r++) ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
+            /* The tile's scales are read only by the float step, in 16 short strided runs
+             * the hardware prefetcher misses; fetched now they arrive during the sums. */
+            for (int r = 0; r < n; r++)
+                for (size_t k = 0; k < (size_t)j->G * sizeof(float); k += 64)
+                    _mm_prefetch((const char *)ws[r] + k, _MM_HINT_T0);
             for (int s = s0; s < s1; s++) {
                 const int8_t *x = (q4 ? j->qxp : j->qx) + (size_t)s * j->ldx;
                 for (int r = 0; r < n; r++) { /* one whole row at a time: sequential streams */
