@@ -103,10 +103,14 @@ def membw_probe(nbytes: int = 1 << 30, threads: int | None = None, repeats: int 
 # ---- validation ------------------------------------------------------------------
 
 
+_DTYPES = {t: np.dtype(t) for t in (np.float32, np.uint16, np.int8, np.uint8, np.int32)}
+
+
 def _check_array(name: str, a: np.ndarray, dtype: type, shape: tuple[int, ...]) -> None:
     if not isinstance(a, np.ndarray):
         raise ValueError(f"{name} must be a numpy array, got {type(a).__name__}")
-    if a.dtype != np.dtype(dtype):
+    want = _DTYPES.get(dtype) or np.dtype(dtype)
+    if a.dtype is not want and a.dtype != want:
         raise ValueError(f"{name} must be {np.dtype(dtype)}, got {a.dtype}")
     if a.shape != shape:
         raise ValueError(f"{name} has shape {a.shape}, expected {shape}")
@@ -520,8 +524,27 @@ def gqa_attention(
     weights (q, k, v, o), caches (keys, values) float32 [capacity, G, d] whose rows
     [start, start + S) are written; returns [S, O] = attention(q, keys, values) Wo^T."""
     wq, wk, wv, wo = weights
-    views = [_native(w, family, n) for w, n in zip(weights, ("q", "k", "v", "o"), strict=True)]
+    key = (wk, wv, wo, *(biases or (None,) * 3), *(qk_norm or (None,) * 2), family)
+    known = getattr(wq, "_native_gqa", None)  # the checked static half of a layer's call
     keys, values = caches
+    if known is not None and all(a is b for a, b in zip(known[0], key, strict=True)):
+        views, bias_ptrs, norm_ptrs, heads, d, half_max = known[1]
+        return _gqa_run(
+            views,
+            bias_ptrs,
+            norm_ptrs,
+            heads,
+            d,
+            half_max,
+            eps,
+            rope,
+            x,
+            caches,
+            start,
+            scale,
+            family,
+        )
+    views = [_native(w, family, n) for w, n in zip(weights, ("q", "k", "v", "o"), strict=True)]
     if not isinstance(keys, np.ndarray) or keys.ndim != 3:
         raise ValueError("the key cache must be a 3-D [capacity, G, d] numpy array")
     cap, g, d = keys.shape
@@ -530,8 +553,6 @@ def gqa_attention(
     if not (keys.flags.writeable and values.flags.writeable):
         raise ValueError("the caches must be writable")
     hidden = wq.shape[1]
-    x2 = _rows(x, hidden)
-    s = x2.shape[0]
     heads = wq.shape[0] // d
     if (
         g < 1
@@ -546,16 +567,6 @@ def gqa_attention(
             f"attention shapes disagree: q {wq.shape}, k {wk.shape}, v {wv.shape}, "
             f"o {wo.shape}, caches {keys.shape}"
         )
-    if not 0 <= start <= cap - s:
-        raise ValueError(f"rows [{start}, {start + s}) do not fit a cache of {cap} positions")
-    cos, sin = rope
-    if not isinstance(cos, np.ndarray) or cos.ndim != 2:
-        raise ValueError("cos must be a 2-D [S, half] numpy array")
-    half = cos.shape[1]
-    _check_array("cos", cos, np.float32, (s, half))
-    _check_array("sin", sin, np.float32, (s, half))
-    if not 1 <= half <= d // 2:
-        raise ValueError(f"rope half {half} does not fit head dim {d}")
     sizes = (heads * d, g * d, g * d)
     bias_ptrs = [ffi.NULL] * 3
     if biases is not None:
@@ -567,7 +578,52 @@ def gqa_attention(
         for k, w in enumerate(qk_norm):
             _check_array(f"qk_norm[{k}]", w, np.float32, (d,))
             norm_ptrs[k] = _fptr(w)
-    out = np.empty((s, wo.shape[0]), dtype=np.float32)
+    static = (views, bias_ptrs, norm_ptrs, heads, d, d // 2)
+    try:  # kept on the q weight, with what it was checked against (identity on reuse)
+        object.__setattr__(wq, "_native_gqa", (key, static))
+    except (AttributeError, TypeError):
+        pass
+    return _gqa_run(*static, eps, rope, x, caches, start, scale, family)
+
+
+def _gqa_run(
+    views: list,
+    bias_ptrs: list,
+    norm_ptrs: list,
+    heads: int,
+    d: int,
+    half_max: int,
+    eps: float,
+    rope: tuple[np.ndarray, np.ndarray],
+    x: np.ndarray,
+    caches: tuple[np.ndarray, np.ndarray],
+    start: int,
+    scale: float,
+    family: KernelFamily,
+) -> np.ndarray:
+    """The per-call half of `gqa_attention`: the activations, the caches and the rows."""
+    keys, values = caches
+    g = views[1].O // d
+    if not isinstance(keys, np.ndarray) or keys.ndim != 3:
+        raise ValueError("the key cache must be a 3-D [capacity, G, d] numpy array")
+    cap = keys.shape[0]
+    _check_array("keys", keys, np.float32, (cap, g, d))
+    _check_array("values", values, np.float32, (cap, g, d))
+    if not (keys.flags.writeable and values.flags.writeable):
+        raise ValueError("the caches must be writable")
+    x2 = _rows(x, views[0].I)
+    s = x2.shape[0]
+    if not 0 <= start <= cap - s:
+        raise ValueError(f"rows [{start}, {start + s}) do not fit a cache of {cap} positions")
+    cos, sin = rope
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2:
+        raise ValueError("cos must be a 2-D [S, half] numpy array")
+    half = cos.shape[1]
+    _check_array("cos", cos, np.float32, (s, half))
+    _check_array("sin", sin, np.float32, (s, half))
+    if not 1 <= half <= half_max:
+        raise ValueError(f"rope half {half} does not fit head dim {d}")
+    out = np.empty((s, views[3].O), dtype=np.float32)
     rc = lib.colibri_gqa_attention(
         *views,
         _code(family),

@@ -108,3 +108,28 @@ def test_rows_outside_the_cache_and_bad_shapes_are_refused(kit) -> None:
     with pytest.raises(ValueError, match="writable"):
         keys.flags.writeable = False
         native.gqa_attention(weights, None, None, 1e-6, rope, x, (keys, values), 0, 0.1, family)
+
+
+def test_a_layer_checked_once_is_still_checked_per_call_and_follows_its_arguments(kit) -> None:
+    """The static half (weights, biases, norms) is checked once and kept on the q weight;
+    the rows, caches and RoPE are checked every call, and other biases are not mistaken
+    for the ones checked."""
+    weights, biases, norms, rope, x, keys, values = _case(kit, WeightFormat.Q8, 1, 4, True, True, 8)
+    family = KernelFamily.F32
+    first = native.gqa_attention(
+        weights, biases, norms, 1e-6, rope, x, (keys, values), 4, 0.2, family
+    )
+    other = tuple(b + 1.0 for b in biases)
+    k2, v2 = keys.copy(), values.copy()
+    want = gqa_attention_each(
+        CpuOps(), weights, other, norms, 1e-6, rope, x, (k2, v2), 4, 0.2, family
+    )
+    got = native.gqa_attention(weights, other, norms, 1e-6, rope, x, (keys, values), 4, 0.2, family)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert not np.array_equal(got, first)
+    with pytest.raises(ValueError, match="do not fit a cache"):
+        native.gqa_attention(weights, other, norms, 1e-6, rope, x, (keys, values), CAP, 0.2, family)
+    with pytest.raises(ValueError, match="x has shape"):
+        native.gqa_attention(
+            weights, other, norms, 1e-6, rope, x[:, :64], (keys, values), 4, 0.2, family
+        )
