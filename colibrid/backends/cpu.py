@@ -95,6 +95,17 @@ class CpuOps:
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return native.rope_half(np.ascontiguousarray(x, dtype=np.float32), cos, sin)
 
+    def add_rms_norm(
+        self, h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        f32 = np.float32
+        return native.add_rms_norm(
+            np.ascontiguousarray(h, dtype=f32),
+            np.ascontiguousarray(delta, dtype=f32),
+            np.ascontiguousarray(weight, dtype=f32),
+            eps,
+        )
+
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return native.rms_norm(
             np.ascontiguousarray(x, dtype=np.float32),

@@ -437,6 +437,28 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
+def add_rms_norm(
+    h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(h + delta, rms_norm(h + delta)) for float32 rows [S, D]: a residual add and the
+    norm after it in one call, bit-identical to the two done apart."""
+    if not isinstance(h, np.ndarray) or h.ndim != 2:
+        raise ValueError("h must be a 2-D [S, D] numpy array")
+    s, d = h.shape
+    _check_array("h", h, np.float32, (s, d))
+    _check_array("delta", delta, np.float32, (s, d))
+    _check_array("weight", weight, np.float32, (d,))
+    if s < 1 or d < 1:
+        raise ValueError(f"h {h.shape} must be non-empty")
+    total = np.empty((s, d), dtype=np.float32)
+    out = np.empty((s, d), dtype=np.float32)
+    rc = lib.colibri_add_rms_norm(
+        _fptr(h), _fptr(delta), s, d, _fptr(weight), float(eps), _fptr(total), _fptr(out)
+    )
+    _raise_rc(rc)
+    return total, out
+
+
 def rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """rotate_half RoPE of float32 x [S, H, d] by cos/sin [S, half] (the first 2 * half dims
     rotate, the rest are copied); bit-identical to the numpy formula."""

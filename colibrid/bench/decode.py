@@ -105,6 +105,9 @@ class CountingOps:
     def rope_half(self, x, cos, sin):  # noqa: ANN001, ANN201
         return self.inner.rope_half(x, cos, sin)
 
+    def add_rms_norm(self, h, delta, weight, eps):  # noqa: ANN001, ANN201
+        return self.inner.add_rms_norm(h, delta, weight, eps)
+
     def rms_norm(self, x, weight, eps):  # noqa: ANN001, ANN201
         return self.inner.rms_norm(x, weight, eps)
 

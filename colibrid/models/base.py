@@ -153,6 +153,12 @@ class Ops(Protocol):
         """RMSNorm over the last axis in float32, each row alone (S rows equal S calls)."""
         ...
 
+    def add_rms_norm(
+        self, h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(h + delta, rms_norm(h + delta, weight, eps)): a residual add and its norm."""
+        ...
+
     def attend_gqa(
         self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
     ) -> np.ndarray:

@@ -69,10 +69,10 @@ class DecoderLayer:
         )
         if step.clock is not None:
             step.clock.attention_s += time.perf_counter() - t0
-        h = h + attn
+        h, normed = self.ops.add_rms_norm(h, attn, self.post_norm, self.eps)
         if self.lookahead is not None:
             self.lookahead(h)
-        h = h + self.mlp(self.mlp_input(h), step.family)
+        h = h + self.mlp(normed, step.family)
         return h, selection
 
     def mlp_input(self, h: np.ndarray) -> np.ndarray:

@@ -76,6 +76,10 @@ int colibri_rank_sum(const float *parts, int S, int R, int D, float *out);
  * with a fixed operation order (out may equal x). */
 int colibri_rms_norm(const float *x, int S, int D, const float *w, float eps, float *out);
 
+/* sum = h + delta, then out = RMSNorm(sum): a residual add and the next norm in one call. */
+int colibri_add_rms_norm(const float *h, const float *delta, int S, int D, const float *w,
+                         float eps, float *sum, float *out);
+
 /* rotate_half RoPE of x [S, H, d]: dims j < half pair with half + j, rotated by cos/sin
  * [S, half]; dims from 2 * half on are copied. Equals the two-products-then-sum formula. */
 int colibri_rope_half(const float *x, int S, int H, int d, const float *cos, const float *sin,

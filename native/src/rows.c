@@ -5,7 +5,8 @@
  *
  * Each row is computed alone with a fixed operation order, so S rows equal S one-row
  * calls: the sum of squares in eight partial sums (lane l takes elements l, l + 8, ...)
- * reduced pairwise, divided by D, plus eps, scale = 1 / sqrt, then w * (x * scale).
+ * reduced pairwise, divided by D, plus eps, scale = 1 / sqrt, then w * (x * scale); a
+ * residual add before it (add_rms_norm) is one float add per element.
  * RoPE is the reference's own arithmetic (two products, then their difference or sum),
  * so it equals numpy's bit for bit. */
 #include "internal.h"
@@ -34,6 +35,13 @@ static float sum_squares(const float *x, int n) {
     memcpy(acc + 4, &hi, sizeof hi);
     for (int l = 0; i < n; i++, l++) acc[l] += x[i] * x[i];
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+int colibri_add_rms_norm(const float *h, const float *delta, int S, int D, const float *w,
+                         float eps, float *sum, float *out) {
+    if (!h || !delta || !sum || !w || !out || S < 1 || D < 1) return -1;
+    for (size_t k = 0; k < (size_t)S * D; k++) sum[k] = h[k] + delta[k];
+    return colibri_rms_norm(sum, S, D, w, eps, out);
 }
 
 int colibri_rms_norm(const float *x, int S, int D, const float *w, float eps, float *out) {

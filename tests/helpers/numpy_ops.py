@@ -68,6 +68,10 @@ class NumpyOps:
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return apply_half(x, cos, sin)
 
+    def add_rms_norm(self, h, delta, weight, eps):  # noqa: ANN001, ANN201
+        total = h + delta
+        return total, rms_norm(total, weight, eps)
+
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return rms_norm(x, weight, eps)
 
