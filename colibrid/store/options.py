@@ -106,7 +106,7 @@ def open_store(
     """The expert store for ``opts``; it still needs :func:`allocate_store`.
     ``idle_prefixes``: tensors loaded but never run (kept out of the budget)."""
     total, source = budgets.resolve_total(opts.ram_gb)
-    if opts.mode == "resident":
+    if opts.mode == "resident" or not layout.moe_layers:  # no routed experts: none to stream
         return ResidentExpertStore(checkpoint, layout)
     try:
         store = TieredStore(

@@ -204,3 +204,32 @@ def test_routing_is_skewed_and_domain_dependent(demo_container: Path) -> None:
     # Domains differ beyond sampling noise (same-size halves of one domain).
     assert summary["cross_mean"] > 1.4 * summary["within_mean"]
     assert summary["layers_cross_above_within"] >= 20
+
+
+def test_dense_variant_keeps_the_dense_answers(torch_models, demo_gguf: Path, tmp_path) -> None:
+    """`colibri pull demo --dense` (what `colibri bench peer` runs beside llama.cpp): every
+    layer dense, every matrix int4-g64 but the embedding; it loads with no expert store
+    and answers the facts the reference dense model answers."""
+    import json
+
+    from colibrid.convert.demo import build_demo
+
+    torch, _, dense, _ = torch_models
+    folder = build_demo(demo_gguf, tmp_path / "dense", dense=True)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["params"]["dense_bits"] == 4 and manifest["params"]["attn_bits"] == 4
+    codec = _codec(folder)
+    prompts = [
+        codec.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q, _ in FACTS
+    ]
+    ours = _engine_run(folder, prompts, 32)
+    dense_ok, ours_ok = set(), set()
+    for i, ((_, keys), ids) in enumerate(zip(FACTS, prompts, strict=True)):
+        if _contains(codec.decode(_greedy(torch, dense, ids, 32), skip_special_tokens=True), keys):
+            dense_ok.add(i)
+        if _contains(codec.decode(ours[i], skip_special_tokens=True), keys):
+            ours_ok.add(i)
+    assert len(ours_ok) >= len(dense_ok) - 1, (sorted(dense_ok), sorted(ours_ok))

