@@ -83,6 +83,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.prompt_tokens < 1 or args.tokens < 1:
         p.error("--prompt-tokens and --tokens must be >= 1")
+    try:  # before minutes of measuring colibri, not after
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise ConfigError(INSTALL) from None
     from colibrid.backends import native
     from colibrid.bench.decode import measure
     from colibrid.config import resolve_model
@@ -97,10 +101,6 @@ def main(argv: list[str]) -> int:
                 f"no model {demo.DENSE_NAME!r}: build it with `colibri pull demo --dense`"
             ) from None
         raise
-    try:  # before minutes of measuring colibri, not after
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        raise ConfigError(INSTALL) from None
     gguf = Path(args.gguf) if args.gguf else demo.cache_dir() / Path(demo.GGUF_MEMBER).name
     if not gguf.is_file():
         raise ConfigError(f"{gguf}: no such GGUF (`colibri pull demo` downloads it; or --gguf)")

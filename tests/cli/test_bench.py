@@ -148,3 +148,37 @@ def test_decode_bench_counts_the_bytes_a_token_reads_and_its_roofline(chat_model
     too_long = colibri("bench", "decode", "--model", str(chat_model), "--prompt-tokens", "250")
     assert too_long.returncode == 1
     assert "context is 256: lower them" in too_long.stderr and "Traceback" not in too_long.stderr
+
+
+def test_peer_bench_runs_both_runtimes_or_says_how_to_get_llama_cpp(demo_home) -> None:
+    """`colibri bench peer` on the dense demo: with llama.cpp installed (the optional extra)
+    both runtimes print their figures and the ratio; without it, one line saying how to
+    install it, before any measuring. A missing dense model is one line naming the pull."""
+    import importlib.util
+    import os
+
+    env = {**os.environ, "COLIBRI_HOME": str(demo_home)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "colibri_cli", *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+
+    have_peer = importlib.util.find_spec("llama_cpp") is not None
+    missing = run("bench", "peer", "--model", "demo-dense")
+    assert missing.returncode == 1
+    expected = "colibri pull demo --dense" if have_peer else "llama-cpp-python==0.3.36"
+    assert expected in missing.stderr and len(missing.stderr.strip().splitlines()) == 1
+    if not have_peer:
+        return
+    pulled = run("pull", "demo", "--dense", "--quiet")
+    assert pulled.returncode == 0, pulled.stderr
+    r = run("bench", "peer", "--prompt-tokens", "16", "--tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["colibri"]["decode_tok_s"] > 0 and doc["peer"]["decode_tok_s"] > 0
+    assert doc["membw_gbs"] > 0 and doc["decode_ratio"] > 0
