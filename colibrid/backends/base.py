@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from colibrid.formats.weights import QuantWeight
 
 
@@ -55,3 +57,31 @@ class ExpertBatch:
     rows: list[int]
     gates: list[float]
     dest: list[int]
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    """The sigmoid router's rule (GLM-4.x/5.x, DeepSeek-V3): the ``top_k`` best experts by
+    selection score, only the best ``topk_group`` of ``n_group`` groups competing; gates
+    divided by their sum when ``norm``, times ``scaling``."""
+
+    top_k: int
+    n_group: int = 1
+    topk_group: int = 1
+    norm: bool = True
+    scaling: float = 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class GQAWeights:
+    """One GQA attention block's resident weights: projections, optional q/k/v biases and
+    per-head q/k RMSNorm weights (with their epsilon). Built once per layer, so a backend
+    may keep what it checked about it on the object."""
+
+    q: QuantWeight
+    k: QuantWeight
+    v: QuantWeight
+    o: QuantWeight
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    qk_norm: tuple[np.ndarray, np.ndarray] | None = None
+    eps: float = 1e-6

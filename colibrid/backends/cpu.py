@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from colibrid.backends import native
-from colibrid.backends.base import ExpertBatch, KernelFamily
+from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
 from colibrid.formats.quant import dequantize_rows
 from colibrid.formats.weights import QuantWeight
 
@@ -57,40 +57,30 @@ class CpuOps:
     def rank_sum(self, parts: np.ndarray) -> np.ndarray:
         return native.rank_sum(parts)
 
-    def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
+    def route(
+        self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         f32 = np.float32
         return native.route(
             np.ascontiguousarray(h, dtype=f32),
             np.ascontiguousarray(weight, dtype=f32),
             None if bias is None else np.ascontiguousarray(bias, dtype=f32),
-            **rule,
+            rule,
+            n,
         )
 
-    def gqa_attention(  # noqa: ANN201
+    def gqa_attention(
         self,
-        weights,
-        biases,
-        qk_norm,
-        eps,
-        rope,
-        x,
-        caches,
-        start,
-        scale,
-        family,  # noqa: ANN001
-    ):
-        return native.gqa_attention(
-            weights,
-            biases,
-            qk_norm,
-            eps,
-            rope,
-            np.ascontiguousarray(x, dtype=np.float32),
-            caches,
-            start,
-            scale,
-            family,
-        )
+        block: GQAWeights,
+        rope: tuple[np.ndarray, np.ndarray],
+        x: np.ndarray,
+        caches: tuple[np.ndarray, np.ndarray],
+        start: int,
+        scale: float,
+        family: KernelFamily,
+    ) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        return native.gqa_attention(block, rope, x, caches, start, scale, family)
 
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return native.rope_half(np.ascontiguousarray(x, dtype=np.float32), cos, sin)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from colibrid.backends import native_build
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import GQAWeights, KernelFamily, RouteRule
 from colibrid.formats.weights import QuantWeight, WeightFormat
 
 ISA_NAMES = ("ref", "avx2", "avx512vnni", "neon")
@@ -480,20 +480,12 @@ def rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def route(
-    h: np.ndarray,
-    weight: np.ndarray,
-    bias: np.ndarray | None,
-    *,
-    n: int,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm: bool,
-    scaling: float,
+    h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The sigmoid router for float32 h [S, D] and weight [E, D]: (ids int64 [S, n], the n
     best experts by selection score, best first, and gates float32 [S, top_k] of the first
     top_k). See colibri_route in colibri.h for the exact rule."""
+    top_k, n_group, topk_group = rule.top_k, rule.n_group, rule.topk_group
     if not isinstance(h, np.ndarray) or h.ndim != 2:
         raise ValueError("h must be a 2-D [S, D] numpy array")
     s, d = h.shape
@@ -521,8 +513,8 @@ def route(
         topk_group,
         n,
         top_k,
-        int(norm),
-        float(scaling),
+        int(rule.norm),
+        float(rule.scaling),
         ffi.from_buffer("int32_t[]", ids),
         _fptr(gates),
     )
@@ -531,10 +523,7 @@ def route(
 
 
 def gqa_attention(
-    weights: tuple[QuantWeight, QuantWeight, QuantWeight, QuantWeight],
-    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-    qk_norm: tuple[np.ndarray, np.ndarray] | None,
-    eps: float,
+    block: GQAWeights,
     rope: tuple[np.ndarray, np.ndarray],
     x: np.ndarray,
     caches: tuple[np.ndarray, np.ndarray],
@@ -543,37 +532,27 @@ def gqa_attention(
     family: KernelFamily,
 ) -> np.ndarray:
     """A GQA attention block in one call (see colibri_gqa_attention): x float32 [S, D],
-    weights (q, k, v, o), caches (keys, values) float32 [capacity, G, d] whose rows
-    [start, start + S) are written; returns [S, O] = attention(q, keys, values) Wo^T."""
-    wq, wk, wv, wo = weights
-    key = (wk, wv, wo, *(biases or (None,) * 3), *(qk_norm or (None,) * 2), family)
-    known = getattr(wq, "_native_gqa", None)  # the checked static half of a layer's call
-    keys, values = caches
-    if known is not None and all(a is b for a, b in zip(known[0], key, strict=True)):
-        views, bias_ptrs, norm_ptrs, heads, d, half_max = known[1]
-        return _gqa_run(
-            views,
-            bias_ptrs,
-            norm_ptrs,
-            heads,
-            d,
-            half_max,
-            eps,
-            rope,
-            x,
-            caches,
-            start,
-            scale,
-            family,
-        )
-    views = [_native(w, family, n) for w, n in zip(weights, ("q", "k", "v", "o"), strict=True)]
+    caches (keys, values) float32 [capacity, G, d] whose rows [start, start + S) are
+    written; returns [S, O] = attention(q, keys, values) Wo^T. What is checked about
+    ``block`` (its weights, biases and norms against the head shape) is kept on it."""
+    keys = caches[0]
     if not isinstance(keys, np.ndarray) or keys.ndim != 3:
         raise ValueError("the key cache must be a 3-D [capacity, G, d] numpy array")
-    cap, g, d = keys.shape
-    _check_array("keys", keys, np.float32, (cap, g, d))
-    _check_array("values", values, np.float32, (cap, g, d))
-    if not (keys.flags.writeable and values.flags.writeable):
-        raise ValueError("the caches must be writable")
+    known = block.__dict__.get("_native_static")
+    if known is None or known[0] != (_code(family), keys.shape[1], keys.shape[2]):
+        known = (
+            (_code(family), keys.shape[1], keys.shape[2]),
+            _gqa_static(block, family, keys.shape[1], keys.shape[2]),
+        )
+        object.__setattr__(block, "_native_static", known)  # frozen: a private cache
+    return _gqa_run(*known[1], rope, x, caches, start, scale, family)
+
+
+def _gqa_static(block: GQAWeights, family: KernelFamily, g: int, d: int) -> tuple:
+    """The checked C side of a block's weights for G KV heads of dimension d."""
+    weights = (block.q, block.k, block.v, block.o)
+    views = [_native(w, family, n) for w, n in zip(weights, ("q", "k", "v", "o"), strict=True)]
+    wq, wk, wv, wo = weights
     hidden = wq.shape[1]
     heads = wq.shape[0] // d
     if (
@@ -587,35 +566,29 @@ def gqa_attention(
     ):
         raise ValueError(
             f"attention shapes disagree: q {wq.shape}, k {wk.shape}, v {wv.shape}, "
-            f"o {wo.shape}, caches {keys.shape}"
+            f"o {wo.shape}, caches [*, {g}, {d}]"
         )
-    sizes = (heads * d, g * d, g * d)
     bias_ptrs = [ffi.NULL] * 3
-    if biases is not None:
-        for k, (b, n) in enumerate(zip(biases, sizes, strict=True)):
+    if block.biases is not None:
+        sizes = (heads * d, g * d, g * d)
+        for k, (b, n) in enumerate(zip(block.biases, sizes, strict=True)):
             _check_array(f"bias[{k}]", b, np.float32, (n,))
             bias_ptrs[k] = _fptr(b)
     norm_ptrs = [ffi.NULL, ffi.NULL]
-    if qk_norm is not None:
-        for k, w in enumerate(qk_norm):
+    if block.qk_norm is not None:
+        for k, w in enumerate(block.qk_norm):
             _check_array(f"qk_norm[{k}]", w, np.float32, (d,))
             norm_ptrs[k] = _fptr(w)
-    static = (views, bias_ptrs, norm_ptrs, heads, d, d // 2)
-    try:  # kept on the q weight, with what it was checked against (identity on reuse)
-        object.__setattr__(wq, "_native_gqa", (key, static))
-    except (AttributeError, TypeError):
-        pass
-    return _gqa_run(*static, eps, rope, x, caches, start, scale, family)
+    return views, bias_ptrs, norm_ptrs, float(block.eps), heads, d
 
 
 def _gqa_run(
     views: list,
     bias_ptrs: list,
     norm_ptrs: list,
+    eps: float,
     heads: int,
     d: int,
-    half_max: int,
-    eps: float,
     rope: tuple[np.ndarray, np.ndarray],
     x: np.ndarray,
     caches: tuple[np.ndarray, np.ndarray],
@@ -643,7 +616,7 @@ def _gqa_run(
     half = cos.shape[1]
     _check_array("cos", cos, np.float32, (s, half))
     _check_array("sin", sin, np.float32, (s, half))
-    if not 1 <= half <= half_max:
+    if not 1 <= half <= d // 2:
         raise ValueError(f"rope half {half} does not fit head dim {d}")
     out = np.empty((s, views[3].O), dtype=np.float32)
     rc = lib.colibri_gqa_attention(

@@ -95,12 +95,12 @@ class CountingOps:
     def rank_sum(self, parts):  # noqa: ANN001, ANN201
         return self.inner.rank_sum(parts)
 
-    def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
-        return self.inner.route(h, weight, bias, **rule)
+    def route(self, h, weight, bias, rule, n):  # noqa: ANN001, ANN201
+        return self.inner.route(h, weight, bias, rule, n)
 
-    def gqa_attention(self, weights, *args):  # noqa: ANN001, ANN002, ANN201
-        self._count(*weights)
-        return self.inner.gqa_attention(weights, *args)
+    def gqa_attention(self, block, *args):  # noqa: ANN001, ANN002, ANN201
+        self._count(block.q, block.k, block.v, block.o)
+        return self.inner.gqa_attention(block, *args)
 
     def rope_half(self, x, cos, sin):  # noqa: ANN001, ANN201
         return self.inner.rope_half(x, cos, sin)

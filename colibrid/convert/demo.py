@@ -27,6 +27,7 @@ int4-g64 (as ``colibri convert`` writes them), everything else int8 per row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -80,16 +81,7 @@ DEMO_PARAMS = ConvertParams(
 # The dense variant is what a peer runtime runs from the same GGUF: every matrix int4-g64
 # (4.5 bits a weight, as the GGUF's Q4_1 is 5) but the embedding and head, int8.
 DENSE_RECIPE = "colibri-demo-dense 1 (all layers dense, int4-g64)"
-DENSE_PARAMS = ConvertParams(
-    expert_bits=4,
-    group_size=64,
-    io_bits=8,
-    attn_bits=4,
-    dense_bits=4,
-    shared_bits=4,
-    mtp_bits=8,
-    shard_bytes=4 * 10**9,
-)
+DENSE_PARAMS = dataclasses.replace(DEMO_PARAMS, attn_bits=4, dense_bits=4, shared_bits=4)
 
 
 # ---- the construction ----------------------------------------------------------------

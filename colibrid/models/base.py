@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from colibrid.backends.base import ExpertBatch, KernelFamily
+from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
 from colibrid.errors import ConfigError
 from colibrid.formats.weights import QuantWeight
 
@@ -111,17 +111,7 @@ class Ops(Protocol):
         ...
 
     def route(
-        self,
-        h: np.ndarray,
-        weight: np.ndarray,
-        bias: np.ndarray | None,
-        *,
-        n: int,
-        top_k: int,
-        n_group: int,
-        topk_group: int,
-        norm: bool,
-        scaling: float,
+        self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """The sigmoid MoE router (layers.router.route_reference is the rule): the n best
         experts per row best first, int64 [S, n], and the gates of the first top_k."""
@@ -129,10 +119,7 @@ class Ops(Protocol):
 
     def gqa_attention(
         self,
-        weights: tuple[QuantWeight, QuantWeight, QuantWeight, QuantWeight],
-        biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-        qk_norm: tuple[np.ndarray, np.ndarray] | None,
-        eps: float,
+        block: GQAWeights,
         rope: tuple[np.ndarray, np.ndarray],
         x: np.ndarray,
         caches: tuple[np.ndarray, np.ndarray],

@@ -138,24 +138,30 @@ def _contains(answer: str, keys: list[str]) -> bool:
     return any(k in words for k in keys)
 
 
-def test_int4_container_keeps_the_dense_answers(torch_models, demo_container: Path) -> None:
-    torch, _, dense, _ = torch_models
-    codec = _codec(demo_container)
+def _facts_answered(torch, dense, container: Path) -> tuple[set[int], set[int]]:
+    """Which FACTS the reference dense model and the colibri container answer (greedy)."""
+    codec = _codec(container)
     prompts = [
         codec.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
         for q, _ in FACTS
     ]
-    int4 = _engine_run(demo_container, prompts, 32)
-    dense_ok, int4_ok = set(), set()
+    ours = _engine_run(container, prompts, 32)
+    dense_ok, ours_ok = set(), set()
     for i, ((question, keys), ids) in enumerate(zip(FACTS, prompts, strict=True)):
         d = codec.decode(_greedy(torch, dense, ids, 32), skip_special_tokens=True)
-        q = codec.decode(int4[i], skip_special_tokens=True)
-        print(f"{question!r}: dense {d!r} | int4 {q!r}")
+        q = codec.decode(ours[i], skip_special_tokens=True)
+        print(f"{question!r}: dense {d!r} | colibri {q!r}")
         if _contains(d, keys):
             dense_ok.add(i)
         if _contains(q, keys):
-            int4_ok.add(i)
-    print(f"dense {len(dense_ok)}/10, int4 {len(int4_ok)}/10")
+            ours_ok.add(i)
+    print(f"dense {len(dense_ok)}/10, colibri {len(ours_ok)}/10")
+    return dense_ok, ours_ok
+
+
+def test_int4_container_keeps_the_dense_answers(torch_models, demo_container: Path) -> None:
+    torch, _, dense, _ = torch_models
+    dense_ok, int4_ok = _facts_answered(torch, dense, demo_container)
     assert len(dense_ok) >= 7
     assert dense_ok <= int4_ok, (sorted(dense_ok), sorted(int4_ok))
 
@@ -220,16 +226,5 @@ def test_dense_variant_keeps_the_dense_answers(torch_models, demo_gguf: Path, tm
     assert config["first_k_dense_replace"] == config["num_hidden_layers"]
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["params"]["dense_bits"] == 4 and manifest["params"]["attn_bits"] == 4
-    codec = _codec(folder)
-    prompts = [
-        codec.encode_chat([{"role": "user", "content": q}], add_generation_prompt=True)
-        for q, _ in FACTS
-    ]
-    ours = _engine_run(folder, prompts, 32)
-    dense_ok, ours_ok = set(), set()
-    for i, ((_, keys), ids) in enumerate(zip(FACTS, prompts, strict=True)):
-        if _contains(codec.decode(_greedy(torch, dense, ids, 32), skip_special_tokens=True), keys):
-            dense_ok.add(i)
-        if _contains(codec.decode(ours[i], skip_special_tokens=True), keys):
-            ours_ok.add(i)
+    dense_ok, ours_ok = _facts_answered(torch, dense, folder)
     assert len(ours_ok) >= len(dense_ok) - 1, (sorted(dense_ok), sorted(ours_ok))

@@ -59,8 +59,8 @@ class NumpyOps:
     def rank_sum(self, parts: np.ndarray) -> np.ndarray:
         return rank_sum_each(parts)
 
-    def route(self, h, weight, bias, **rule):  # noqa: ANN001, ANN003, ANN201
-        return route_reference(h, weight, bias, **rule)
+    def route(self, h, weight, bias, rule, n):  # noqa: ANN001, ANN201
+        return route_reference(h, weight, bias, rule, n)
 
     def gqa_attention(self, *args):  # noqa: ANN002, ANN201
         return gqa_attention_each(self, *args)

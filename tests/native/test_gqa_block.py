@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import GQAWeights, KernelFamily
 from colibrid.backends.cpu import CpuOps
 from colibrid.formats.weights import WeightFormat
 from colibrid.models.layers.gqa import gqa_attention_each
@@ -67,10 +67,17 @@ def test_block_equals_the_ops_one_by_one(
     history = keys.copy()
     k_ref, v_ref = keys.copy(), values.copy()
     want = gqa_attention_each(
-        CpuOps(), weights, biases, norms, 1e-6, rope, x, (k_ref, v_ref), start, 0.17, family
+        CpuOps(),
+        GQAWeights(*weights, biases, norms, 1e-6),
+        rope,
+        x,
+        (k_ref, v_ref),
+        start,
+        0.17,
+        family,
     )
     got = native.gqa_attention(
-        weights, biases, norms, 1e-6, rope, x, (keys, values), start, 0.17, family
+        GQAWeights(*weights, biases, norms, 1e-6), rope, x, (keys, values), start, 0.17, family
     )
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(keys.view(np.uint32), k_ref.view(np.uint32))  # same rows written
@@ -84,52 +91,50 @@ def test_rows_outside_the_cache_and_bad_shapes_are_refused(kit) -> None:
         kit, WeightFormat.Q8, 2, 0, False, False, 16
     )
     family = KernelFamily.F32
+    block = GQAWeights(*weights)
     with pytest.raises(ValueError, match="do not fit a cache"):
-        native.gqa_attention(
-            weights, None, None, 1e-6, rope, x, (keys, values), CAP - 1, 0.1, family
-        )
+        native.gqa_attention(block, rope, x, (keys, values), CAP - 1, 0.1, family)
     with pytest.raises(ValueError, match="disagree"):
-        native.gqa_attention(
-            (weights[0], weights[0], weights[2], weights[3]),
-            None,
-            None,
-            1e-6,
-            rope,
-            x,
-            (keys, values),
-            0,
-            0.1,
-            family,
-        )
+        wrong = GQAWeights(weights[0], weights[0], weights[2], weights[3])
+        native.gqa_attention(wrong, rope, x, (keys, values), 0, 0.1, family)
     with pytest.raises(ValueError, match="cos"):
-        native.gqa_attention(
-            weights, None, None, 1e-6, (rope[0][:1], rope[1][:1]), x, (keys, values), 0, 0.1, family
-        )
+        short = (rope[0][:1], rope[1][:1])
+        native.gqa_attention(block, short, x, (keys, values), 0, 0.1, family)
     with pytest.raises(ValueError, match="writable"):
         keys.flags.writeable = False
-        native.gqa_attention(weights, None, None, 1e-6, rope, x, (keys, values), 0, 0.1, family)
+        native.gqa_attention(block, rope, x, (keys, values), 0, 0.1, family)
 
 
 def test_a_layer_checked_once_is_still_checked_per_call_and_follows_its_arguments(kit) -> None:
-    """The static half (weights, biases, norms) is checked once and kept on the q weight;
-    the rows, caches and RoPE are checked every call, and other biases are not mistaken
-    for the ones checked."""
+    """The static half (weights, biases, norms) is checked once and kept on the block;
+    the rows, caches and RoPE are checked every call, and another block with other biases
+    is checked on its own."""
     weights, biases, norms, rope, x, keys, values = _case(kit, WeightFormat.Q8, 1, 4, True, True, 8)
     family = KernelFamily.F32
     first = native.gqa_attention(
-        weights, biases, norms, 1e-6, rope, x, (keys, values), 4, 0.2, family
+        GQAWeights(*weights, biases, norms, 1e-6), rope, x, (keys, values), 4, 0.2, family
     )
     other = tuple(b + 1.0 for b in biases)
     k2, v2 = keys.copy(), values.copy()
     want = gqa_attention_each(
-        CpuOps(), weights, other, norms, 1e-6, rope, x, (k2, v2), 4, 0.2, family
+        CpuOps(), GQAWeights(*weights, other, norms, 1e-6), rope, x, (k2, v2), 4, 0.2, family
     )
-    got = native.gqa_attention(weights, other, norms, 1e-6, rope, x, (keys, values), 4, 0.2, family)
+    got = native.gqa_attention(
+        GQAWeights(*weights, other, norms, 1e-6), rope, x, (keys, values), 4, 0.2, family
+    )
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert not np.array_equal(got, first)
     with pytest.raises(ValueError, match="do not fit a cache"):
-        native.gqa_attention(weights, other, norms, 1e-6, rope, x, (keys, values), CAP, 0.2, family)
+        native.gqa_attention(
+            GQAWeights(*weights, other, norms, 1e-6), rope, x, (keys, values), CAP, 0.2, family
+        )
     with pytest.raises(ValueError, match="x has shape"):
         native.gqa_attention(
-            weights, other, norms, 1e-6, rope, x[:, :64], (keys, values), 4, 0.2, family
+            GQAWeights(*weights, other, norms, 1e-6),
+            rope,
+            x[:, :64],
+            (keys, values),
+            4,
+            0.2,
+            family,
         )

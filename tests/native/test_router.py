@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from colibrid.backends.base import RouteRule
 from colibrid.models.layers.router import route_reference
 
 native = pytest.importorskip("colibrid.backends.native")
@@ -27,14 +28,14 @@ def test_matches_the_numpy_rule(case) -> None:
     h = rng.standard_normal((s, d), dtype=np.float32)
     w = rng.standard_normal((e, d), dtype=np.float32) * 0.2
     bias = rng.standard_normal(e).astype(np.float32) * 0.1 if with_bias else None
-    rule = dict(n=n, top_k=k, n_group=n_group, topk_group=topk_group, norm=norm, scaling=scaling)
-    ids, gates = native.route(h, w, bias, **rule)
-    want_ids, want_gates = route_reference(h, w, bias, **rule)
+    rule = RouteRule(k, n_group, topk_group, norm, scaling)
+    ids, gates = native.route(h, w, bias, rule, n)
+    want_ids, want_gates = route_reference(h, w, bias, rule, n)
     assert ids.dtype == np.int64 and ids.shape == (s, n)
     assert np.array_equal(ids, want_ids)
     np.testing.assert_allclose(gates, want_gates, rtol=2e-6, atol=1e-7)
     for row in range(s):  # each row alone
-        one_ids, one_gates = native.route(h[row : row + 1], w, bias, **rule)
+        one_ids, one_gates = native.route(h[row : row + 1], w, bias, rule, n)
         assert np.array_equal(one_ids[0], ids[row])
         assert np.array_equal(one_gates[0].view(np.uint32), gates[row].view(np.uint32))
 
@@ -42,24 +43,21 @@ def test_matches_the_numpy_rule(case) -> None:
 def test_ties_go_to_the_lowest_index() -> None:
     h = np.ones((1, 8), dtype=np.float32)
     w = np.zeros((6, 8), dtype=np.float32)  # every score is sigmoid(0) = 0.5
-    ids, gates = native.route(
-        h, w, None, n=4, top_k=3, n_group=1, topk_group=1, norm=True, scaling=1.0
-    )
+    ids, gates = native.route(h, w, None, RouteRule(3), 4)
     assert ids.tolist() == [[0, 1, 2, 3]]
     np.testing.assert_allclose(gates, [[1 / 3] * 3], rtol=1e-6)
 
 
 @pytest.mark.parametrize(
-    "change,message",
+    "rule,n,message",
     [
-        (dict(n=2, top_k=3), "disagree"),
-        (dict(n=20), "disagree"),
-        (dict(n_group=3), "disagree"),
-        (dict(topk_group=5), "topk_group"),
+        (RouteRule(3, 4, 2), 2, "disagree"),
+        (RouteRule(2, 4, 2), 20, "disagree"),
+        (RouteRule(2, 3, 2), 4, "disagree"),
+        (RouteRule(2, 4, 5), 4, "topk_group"),
     ],
 )
-def test_bad_arguments_are_refused(change, message) -> None:
-    rule = dict(n=4, top_k=2, n_group=4, topk_group=2, norm=True, scaling=1.0) | change
+def test_bad_arguments_are_refused(rule, n, message) -> None:
     h = np.zeros((1, 8), dtype=np.float32)
     with pytest.raises(ValueError, match=message):
-        native.route(h, np.zeros((16, 8), dtype=np.float32), None, **rule)
+        native.route(h, np.zeros((16, 8), dtype=np.float32), None, rule, n)

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily
-from colibrid.formats.weights import QuantWeight
+from colibrid.backends.base import GQAWeights, KernelFamily
 from colibrid.models.base import Linear, Ops, Step, WeightSource
 
 
@@ -46,6 +45,16 @@ class GQAAttention:
             self.q_norm = src.vector(f"{prefix}.q_norm.weight", (s.head_dim,))
             self.k_norm = src.vector(f"{prefix}.k_norm.weight", (s.head_dim,))
         self.scale = np.float32(s.head_dim**-0.5)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.block = GQAWeights(
+            self.q_proj.weight,
+            self.k_proj.weight,
+            self.v_proj.weight,
+            self.o_proj.weight,
+            biases=tuple(p.bias for p in projections) if s.bias else None,
+            qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None,
+            eps=s.eps,
+        )
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {
@@ -63,14 +72,9 @@ class GQAAttention:
         selection: np.ndarray | None = None,
     ) -> tuple[np.ndarray, None]:
         """Returns the attention output [S, D]; GQA has no sparse key selection."""
-        s = self.shape
         arrays = cache.arrays_for(layer, x.shape[0])
-        projections = (self.q_proj, self.k_proj, self.v_proj)
         out = self.ops.gqa_attention(
-            (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.o_proj.weight),
-            tuple(p.bias for p in projections) if s.bias else None,
-            (self.q_norm, self.k_norm) if self.q_norm is not None else None,
-            s.eps,
+            self.block,
             rope,
             x,
             (arrays["k"], arrays["v"]),
@@ -83,10 +87,7 @@ class GQAAttention:
 
 def gqa_attention_each(
     ops: Ops,
-    weights: tuple[QuantWeight, QuantWeight, QuantWeight, QuantWeight],
-    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
-    qk_norm: tuple[np.ndarray, np.ndarray] | None,
-    eps: float,
+    block: GQAWeights,
     rope: tuple[np.ndarray, np.ndarray],
     x: np.ndarray,
     caches: tuple[np.ndarray, np.ndarray],
@@ -95,23 +96,22 @@ def gqa_attention_each(
     family: KernelFamily,
 ) -> np.ndarray:
     """`Ops.gqa_attention` one op at a time: the definition a backend's block must match."""
-    wq, wk, wv, wo = weights
     keys, values = caches
     rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[2]
-    q, k, v = ops.matmul_many([wq, wk, wv], x, family)
-    if biases is not None:
-        for y, b in zip((q, k, v), biases, strict=True):
+    q, k, v = ops.matmul_many([block.q, block.k, block.v], x, family)
+    if block.biases is not None:
+        for y, b in zip((q, k, v), block.biases, strict=True):
             y += b
     q = q.reshape(rows, -1, head_dim)
     k = k.reshape(rows, kv_heads, head_dim)
     v = v.reshape(rows, kv_heads, head_dim)
-    if qk_norm is not None:
-        q = ops.rms_norm(q, qk_norm[0], eps)
-        k = ops.rms_norm(k, qk_norm[1], eps)
+    if block.qk_norm is not None:
+        q = ops.rms_norm(q, block.qk_norm[0], block.eps)
+        k = ops.rms_norm(k, block.qk_norm[1], block.eps)
     cos, sin = rope
     q = ops.rope_half(q, cos, sin)
     keys[start : start + rows] = ops.rope_half(k, cos, sin)
     values[start : start + rows] = v
     end = start + rows
     out = ops.attend_gqa(q, keys[:end], values[:end], scale, start)  # [S, H * d]
-    return ops.matmul(wo, out, family)
+    return ops.matmul(block.o, out, family)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from colibrid.backends.base import RouteRule
+
 if TYPE_CHECKING:
     from colibrid.models.base import Ops
 
@@ -30,7 +32,7 @@ class Route:
 
 
 class Router:
-    """The routing rule's parameters; the arithmetic is the backend's (`Ops.route`)."""
+    """The routing rule and its weights; the arithmetic is the backend's (`Ops.route`)."""
 
     def __init__(
         self,
@@ -46,54 +48,34 @@ class Router:
     ) -> None:
         self.weight = weight  # f32 [E, D]
         self.bias = bias  # f32 [E] or None
-        self.top_k = top_k
-        self.n_group = n_group
-        self.topk_group = topk_group
-        self.norm_topk_prob = norm_topk_prob
-        self.scaling = np.float32(scaling)
+        self.rule = RouteRule(top_k, n_group, topk_group, norm_topk_prob, float(scaling))
         self.ops = ops
+
+    @property
+    def top_k(self) -> int:
+        return self.rule.top_k
 
     @property
     def n_experts(self) -> int:
         return self.weight.shape[0]
 
-    def _ranked(self, h: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.ops.route(
-            h,
-            self.weight,
-            self.bias,
-            n=n,
-            top_k=self.top_k,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-            norm=self.norm_topk_prob,
-            scaling=float(self.scaling),
-        )
-
     def route(self, h: np.ndarray) -> Route:
-        experts, gates = self._ranked(h, self.top_k)
+        experts, gates = self.ops.route(h, self.weight, self.bias, self.rule, self.top_k)
         return Route(experts=experts, gates=gates)
 
     def candidates(self, h: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` best experts per row by the selection score, best first [S, n]: the
         top-k that `route` picks, then the runners-up (PILOT's ranked guesses)."""
-        return self._ranked(h, max(self.top_k, min(n, self.n_experts)))[0]
+        n = max(self.top_k, min(n, self.n_experts))
+        return self.ops.route(h, self.weight, self.bias, self.rule, n)[0]
 
 
 def route_reference(
-    h: np.ndarray,
-    weight: np.ndarray,
-    bias: np.ndarray | None,
-    *,
-    n: int,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm: bool,
-    scaling: float,
+    h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The routing rule in numpy (the reference `Ops.route` implementations must match up
     to float rounding): ids int64 [S, n] best first, gates float32 [S, top_k]."""
+    n_group, topk_group = rule.n_group, rule.topk_group
     logits = h.astype(np.float32, copy=False) @ weight.T  # [S, E]
     scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
     choice = scores + bias if bias is not None else scores.copy()
@@ -107,10 +89,10 @@ def route_reference(
         np.put_along_axis(mask, keep, True, axis=1)
         choice = np.where(mask[:, :, None], grouped, -np.inf).astype(np.float32).reshape(rows, -1)
     experts = _top_indices(choice, n)  # [S, n]
-    gates = np.take_along_axis(scores, experts[:, :top_k], axis=1)  # [S, K]
-    if norm:
+    gates = np.take_along_axis(scores, experts[:, : rule.top_k], axis=1)  # [S, K]
+    if rule.norm:
         gates = gates / (gates.sum(axis=1, keepdims=True, dtype=np.float32) + np.float32(1e-20))
-    return experts, (gates * np.float32(scaling)).astype(np.float32)
+    return experts, (gates * np.float32(rule.scaling)).astype(np.float32)
 
 
 def _top_indices(values: np.ndarray, k: int) -> np.ndarray:
