@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dense",
         action="store_true",
         help=f"build the GGUF's dense model as '{DENSE_NAME}' instead (int4-g64, every "
-        "layer dense): what `colibri bench decode` compares with other runtimes",
+        "layer dense): what `colibri bench peer` runs beside llama.cpp",
     )
     p.add_argument(
         "--f32-export",
