@@ -12,21 +12,26 @@ from colibrid.formats.quant import dequantize_rows
 from colibrid.formats.weights import QuantWeight
 
 
+def _f32(a: np.ndarray) -> np.ndarray:
+    """``a`` as the kernels take it: float32, C-contiguous (no copy when it already is)."""
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
 class CpuOps:
     """Implements models.base.Ops; stateless, the kernels keep their own thread pool."""
 
     name = "cpu"
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
-        return native.matmul(w, np.ascontiguousarray(x, dtype=np.float32), family)
+        return native.matmul(w, _f32(x), family)
 
     def matmul_many(
         self, weights: Sequence[QuantWeight], x: np.ndarray, family: KernelFamily
     ) -> list[np.ndarray]:
-        return native.matmul_many(list(weights), np.ascontiguousarray(x, dtype=np.float32), family)
+        return native.matmul_many(list(weights), _f32(x), family)
 
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
-        return native.matmul_blocks(w, np.ascontiguousarray(x, dtype=np.float32), family)
+        return native.matmul_blocks(w, _f32(x), family)
 
     def expert_swiglu(
         self,
@@ -36,9 +41,7 @@ class CpuOps:
         x: np.ndarray,
         family: KernelFamily,
     ) -> np.ndarray:
-        return native.expert_swiglu(
-            gate, up, down, np.ascontiguousarray(x, dtype=np.float32), family
-        )
+        return native.expert_swiglu(gate, up, down, _f32(x), family)
 
     def apply_experts(
         self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
@@ -49,7 +52,7 @@ class CpuOps:
             batch.rows,
             batch.gates,
             batch.dest,
-            np.ascontiguousarray(x, dtype=np.float32),
+            _f32(x),
             out,
             family,
         )
@@ -60,14 +63,7 @@ class CpuOps:
     def route(
         self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        f32 = np.float32
-        return native.route(
-            np.ascontiguousarray(h, dtype=f32),
-            np.ascontiguousarray(weight, dtype=f32),
-            None if bias is None else np.ascontiguousarray(bias, dtype=f32),
-            rule,
-            n,
-        )
+        return native.route(_f32(h), _f32(weight), None if bias is None else _f32(bias), rule, n)
 
     def gqa_attention(
         self,
@@ -79,36 +75,27 @@ class CpuOps:
         scale: float,
         family: KernelFamily,
     ) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        return native.gqa_attention(block, rope, x, caches, start, scale, family)
+        return native.gqa_attention(block, rope, _f32(x), caches, start, scale, family)
 
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        return native.rope_half(np.ascontiguousarray(x, dtype=np.float32), cos, sin)
+        return native.rope_half(_f32(x), cos, sin)
 
     def add_rms_norm(
         self, h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        f32 = np.float32
-        return native.add_rms_norm(
-            np.ascontiguousarray(h, dtype=f32),
-            np.ascontiguousarray(delta, dtype=f32),
-            np.ascontiguousarray(weight, dtype=f32),
-            eps,
-        )
+        return native.add_rms_norm(_f32(h), _f32(delta), _f32(weight), eps)
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return native.rms_norm(
-            np.ascontiguousarray(x, dtype=np.float32),
-            np.ascontiguousarray(weight, dtype=np.float32),
+            _f32(x),
+            _f32(weight),
             eps,
         )
 
     def attend_gqa(
         self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
     ) -> np.ndarray:
-        return native.attend_gqa(
-            np.ascontiguousarray(q, dtype=np.float32), keys, values, scale, start
-        )
+        return native.attend_gqa(_f32(q), keys, values, scale, start)
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))

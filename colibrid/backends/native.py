@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -522,6 +523,16 @@ def route(
     return ids.astype(np.int64), gates
 
 
+class _GQAStatic(NamedTuple):
+    """What `gqa_attention` checked about a block, for one family and head shape."""
+
+    key: tuple[int, int, int]  # (family code, G, d)
+    views: list
+    bias_ptrs: list
+    norm_ptrs: list
+    heads: int
+
+
 def gqa_attention(
     block: GQAWeights,
     rope: tuple[np.ndarray, np.ndarray],
@@ -534,21 +545,58 @@ def gqa_attention(
     """A GQA attention block in one call (see colibri_gqa_attention): x float32 [S, D],
     caches (keys, values) float32 [capacity, G, d] whose rows [start, start + S) are
     written; returns [S, O] = attention(q, keys, values) Wo^T. What is checked about
-    ``block`` (its weights, biases and norms against the head shape) is kept on it."""
-    keys = caches[0]
+    ``block`` (its weights, biases and norms against the head shape) is kept on it; the
+    activations, caches and rows are checked every call."""
+    keys, values = caches
     if not isinstance(keys, np.ndarray) or keys.ndim != 3:
         raise ValueError("the key cache must be a 3-D [capacity, G, d] numpy array")
-    known = block.__dict__.get("_native_static")
-    if known is None or known[0] != (_code(family), keys.shape[1], keys.shape[2]):
-        known = (
-            (_code(family), keys.shape[1], keys.shape[2]),
-            _gqa_static(block, family, keys.shape[1], keys.shape[2]),
-        )
-        object.__setattr__(block, "_native_static", known)  # frozen: a private cache
-    return _gqa_run(*known[1], rope, x, caches, start, scale, family)
+    cap, g, d = keys.shape
+    static = block.__dict__.get("_native_static")
+    if static is None or static.key != (_code(family), g, d):
+        static = _gqa_static(block, family, g, d)
+        object.__setattr__(block, "_native_static", static)  # frozen: a private cache
+    _check_array("keys", keys, np.float32, (cap, g, d))
+    _check_array("values", values, np.float32, (cap, g, d))
+    if not (keys.flags.writeable and values.flags.writeable):
+        raise ValueError("the caches must be writable")
+    x2 = _rows(x, block.q.shape[1])
+    s = x2.shape[0]
+    if not 0 <= start <= cap - s:
+        raise ValueError(f"rows [{start}, {start + s}) do not fit a cache of {cap} positions")
+    cos, sin = rope
+    if not isinstance(cos, np.ndarray) or cos.ndim != 2:
+        raise ValueError("cos must be a 2-D [S, half] numpy array")
+    half = cos.shape[1]
+    _check_array("cos", cos, np.float32, (s, half))
+    _check_array("sin", sin, np.float32, (s, half))
+    if not 1 <= half <= d // 2:
+        raise ValueError(f"rope half {half} does not fit head dim {d}")
+    out = np.empty((s, block.o.shape[0]), dtype=np.float32)
+    rc = lib.colibri_gqa_attention(
+        *static.views,
+        _code(family),
+        *static.bias_ptrs,
+        *static.norm_ptrs,
+        float(block.eps),
+        _fptr(cos),
+        _fptr(sin),
+        half,
+        _fptr(x2),
+        s,
+        static.heads,
+        g,
+        d,
+        ffi.from_buffer("float[]", keys),
+        ffi.from_buffer("float[]", values),
+        int(start),
+        float(scale),
+        _fptr(out),
+    )
+    _raise_rc(rc)
+    return out
 
 
-def _gqa_static(block: GQAWeights, family: KernelFamily, g: int, d: int) -> tuple:
+def _gqa_static(block: GQAWeights, family: KernelFamily, g: int, d: int) -> _GQAStatic:
     """The checked C side of a block's weights for G KV heads of dimension d."""
     weights = (block.q, block.k, block.v, block.o)
     views = [_native(w, family, n) for w, n in zip(weights, ("q", "k", "v", "o"), strict=True)]
@@ -579,68 +627,7 @@ def _gqa_static(block: GQAWeights, family: KernelFamily, g: int, d: int) -> tupl
         for k, w in enumerate(block.qk_norm):
             _check_array(f"qk_norm[{k}]", w, np.float32, (d,))
             norm_ptrs[k] = _fptr(w)
-    return views, bias_ptrs, norm_ptrs, float(block.eps), heads, d
-
-
-def _gqa_run(
-    views: list,
-    bias_ptrs: list,
-    norm_ptrs: list,
-    eps: float,
-    heads: int,
-    d: int,
-    rope: tuple[np.ndarray, np.ndarray],
-    x: np.ndarray,
-    caches: tuple[np.ndarray, np.ndarray],
-    start: int,
-    scale: float,
-    family: KernelFamily,
-) -> np.ndarray:
-    """The per-call half of `gqa_attention`: the activations, the caches and the rows."""
-    keys, values = caches
-    g = views[1].O // d
-    if not isinstance(keys, np.ndarray) or keys.ndim != 3:
-        raise ValueError("the key cache must be a 3-D [capacity, G, d] numpy array")
-    cap = keys.shape[0]
-    _check_array("keys", keys, np.float32, (cap, g, d))
-    _check_array("values", values, np.float32, (cap, g, d))
-    if not (keys.flags.writeable and values.flags.writeable):
-        raise ValueError("the caches must be writable")
-    x2 = _rows(x, views[0].I)
-    s = x2.shape[0]
-    if not 0 <= start <= cap - s:
-        raise ValueError(f"rows [{start}, {start + s}) do not fit a cache of {cap} positions")
-    cos, sin = rope
-    if not isinstance(cos, np.ndarray) or cos.ndim != 2:
-        raise ValueError("cos must be a 2-D [S, half] numpy array")
-    half = cos.shape[1]
-    _check_array("cos", cos, np.float32, (s, half))
-    _check_array("sin", sin, np.float32, (s, half))
-    if not 1 <= half <= d // 2:
-        raise ValueError(f"rope half {half} does not fit head dim {d}")
-    out = np.empty((s, views[3].O), dtype=np.float32)
-    rc = lib.colibri_gqa_attention(
-        *views,
-        _code(family),
-        *bias_ptrs,
-        *norm_ptrs,
-        float(eps),
-        _fptr(cos),
-        _fptr(sin),
-        half,
-        _fptr(x2),
-        s,
-        heads,
-        g,
-        d,
-        ffi.from_buffer("float[]", keys),
-        ffi.from_buffer("float[]", values),
-        int(start),
-        float(scale),
-        _fptr(out),
-    )
-    _raise_rc(rc)
-    return out
+    return _GQAStatic((_code(family), g, d), views, bias_ptrs, norm_ptrs, heads)
 
 
 def attend_gqa(

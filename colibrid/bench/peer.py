@@ -39,11 +39,16 @@ class PeerResult:
     model_bytes: int
 
 
-def llama_cpp_run(gguf: Path, prompt: list[int], tokens: int, threads: int) -> PeerResult:
+def _llama_cpp():  # noqa: ANN202 - the optional module
     try:
         import llama_cpp
     except ImportError:
         raise ConfigError(INSTALL) from None
+    return llama_cpp
+
+
+def llama_cpp_run(gguf: Path, prompt: list[int], tokens: int, threads: int) -> PeerResult:
+    llama_cpp = _llama_cpp()
     llm = llama_cpp.Llama(
         model_path=str(gguf),
         n_ctx=len(prompt) + tokens + 16,
@@ -83,12 +88,9 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.prompt_tokens < 1 or args.tokens < 1:
         p.error("--prompt-tokens and --tokens must be >= 1")
-    try:  # before minutes of measuring colibri, not after
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        raise ConfigError(INSTALL) from None
+    _llama_cpp()  # before minutes of measuring colibri, not after
     from colibrid.backends import native
-    from colibrid.bench.decode import measure
+    from colibrid.bench.decode import measure, random_prompt
     from colibrid.config import resolve_model
     from colibrid.convert import demo
     from colibrid.paths import Paths
@@ -111,8 +113,8 @@ def main(argv: list[str]) -> int:
         warmup=4,
         family=KernelFamily.F32,
     )
-    rng = np.random.default_rng(0)  # the prompt colibri's measure used
-    prompt = [int(t) for t in rng.integers(1, 49152, args.prompt_tokens)]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt = random_prompt(vocab, args.prompt_tokens)  # the prompt colibri's measure used
     probe_before = native.membw_probe(1 << 29)
     peer = llama_cpp_run(gguf, prompt, args.tokens, native.threads())
     membw = max(probe_before, native.membw_probe(1 << 29), ours.membw_gbs)

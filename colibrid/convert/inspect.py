@@ -18,7 +18,7 @@ from pathlib import Path
 
 from colibrid.convert.plan import classify, expert_of
 from colibrid.engine.engine import DEFAULT_MAX_CONTEXT
-from colibrid.engine.validate import kv_bytes_per_position, stored_bytes, validate
+from colibrid.engine.validate import stored_bytes, validate
 from colibrid.errors import ColibriError
 from colibrid.store.budget import MIN_WORK_SLOTS, GiB, minimum_budget
 from colibrid.store.checkpoint import Checkpoint
@@ -97,7 +97,7 @@ def _adjacent(ckpt: Checkpoint, names: Sequence[str]) -> bool:
 
 def inspect(path: str | Path) -> Report:
     with Checkpoint.open(path) as ckpt:
-        args, expected, formats = validate(ckpt)
+        args, expected, formats, kv_per_position = validate(ckpt)
         t, moe = args.trunk, args.moe
         n_moe = sum(args.is_moe)
         mtp = sum(1 for n in expected if n.endswith("eh_proj.weight"))
@@ -134,7 +134,7 @@ def inspect(path: str | Path) -> Report:
         r.total_bytes = sum(f.size for f in ckpt.files)
         r.files = len(ckpt.files)
         r.context = min(DEFAULT_MAX_CONTEXT, t.max_position_embeddings)
-        r.kv_bytes = kv_bytes_per_position(ckpt.config, ckpt.has) * r.context
+        r.kv_bytes = kv_per_position * r.context
     return r
 
 

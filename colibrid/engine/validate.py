@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from colibrid.errors import CheckpointError, ColibriError
+from colibrid.errors import CheckpointError
 from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.container_format import resolve_container_format
@@ -69,11 +69,29 @@ class _NoExperts:
         return None
 
 
+class Validated(NamedTuple):
+    """What `validate` found: the config's arguments, every tensor expected and its stored
+    format, and the KV bytes one position of context costs (from the same model walk)."""
+
+    args: Any
+    expected: dict[str, Expected]
+    formats: dict[str, str]
+    kv_per_position: int
+
+
 def expected_from_config(
     config: dict[str, Any], has: Callable[[str], bool]
 ) -> tuple[Any, dict[str, Expected]]:
     """(ModelArgs, every tensor the model and its expert store will load); ``has``
     answers the model's questions about optional tensors (biases, MTP, tied head)."""
+    args, seen, _ = _expected_and_kv(config, has)
+    return args, seen
+
+
+def _expected_and_kv(
+    config: dict[str, Any], has: Callable[[str], bool]
+) -> tuple[Any, dict[str, Expected], int]:
+    """`expected_from_config` plus the KV bytes per position, from one model walk."""
     from colibrid.engine.engine import expert_layout
     from colibrid.models import family
     from colibrid.store.experts import PROJECTIONS
@@ -81,22 +99,13 @@ def expected_from_config(
     module = family(config.get("model_type"))
     args = module.ModelArgs.from_config(config)
     rec = _Recorder(has)
-    _walk_model(module, args, rec)
+    kv = _walk_model(module, args, rec)
     layout = expert_layout(args, rec, with_mtp=True)
     for layer in layout.moe_layers:
         for e in range(layout.n_experts):
             for proj in PROJECTIONS:
                 rec._note(layout.tensor_name(layer, e, proj), layout.shape(proj), "matrix")
-    return args, rec.seen
-
-
-def kv_bytes_per_position(config: dict[str, Any], has: Callable[[str], bool]) -> int:
-    """Bytes of KV cache one position of context costs across every layer (what the RAM
-    planner reserves per token), from the config alone."""
-    from colibrid.models import family
-
-    module = family(config.get("model_type"))
-    return _walk_model(module, module.ModelArgs.from_config(config), _Recorder(has))
+    return args, rec.seen, kv
 
 
 def _walk_model(module: Any, args: Any, rec: _Recorder) -> int:
@@ -191,12 +200,10 @@ def stored_bytes(ckpt: Checkpoint, name: str) -> int:
     return n
 
 
-def validate(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected], dict[str, str]]:
-    """Validate every expected tensor; returns (args, expected, name -> format)."""
-    try:
-        args, expected = expected_tensors(ckpt)
-    except ColibriError:
-        raise
+def validate(ckpt: Checkpoint) -> Validated:
+    """Validate every expected tensor; returns args, expected, name -> format and the KV
+    bytes per position."""
+    args, expected, kv = _expected_and_kv(ckpt.config, ckpt.has)
     formats: dict[str, str] = {}
     for exp in expected.values():
         if not ckpt.has(exp.name):
@@ -208,4 +215,4 @@ def validate(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected], dict[str, str]
                 f"{describe(exp.name)}: {fmt} where a float tensor is needed"
             )
         formats[exp.name] = fmt
-    return args, expected, formats
+    return Validated(args, expected, formats, kv)

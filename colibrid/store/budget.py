@@ -66,7 +66,6 @@ class BudgetPlan:
     total: int
     dense: int
     kv: int
-    work: int
     reserve: int
     pins: int
     cache_per_layer: int  # experts per layer the cache may hold
@@ -76,6 +75,11 @@ class BudgetPlan:
     work_slots: int = 0  # slots a layer's demand misses stream through
     pilot_slots: int = 0  # slots PILOT reads ahead into
     note: str = ""  # what was shrunk to fit, if anything
+
+    @property
+    def work(self) -> int:
+        """Bytes of the work and PILOT slots."""
+        return (self.work_slots + self.pilot_slots) * self.slot_bytes
 
     @property
     def cache_bytes(self) -> int:
@@ -178,7 +182,6 @@ def plan(
                 f" + reserve {reserve_floor(least) / GiB:.2f}); raise --ram-gb or lower the "
                 "context"
             )
-    work = (work_n + pilot_n) * slot_bytes
     if cache is not None:
         per_layer = max(0, min(int(cache), n_experts))
         source = "--cache"
@@ -188,7 +191,6 @@ def plan(
         total,
         dense,
         kv,
-        work,
         reserve,
         pins,
         per_layer,

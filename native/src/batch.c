@@ -16,54 +16,7 @@
 
 enum { ARENA_JOBS = 0, ARENA_DATA = 1 };
 
-typedef struct {
-    const mm_job *j;
-    rows_fn fn;
-    int o0, o1;
-} task;
-
-static void run_task(void *ctx, int c) {
-    const task *t = (const task *)ctx + c;
-    t->fn(t->j, t->o0, t->o1);
-}
-
 static size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
-
-/* Tasks the split below can produce at most (one per tile). */
-static size_t max_tasks(const mm_job *jobs, int n, const isa_ops *ops) {
-    size_t t = 0;
-    for (int k = 0; k < n; k++) t += (size_t)(jobs[k].w->O + ops->tile - 1) / ops->tile;
-    return t;
-}
-
-/* Run prepared jobs in one dispatch: tile-aligned chunks of each job's output rows,
- * about eight per thread over all jobs so the threads stay busy to the end. */
-static void run_many(const mm_job *jobs, int n, const isa_ops *ops, int family, task *tasks) {
-    double work = 0;
-    size_t tiles = 0;
-    for (int k = 0; k < n; k++) {
-        work += (double)jobs[k].w->O * jobs[k].w->I * jobs[k].S;
-        tiles += (size_t)(jobs[k].w->O + ops->tile - 1) / ops->tile;
-    }
-    int nt = colibri_get_threads();
-    if (work < (double)(1 << 18)) nt = 1; /* not worth waking anyone */
-    size_t per = nt > 1 ? tiles / ((size_t)nt * 8) : tiles;
-    if (per < 1) per = 1;
-    int count = 0;
-    for (int k = 0; k < n; k++) {
-        const mm_job *j = &jobs[k];
-        const rows_fn fn = colibri_is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows;
-        const int rows = (int)per * ops->tile;
-        for (int o = 0; o < j->w->O; o += rows) {
-            task *t = &tasks[count++];
-            t->j = j;
-            t->fn = fn;
-            t->o0 = o;
-            t->o1 = o + rows < j->w->O ? o + rows : j->w->O;
-        }
-    }
-    colibri_pool_for(count, nt, run_task, tasks);
-}
 
 int colibri_matmul_many(const colibri_weight *const *w, int n, int family, const float *x, int S,
                         float *const *y) {
@@ -79,11 +32,8 @@ int colibri_matmul_many(const colibri_weight *const *w, int n, int family, const
         jobs[k].y = y[k];
         bytes += up64(colibri_prep_bytes(&jobs[k], family, S));
     }
-    const size_t ntask = max_tasks(jobs, n, ops);
-    uint8_t *mem = colibri_arena(ARENA_DATA, bytes + up64(ntask * sizeof(task)));
+    uint8_t *mem = colibri_arena(ARENA_DATA, bytes);
     if (!mem) return -2;
-    task *tasks = (task *)mem;
-    mem += up64(ntask * sizeof(task));
     for (int k = 0; k < n; k++) {
         int shared = -1; /* an earlier job with the same layout: same prepared activation */
         for (int e = 0; e < k && shared < 0; e++)
@@ -99,8 +49,7 @@ int colibri_matmul_many(const colibri_weight *const *w, int n, int family, const
         colibri_prepare_into(&jobs[k], ops, family, x, S, mem);
         mem += up64(colibri_prep_bytes(&jobs[k], family, S));
     }
-    run_many(jobs, n, ops, family, tasks);
-    return 0;
+    return colibri_run_jobs(jobs, n, ops, family);
 }
 
 /* ---- a MoE layer's experts ---- */
@@ -149,11 +98,8 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
         bytes += 2 * up64((size_t)n * F * sizeof(float)) + up64(colibri_prep_bytes(d, family, n));
         bytes += up64((size_t)n * D * sizeof(float));
     }
-    const size_t ntask = max_tasks(jobs, 3 * E, ops);
-    uint8_t *mem = colibri_arena(ARENA_DATA, bytes + up64(ntask * sizeof(task)));
+    uint8_t *mem = colibri_arena(ARENA_DATA, bytes);
     if (!mem) return -2;
-    task *tasks = (task *)mem;
-    mem += up64(ntask * sizeof(task));
 
     /* phase A: gate and up of every expert on its rows */
     int na = 0, first_all = -1;
@@ -198,7 +144,8 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
         jobs[na++] = u;
     }
     if (na == 0) return 0;
-    run_many(jobs, na, ops, family, tasks);
+    int rc = colibri_run_jobs(jobs, na, ops, family);
+    if (rc) return rc;
 
     /* h = silu(g) * u, then phase B: every down on its expert's h */
     int nb = 0;
@@ -218,7 +165,7 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
         mem += up64((size_t)n * D * sizeof(float));
         downs[nb++] = d;
     }
-    run_many(downs, nb, ops, family, tasks);
+    if ((rc = colibri_run_jobs(downs, nb, ops, family))) return rc;
 
     /* out[dest] = gate * y, row by row (the gate is one float multiply, as before) */
     for (int e = 0, b = 0; e < E; e++) {

@@ -82,7 +82,7 @@ int colibri_get_threads(void) {
 
 /* ---- per-calling-thread scratch (no allocation on the hot path once warm) ---- */
 
-enum { SLOT_PREP, SLOT_G, SLOT_U, SLOT_BX, SLOT_BY, SLOT_N };
+enum { SLOT_PREP, SLOT_G, SLOT_U, SLOT_BX, SLOT_BY, SLOT_TASKS, SLOT_N };
 static _Thread_local struct { void *p; size_t n; } tl_slot[SLOT_N];
 
 static void *grow_slot(void **p, size_t *have, size_t n) {
@@ -193,30 +193,40 @@ static int prepare(mm_job *j, const isa_ops *ops, int family, const float *x, in
 typedef struct {
     const mm_job *j;
     rows_fn fn;
-    int rows_per_chunk;
-} run_ctx;
+    int o0, o1;
+} run_task;
 
-static void run_chunk(void *ctx, int chunk) {
-    const run_ctx *c = ctx;
-    const int O = c->j->w->O;
-    const int o0 = chunk * c->rows_per_chunk;
-    const int o1 = o0 + c->rows_per_chunk < O ? o0 + c->rows_per_chunk : O;
-    c->fn(c->j, o0, o1);
+static void run_chunk(void *ctx, int c) {
+    const run_task *t = (const run_task *)ctx + c;
+    t->fn(t->j, t->o0, t->o1);
 }
 
-/* Split output rows into tile-aligned chunks, ~8 per thread so a late or slow thread
- * costs little; each output is still computed by exactly one call. */
-static void run(const mm_job *j, const isa_ops *ops, int family) {
-    const int O = j->w->O;
-    const double work = (double)O * j->w->I * j->S;
+/* Split the output rows of every job into tile-aligned chunks, ~8 per thread over all
+ * jobs so a late or slow thread costs little and no thread idles between jobs; each
+ * output is still computed by exactly one call, so the split changes no bit. */
+int colibri_run_jobs(const mm_job *jobs, int n, const isa_ops *ops, int family) {
+    double work = 0;
+    size_t tiles = 0;
+    for (int k = 0; k < n; k++) {
+        work += (double)jobs[k].w->O * jobs[k].w->I * jobs[k].S;
+        tiles += (size_t)(jobs[k].w->O + ops->tile - 1) / ops->tile;
+    }
+    run_task *tasks = scratch(SLOT_TASKS, tiles * sizeof(run_task)); /* at most one a tile */
+    if (!tasks) return -2;
     int nt = colibri_get_threads();
     if (work < (double)(1 << 18)) nt = 1; /* not worth waking anyone */
-    const int ntiles = (O + ops->tile - 1) / ops->tile;
-    int tiles_per_chunk = nt > 1 ? ntiles / (nt * 8) : ntiles;
-    if (tiles_per_chunk < 1) tiles_per_chunk = 1;
-    run_ctx c = {j, colibri_is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows,
-                 tiles_per_chunk * ops->tile};
-    colibri_pool_for((O + c.rows_per_chunk - 1) / c.rows_per_chunk, nt, run_chunk, &c);
+    size_t per = nt > 1 ? tiles / ((size_t)nt * 8) : tiles;
+    if (per < 1) per = 1;
+    const int rows = (int)per * ops->tile;
+    int count = 0;
+    for (int k = 0; k < n; k++) {
+        const mm_job *j = &jobs[k];
+        const rows_fn fn = colibri_is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows;
+        for (int o = 0; o < j->w->O; o += rows)
+            tasks[count++] = (run_task){j, fn, o, o + rows < j->w->O ? o + rows : j->w->O};
+    }
+    colibri_pool_for(count, nt, run_chunk, tasks);
+    return 0;
 }
 
 int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y) {
@@ -227,8 +237,7 @@ int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, f
     j.y = y;
     int rc = prepare(&j, ops, family, x, S);
     if (rc) return rc;
-    run(&j, ops, family);
-    return 0;
+    return colibri_run_jobs(&j, 1, ops, family);
 }
 
 int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
@@ -247,7 +256,7 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
     j.y = g;
     int rc = prepare(&j, ops, family, x, S);
     if (rc) return rc;
-    run(&j, ops, family);
+    if ((rc = colibri_run_jobs(&j, 1, ops, family))) return rc;
     if (colibri_same_layout(gate, up)) { /* reuse the prepared (quantised) activation */
         j.w = up;
         j.y = u;
@@ -256,13 +265,12 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
         j.y = u;
         if ((rc = prepare(&j, ops, family, x, S))) return rc;
     }
-    run(&j, ops, family);
+    if ((rc = colibri_run_jobs(&j, 1, ops, family))) return rc;
     for (size_t k = 0; k < (size_t)S * F; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
     colibri_describe(&j, down);
     j.y = y;
     if ((rc = prepare(&j, ops, family, g, S))) return rc;
-    run(&j, ops, family);
-    return 0;
+    return colibri_run_jobs(&j, 1, ops, family);
 }
 
 /* ---- block-diagonal matmul: each block of output rows has its own activation ----

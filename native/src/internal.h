@@ -79,6 +79,8 @@ void colibri_describe(mm_job *j, const colibri_weight *w);
 size_t colibri_prep_bytes(const mm_job *j, int family, int S);
 void colibri_prepare_into(mm_job *j, const isa_ops *ops, int family, const float *x, int S,
                           void *mem);
+/* Run prepared jobs in one pool dispatch (0, or -2 when out of memory). */
+int colibri_run_jobs(const mm_job *jobs, int n, const isa_ops *ops, int family);
 /* Per-calling-thread buffer k (< COLIBRI_ARENAS) of at least n bytes, 64-byte aligned,
  * reused by the next call from the same thread: what a batched call carves its job
  * descriptions (0) and work buffers (1) from, and a composed block (gqa.c) its

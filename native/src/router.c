@@ -9,20 +9,12 @@
  * topk_group groups compete; the n best choices are taken best first, ties to the lowest
  * index (losing groups' experts last, in index order); gates are the scores of the first
  * K, divided by their sum (+1e-20) when norm, times scaling. */
+#include "dot8.h"
 #include "internal.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-static float dot8(const float *a, const float *b, int n) {
-    float acc[8] = {0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
-    for (int l = 0; i < n; i++, l++) acc[l] += a[i] * b[i];
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
 
 /* Index of the largest v[i] not yet taken (ties: lowest index); -inf counts as a value. */
 static int best_untaken(const float *v, const unsigned char *taken, int n) {
@@ -53,7 +45,7 @@ int colibri_route(const float *h, int S, int D, const float *w, const float *bia
     for (int s = 0; s < S; s++) {
         const float *x = h + (size_t)s * D;
         for (int e = 0; e < E; e++) {
-            score[e] = 1.0f / (1.0f + expf(-dot8(x, w + (size_t)e * D, D)));
+            score[e] = 1.0f / (1.0f + expf(-colibri_dot8(x, w + (size_t)e * D, D)));
             choice[e] = bias ? score[e] + bias[e] : score[e];
         }
         if (n_group > 1 && topk_group < n_group) {

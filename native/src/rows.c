@@ -9,33 +9,11 @@
  * residual add before it (add_rms_norm) is one float add per element.
  * RoPE is the reference's own arithmetic (two products, then their difference or sum),
  * so it equals numpy's bit for bit. */
+#include "dot8.h"
 #include "internal.h"
 
 #include <math.h>
 #include <string.h>
-
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline v4 load4(const float *p) {
-    v4 r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static float sum_squares(const float *x, int n) {
-    v4 lo = {0, 0, 0, 0}, hi = lo;
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const v4 a = load4(x + i), b = load4(x + i + 4);
-        lo += a * a;
-        hi += b * b;
-    }
-    float acc[8];
-    memcpy(acc, &lo, sizeof lo);
-    memcpy(acc + 4, &hi, sizeof hi);
-    for (int l = 0; i < n; i++, l++) acc[l] += x[i] * x[i];
-    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-}
 
 int colibri_add_rms_norm(const float *h, const float *delta, int S, int D, const float *w,
                          float eps, float *sum, float *out) {
@@ -49,7 +27,7 @@ int colibri_rms_norm(const float *x, int S, int D, const float *w, float eps, fl
     for (int s = 0; s < S; s++) {
         const float *xs = x + (size_t)s * D;
         float *o = out + (size_t)s * D;
-        float var = sum_squares(xs, D) / (float)D;
+        float var = colibri_dot8(xs, xs, D) / (float)D;
         var += eps;
         const float scale = 1.0f / sqrtf(var);
         for (int i = 0; i < D; i++) o[i] = w[i] * (xs[i] * scale);

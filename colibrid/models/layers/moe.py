@@ -21,7 +21,7 @@ import numpy as np
 from colibrid.backends.base import ExpertBatch, KernelFamily
 from colibrid.models.base import ExpertSource, Ops
 from colibrid.models.layers.mlp import MLP
-from colibrid.models.layers.router import Route, Router
+from colibrid.models.layers.router import Router
 
 
 class MoE:
@@ -36,19 +36,21 @@ class MoE:
 
     def __call__(self, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         route = self.router.route(x)
-        groups = self.fetch(route)  # misses start streaming now
-        return self.combine(x, route, groups, family)
+        ids = route.experts.tolist()  # [S][K] as Python ints, planned over below
+        groups = self.fetch(ids)  # misses start streaming now
+        return self.combine(x, ids, route.gates.tolist(), groups, family)
 
-    def fetch(self, route: Route) -> Iterable[list[tuple[int, Any]]]:
+    def fetch(self, ids: list[list[int]]) -> Iterable[list[tuple[int, Any]]]:
         """Record the routing and ask the store for the union of chosen experts."""
-        union = sorted(set(route.experts.ravel().tolist()))  # ascending expert ids
+        union = sorted({e for row in ids for e in row})  # ascending expert ids
         self.experts.record(self.layer, union)
         return self.experts.iter_groups(self.layer, union)  # resident first, misses as they land
 
     def combine(
         self,
         x: np.ndarray,
-        route: Route,
+        ids: list[list[int]],
+        gates: list[list[float]],
         groups: Iterable[list[tuple[int, Any]]],
         family: KernelFamily,
     ) -> np.ndarray:
@@ -63,10 +65,8 @@ class MoE:
         a few microseconds, where numpy's argsort and scatter cost more than the experts'
         arithmetic on small models.
         """
-        rows, top_k = route.experts.shape
-        ids = route.experts.tolist()
-        plan = _plan_one(ids[0]) if rows == 1 else _plan(ids)
-        gates = route.gates.tolist()
+        rows, top_k = len(ids), len(ids[0])
+        plan = _plan(ids)
         width = top_k + (self.shared is not None)  # ranks per row, the shared expert last
         parts = np.empty((rows * width, x.shape[1]), dtype=np.float32)  # [S * rank, D]
         shared = self.shared
@@ -96,16 +96,10 @@ def _batch(
     for expert, w in group:
         row_idx, slot_idx, rank_idx = plan[expert]
         weights.append(w)
-        if len(row_idx) == 1:  # decode, and rarely chosen experts
-            row = row_idx[0]
+        for row, slot, rank in zip(row_idx, slot_idx, rank_idx, strict=True):
             row_of.append(row)
-            gate_of.append(gates[row][slot_idx[0]])
-            dest.append(row * width + rank_idx[0])
-        else:
-            for row, slot, rank in zip(row_idx, slot_idx, rank_idx, strict=True):
-                row_of.append(row)
-                gate_of.append(gates[row][slot])
-                dest.append(row * width + rank)
+            gate_of.append(gates[row][slot])
+            dest.append(row * width + rank)
         start.append(len(row_of))
     if shared is not None:
         weights.append(shared)
@@ -114,12 +108,6 @@ def _batch(
         dest.extend(row * width + width - 1 for row in range(rows))
         start.append(len(row_of))
     return ExpertBatch(weights, start, row_of, gate_of, dest)
-
-
-def _plan_one(chosen: list[int]) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """`_plan` of a single row (a decode step): its expert ranks are its sorted order."""
-    rank_of = {e: r for r, e in enumerate(sorted(chosen))}
-    return {e: ([0], [slot], [rank_of[e]]) for slot, e in enumerate(chosen)}
 
 
 def _plan(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int], list[int]]]:
