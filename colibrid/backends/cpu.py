@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from colibrid.backends import native
+from colibrid.backends import calibrate, native
 from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
 from colibrid.formats.quant import dequantize_rows
-from colibrid.formats.weights import QuantWeight
+from colibrid.formats.weights import QuantWeight, WeightLayout
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
@@ -21,6 +21,9 @@ class CpuOps:
     """Implements models.base.Ops; stateless, the kernels keep their own thread pool."""
 
     name = "cpu"
+
+    def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
+        calibrate.tune(layouts)
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         return native.matmul(w, _f32(x), family)

@@ -59,13 +59,24 @@ def available_isas() -> list[str]:
 
 
 def current_isa() -> str:
+    """The process ISA: the forced one, else the best available (layouts with a calibrated
+    choice may run on another; see `choice`)."""
     return ISA_NAMES[lib.colibri_get_isa()]
 
 
+def isa_setting() -> str:
+    """What `set_isa` was last given: a forced ISA's name, or "auto"."""
+    return current_isa() if lib.colibri_isa_forced() else "auto"
+
+
 def set_isa(name: str) -> None:
-    """Select the kernel set for every later call (process wide)."""
+    """Force one kernel set for every later call (process wide), or "auto": each weight
+    layout on its calibrated choice (`colibrid.backends.calibrate`), else the best ISA."""
+    if name == "auto":
+        lib.colibri_set_isa(-1)
+        return
     if name not in ISA_NAMES:
-        raise ValueError(f"unknown ISA {name!r}; known: {', '.join(ISA_NAMES)}")
+        raise ValueError(f"unknown ISA {name!r}; known: auto, {', '.join(ISA_NAMES)}")
     if lib.colibri_set_isa(ISA_NAMES.index(name)) != 0:
         raise ValueError(f"ISA {name!r} is not available here; available: {available_isas()}")
 
@@ -73,12 +84,33 @@ def set_isa(name: str) -> None:
 @contextlib.contextmanager
 def use_isa(name: str) -> Iterator[None]:
     """Temporarily switch ISA (tests, benchmarks)."""
-    old = current_isa()
+    old = isa_setting()
     set_isa(name)
     try:
         yield
     finally:
         set_isa(old)
+
+
+def _layout_args(fmt: WeightFormat, group_size: int, in_features: int, family: KernelFamily):
+    return _FMT_CODE[fmt], int(group_size), int(in_features), _FAMILY_CODE[family]
+
+
+def set_choice(
+    fmt: WeightFormat, group_size: int, in_features: int, family: KernelFamily, isa: str
+) -> bool:
+    """Run weights of this layout on `isa` while the setting is "auto". The first choice
+    for a layout stands for the process (a model loaded earlier keeps its bits): False
+    when an earlier, different choice stands or the table is full."""
+    if isa not in available_isas():
+        raise ValueError(f"ISA {isa!r} is not available here; available: {available_isas()}")
+    args = _layout_args(fmt, group_size, in_features, family)
+    return lib.colibri_set_choice(*args, ISA_NAMES.index(isa)) == 0
+
+
+def choice(fmt: WeightFormat, group_size: int, in_features: int, family: KernelFamily) -> str:
+    """The ISA a weight of this layout runs on now."""
+    return ISA_NAMES[lib.colibri_choice(*_layout_args(fmt, group_size, in_features, family))]
 
 
 def set_threads(n: int) -> None:

@@ -116,7 +116,7 @@ def cdef_text(root: Path) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -165,7 +165,7 @@ def build(root: Path | None = None) -> Path:
     found = _find_module(final) if final.is_dir() else None
     if found:
         return found
-    with _locked(base / (final.name + ".lock")):
+    with locked(base / (final.name + ".lock")):
         found = _find_module(final) if final.is_dir() else None
         if found:
             return found

@@ -82,7 +82,7 @@ def _time_case(native, copies, family, x, out, seconds: float) -> float:
 def run(
     isas: list[str], threads: int, seconds: float, working_set_mb: int, formats: list[str]
 ) -> list[Row]:
-    from colibrid.backends import native
+    from colibrid.backends import calibrate, native
 
     native.set_threads(threads)
     probe_bytes = max(working_set_mb, 256) << 20
@@ -100,15 +100,20 @@ def run(
             x = rng.standard_normal(i, dtype=np.float32)
             out = np.empty(o, dtype=np.float32)
             for isa in isas:
+                if isa == "auto":  # the dispatched path: what a loaded model runs
+                    calibrate.tune({copies[0].layout: o})
                 with native.use_isa(isa):
                     for family in (KernelFamily.F32, KernelFamily.I8):
                         dt = _time_case(native, copies, family, x, out, seconds)
                         gbs = copies[0].nbytes / dt / 1e9
+                        label = isa
+                        if isa == "auto":
+                            label = "auto=" + native.choice(fmt, gs, i, family)
                         rows.append(
                             Row(
                                 fname,
                                 f"{o}x{i}",
-                                isa,
+                                label,
                                 family.value,
                                 threads,
                                 gbs,
@@ -168,14 +173,20 @@ def _parser() -> argparse.ArgumentParser:
         prog="colibri bench kernels",
         description=(
             "Measure decode (S=1) matmul speed of the native kernels on expert-shaped "
-            "matrices (6144x2048 and 2048x6144, int4 group-64 and int8) for every ISA and "
-            "kernel family, as effective weight bandwidth (data + scale bytes per second) "
+            "matrices (6144x2048 and 2048x6144, int4 group-64 and int8) for every ISA, the "
+            "dispatched ('auto') path and each kernel family, as effective weight bandwidth "
+            "(data + scale bytes per second) "
             "next to the memory read bandwidth measured in the same run with the same "
             "thread count. A ratio near 100% means the kernel is as fast as memory allows."
         ),
     )
     p.add_argument(
-        "--isa", action="append", help="ISA to measure (repeatable; default: every available one)"
+        "--isa",
+        action="append",
+        help=(
+            "ISA to measure (repeatable; default: every available one and 'auto', the "
+            "per-layout choice a loaded model dispatches to, measured once per machine)"
+        ),
     )
     p.add_argument(
         "--threads",
@@ -207,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from colibrid.backends import native
 
-    isas = args.isa or native.available_isas()
-    bad = [n for n in isas if n not in native.available_isas()]
+    isas = args.isa or [*native.available_isas(), "auto"]
+    bad = [n for n in isas if n not in native.available_isas() and n != "auto"]
     if bad:
         print(
             f"error: ISA not available here: {', '.join(bad)} "

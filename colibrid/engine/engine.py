@@ -107,6 +107,7 @@ class Engine:
         context = min(max_context or DEFAULT_MAX_CONTEXT, limit)
         kv = bytes_per_position(model.cache_layouts()) * context
         allocate_store(experts, store_opts, kv_bytes=kv)
+        ops.prepare(checkpoint.matrix_layouts)
         if pilot_wanted(store_opts.pilot, experts):
             from colibrid.engine.pilot import attach
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,3 +57,23 @@ class QuantWeight:
     def nbytes(self) -> int:
         extra = 0 if self.scales is None else self.scales.nbytes
         return self.data.nbytes + extra
+
+    @property
+    def layout(self) -> WeightLayout:
+        return WeightLayout.of(self.fmt, self.group_size, self.in_features)
+
+
+class WeightLayout(NamedTuple):
+    """What a kernel's speed depends on beyond the row count: the format, the Q4 group
+    (I when one scale covers the row, 0 for other formats) and I."""
+
+    fmt: WeightFormat
+    group: int
+    in_features: int
+
+    @classmethod
+    def of(cls, fmt: WeightFormat, group_size: int, in_features: int) -> WeightLayout:
+        group = 0
+        if fmt == WeightFormat.Q4:
+            group = group_size if 0 < group_size < in_features else in_features
+        return cls(fmt, group, in_features)

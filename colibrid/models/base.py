@@ -9,7 +9,7 @@ the engine, so the store and the backends can change without touching model code
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
 from colibrid.errors import ConfigError
-from colibrid.formats.weights import QuantWeight
+from colibrid.formats.weights import QuantWeight, WeightLayout
 
 # Hard bounds on config values: anything outside is refused before a byte is allocated,
 # because config.json comes from untrusted mirrors (an absurd size is an attack, not a model).
@@ -77,6 +77,12 @@ def rank_sum_each(parts: np.ndarray) -> np.ndarray:
 
 class Ops(Protocol):
     """The compute a model may call; every quantised op takes the kernel family explicitly."""
+
+    def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
+        """Before the first compute: the weight layouts the model holds, each with its
+        largest row count, so the backend can fix its kernels for them (the CPU backend
+        measures each layout on every ISA once per machine; see backends.calibrate)."""
+        ...
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray: ...
 

@@ -23,6 +23,7 @@ from types import TracebackType
 import numpy as np
 
 from colibrid.errors import CheckpointError, ConfigError
+from colibrid.formats.weights import WeightLayout
 from colibrid.store.checkpoint_files import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -55,6 +56,7 @@ class Checkpoint(TypedWeights):
                         f"{other.path.name} and {f.path.name}"
                     )
         self._stamps = _collect_stamps(files)
+        self.matrix_layouts: dict[WeightLayout, int] = {}
 
     @classmethod
     def open(cls, model_dir: str | os.PathLike[str]) -> Checkpoint:

@@ -17,7 +17,7 @@ import numpy as np
 
 from colibrid.errors import CheckpointError, ConfigError
 from colibrid.formats import quant
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.weights import QuantWeight, WeightFormat, WeightLayout
 from colibrid.store.container_format import (
     FP8_B128,
     GROUP_SIZE_KEY,
@@ -39,6 +39,7 @@ class TypedWeights:
 
     if TYPE_CHECKING:
         _stamps: dict[str, str]
+        matrix_layouts: dict[WeightLayout, int]
 
         def info(self, name: str) -> TensorInfo: ...
         def has(self, name: str) -> bool: ...
@@ -51,8 +52,16 @@ class TypedWeights:
 
         F32 and BF16 are zero-copy views; F16 and FP8 (HF ``weight_scale_inv``
         convention, 128x128 blocks) come back dequantised to F32; colibri containers
-        (``name`` U8 + ``name.qs`` F32) come back as Q8/Q4 views.
+        (``name`` U8 + ``name.qs`` F32) come back as Q8/Q4 views. Each layout handed
+        out is noted in ``matrix_layouts`` with its largest row count: what a backend
+        tunes its kernels for before the first token (``Ops.prepare``).
         """
+        w = self._matrix(name, shape)
+        layouts = self.matrix_layouts
+        layouts[w.layout] = max(layouts.get(w.layout, 0), w.out_features)
+        return w
+
+    def _matrix(self, name: str, shape: tuple[int, int]) -> QuantWeight:
         out_f, in_f = _matrix_shape(name, shape)
         info = self.info(name)
         if info.dtype == "U8":

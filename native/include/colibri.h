@@ -34,10 +34,20 @@ typedef struct colibri_weight {
     const float *scales;
 } colibri_weight;
 
-/* ISA selection: available() says whether this CPU (and this build) can run it. */
+/* ISA selection: available() says whether this CPU (and this build) can run it.
+ * set_isa(k) forces ISA k for every kernel; set_isa(-1) returns to automatic: each
+ * weight layout runs on its registered choice, else on the best available ISA. */
 int colibri_isa_available(int isa);
 int colibri_get_isa(void);
 int colibri_set_isa(int isa);
+int colibri_isa_forced(void);
+
+/* Per-layout choices (format, Q4 group size, I, family) measured by the calibration.
+ * The first choice for a layout stands: set_choice returns 0 (registered or already
+ * the same), 1 (an earlier, different choice stands) or -1 (ISA unavailable, table
+ * full); choice() says which ISA a layout runs on now. */
+int colibri_set_choice(int fmt, int gs, int I, int family, int isa);
+int colibri_choice(int fmt, int gs, int I, int family);
 
 /* Thread pool size (calling thread included). */
 void colibri_set_threads(int n);

@@ -23,12 +23,11 @@ int colibri_matmul_many(const colibri_weight *const *w, int n, int family, const
     if (w == NULL || y == NULL || x == NULL || n < 1 || S < 1) return -1;
     for (int k = 0; k < n; k++)
         if (colibri_check_weight(w[k]) || y[k] == NULL || w[k]->I != w[0]->I) return -1;
-    const isa_ops *ops = colibri_isa_ops();
     mm_job *jobs = colibri_arena(ARENA_JOBS, (size_t)n * sizeof(mm_job));
     if (!jobs) return -2;
     size_t bytes = 0;
     for (int k = 0; k < n; k++) {
-        colibri_describe(&jobs[k], w[k]);
+        colibri_describe(&jobs[k], w[k], family);
         jobs[k].y = y[k];
         bytes += up64(colibri_prep_bytes(&jobs[k], family, S));
     }
@@ -46,10 +45,10 @@ int colibri_matmul_many(const colibri_weight *const *w, int n, int family, const
             jobs[k].w = wk;
             continue;
         }
-        colibri_prepare_into(&jobs[k], ops, family, x, S, mem);
+        colibri_prepare_into(&jobs[k], family, x, S, mem);
         mem += up64(colibri_prep_bytes(&jobs[k], family, S));
     }
-    return colibri_run_jobs(jobs, n, ops, family);
+    return colibri_run_jobs(jobs, n, family);
 }
 
 /* ---- a MoE layer's experts ---- */
@@ -80,7 +79,6 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
         for (int p = start[e]; p < start[e + 1]; p++)
             if (rows[p] < 0 || rows[p] >= S || dest[p] < 0 || dest[p] >= R) return -1;
     }
-    const isa_ops *ops = colibri_isa_ops();
     /* jobs: [0, 2E) gate and up of expert e at 2e, 2e+1; [2E, 3E) the downs */
     mm_job *jobs = colibri_arena(ARENA_JOBS, (size_t)3 * E * sizeof(mm_job));
     if (!jobs) return -2;
@@ -88,9 +86,9 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
     for (int e = 0; e < E; e++) {
         const int n = start[e + 1] - start[e];
         mm_job *g = &jobs[2 * e], *u = g + 1, *d = &jobs[2 * E + e];
-        colibri_describe(g, w[3 * e]);
-        colibri_describe(u, w[3 * e + 1]);
-        colibri_describe(d, w[3 * e + 2]);
+        colibri_describe(g, w[3 * e], family);
+        colibri_describe(u, w[3 * e + 1], family);
+        colibri_describe(d, w[3 * e + 2], family);
         if (n == 0) continue;
         const size_t F = (size_t)w[3 * e]->O;
         if (!all_rows(rows + start[e], n, S)) bytes += up64((size_t)n * D * sizeof(float));
@@ -124,7 +122,7 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
             g = *src;
             g.w = gw;
         } else {
-            colibri_prepare_into(&g, ops, family, xin, n, mem);
+            colibri_prepare_into(&g, family, xin, n, mem);
             mem += up64(colibri_prep_bytes(&g, family, n));
         }
         if (colibri_same_layout(g.w, u.w)) { /* reuse the prepared (quantised) activation */
@@ -132,7 +130,7 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
             u = g;
             u.w = uw;
         } else {
-            colibri_prepare_into(&u, ops, family, xin, n, mem);
+            colibri_prepare_into(&u, family, xin, n, mem);
             mem += up64(colibri_prep_bytes(&u, family, n));
         }
         g.y = (float *)mem;
@@ -144,7 +142,7 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
         jobs[na++] = u;
     }
     if (na == 0) return 0;
-    int rc = colibri_run_jobs(jobs, na, ops, family);
+    int rc = colibri_run_jobs(jobs, na, family);
     if (rc) return rc;
 
     /* h = silu(g) * u, then phase B: every down on its expert's h */
@@ -159,13 +157,13 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
         const size_t nf = (size_t)n * w[3 * e]->O;
         for (size_t k = 0; k < nf; k++) gy[k] = gy[k] / (1.0f + expf(-gy[k])) * uy[k];
         mm_job d = downs[e];
-        colibri_prepare_into(&d, ops, family, gy, n, mem);
+        colibri_prepare_into(&d, family, gy, n, mem);
         mem += up64(colibri_prep_bytes(&d, family, n));
         d.y = (float *)mem;
         mem += up64((size_t)n * D * sizeof(float));
         downs[nb++] = d;
     }
-    if ((rc = colibri_run_jobs(downs, nb, ops, family))) return rc;
+    if ((rc = colibri_run_jobs(downs, nb, family))) return rc;
 
     /* out[dest] = gate * y, row by row (the gate is one float multiply, as before) */
     for (int e = 0, b = 0; e < E; e++) {

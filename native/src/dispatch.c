@@ -38,7 +38,9 @@ int colibri_isa_available(int isa) {
     return 1;
 }
 
-static _Atomic int g_isa = -1;
+static _Atomic int g_isa = -1;     /* the process ISA: forced, else the best available */
+static _Atomic int g_best = -1;    /* the highest-ranked available ISA */
+static _Atomic int g_forced = 0;   /* set_isa(k >= 0) or COLIBRI_ISA: choices are ignored */
 static _Atomic int g_threads = 0;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -46,11 +48,16 @@ static void init_once(void) {
     int best = COLIBRI_ISA_REF;
     for (int k = 1; k < 4; k++)
         if (colibri_isa_available(k)) best = k;
+    atomic_store(&g_best, best);
+    int isa = best;
     const char *env = getenv("COLIBRI_ISA");
     if (env != NULL)
         for (int k = 0; k < 4; k++)
-            if (strcmp(env, isa_names[k]) == 0 && colibri_isa_available(k)) best = k;
-    atomic_store(&g_isa, best);
+            if (strcmp(env, isa_names[k]) == 0 && colibri_isa_available(k)) {
+                isa = k;
+                atomic_store(&g_forced, 1);
+            }
+    atomic_store(&g_isa, isa);
     int nt = 1;
     const char *tenv = getenv("COLIBRI_THREADS");
     if (tenv != NULL && atoi(tenv) > 0) nt = atoi(tenv);
@@ -63,11 +70,84 @@ int colibri_get_isa(void) {
     return atomic_load(&g_isa);
 }
 
+int colibri_isa_forced(void) {
+    pthread_once(&g_once, init_once);
+    return atomic_load(&g_forced);
+}
+
 int colibri_set_isa(int isa) {
     pthread_once(&g_once, init_once);
+    if (isa == -1) { /* automatic: calibrated choices per layout, else the best ISA */
+        atomic_store(&g_isa, atomic_load(&g_best));
+        atomic_store(&g_forced, 0);
+        return 0;
+    }
     if (isa < 0 || isa > 3 || !colibri_isa_available(isa)) return -1;
     atomic_store(&g_isa, isa);
+    atomic_store(&g_forced, 1);
     return 0;
+}
+
+/* ---- per-layout kernel choices ----
+ *
+ * Why: which ISA's kernel streams a weight fastest depends on its layout (on one Zen 4
+ * EPYC, AVX2 beat AVX-512 for int8 rows and int4 at I = 6144 while AVX-512 won int4 at
+ * I = 2048), so ranking ISAs is not enough. The calibration (colibrid/backends/
+ * calibrate.py) measures each layout a model uses once and registers the winner here.
+ * The key is the layout (format, group, I) and the family, never O or S: equal layouts
+ * share prepared activations, and S rows must run what S single rows run. Entries are
+ * appended under a lock and published by the count, so readers need no lock. */
+#define MAX_CHOICES 64
+typedef struct {
+    int fmt, group, I, family, isa;
+} layout_choice;
+static layout_choice g_choices[MAX_CHOICES];
+static _Atomic int g_nchoices = 0;
+static pthread_mutex_t g_choice_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int layout_group(int fmt, int gs, int I) {
+    if (fmt != COLIBRI_FMT_Q4) return 0;
+    return gs > 0 && gs < I ? gs : I;
+}
+
+static int find_choice(int fmt, int group, int I, int family) {
+    const int n = atomic_load_explicit(&g_nchoices, memory_order_acquire);
+    for (int k = 0; k < n; k++) {
+        const layout_choice *c = &g_choices[k];
+        if (c->fmt == fmt && c->group == group && c->I == I && c->family == family) return k;
+    }
+    return -1;
+}
+
+/* A layout's first choice stands for the life of the process: a model loaded earlier
+ * must keep computing what it computed, whatever a later load measures. */
+int colibri_set_choice(int fmt, int gs, int I, int family, int isa) {
+    pthread_once(&g_once, init_once);
+    if (fmt < 0 || fmt > 3 || I < 1 || family < 0 || family > 1 || isa < 0 || isa > 3 ||
+        !colibri_isa_available(isa))
+        return -1;
+    const int group = layout_group(fmt, gs, I);
+    pthread_mutex_lock(&g_choice_lock);
+    int rc = 0, k = find_choice(fmt, group, I, family);
+    if (k >= 0) {
+        rc = g_choices[k].isa == isa ? 0 : 1;
+    } else if ((k = atomic_load(&g_nchoices)) < MAX_CHOICES) {
+        g_choices[k] = (layout_choice){fmt, group, I, family, isa};
+        atomic_store_explicit(&g_nchoices, k + 1, memory_order_release);
+    } else {
+        rc = -1; /* full: that layout keeps the process ISA */
+    }
+    pthread_mutex_unlock(&g_choice_lock);
+    return rc;
+}
+
+int colibri_choice(int fmt, int gs, int I, int family) {
+    pthread_once(&g_once, init_once);
+    if (!atomic_load(&g_forced)) {
+        const int k = find_choice(fmt, layout_group(fmt, gs, I), I, family);
+        if (k >= 0) return g_choices[k].isa;
+    }
+    return atomic_load(&g_isa);
 }
 
 void colibri_set_threads(int n) {
@@ -103,8 +183,6 @@ void *colibri_arena(int k, size_t n) { return grow_slot(&tl_arena[k].p, &tl_aren
 
 /* ---- job preparation ---- */
 
-const isa_ops *colibri_isa_ops(void) { return isa_table(colibri_get_isa()); }
-
 int colibri_is_integer(const colibri_weight *w, int family) {
     return family == COLIBRI_FAM_I8 && (w->fmt == COLIBRI_FMT_Q8 || w->fmt == COLIBRI_FMT_Q4);
 }
@@ -120,10 +198,11 @@ int colibri_same_layout(const colibri_weight *a, const colibri_weight *b) {
     return a->fmt == b->fmt && a->I == b->I && a->gs == b->gs;
 }
 
-void colibri_describe(mm_job *j, const colibri_weight *w) {
+void colibri_describe(mm_job *j, const colibri_weight *w, int family) {
     static const size_t elem[4] = {4, 2, 1, 0};
     memset(j, 0, sizeof *j);
     j->w = w;
+    j->ops = isa_table(colibri_choice(w->fmt, w->gs, w->I, family));
     j->wrow = w->fmt == COLIBRI_FMT_Q4 ? (size_t)(w->I + 1) / 2 : elem[w->fmt] * (size_t)w->I;
     j->gsz = (w->fmt == COLIBRI_FMT_Q4 && w->gs > 0 && w->gs < w->I) ? w->gs : w->I;
     j->G = (w->I + j->gsz - 1) / j->gsz;
@@ -141,9 +220,9 @@ size_t colibri_prep_bytes(const mm_job *j, int family, int S) {
 
 /* Fill the activation side of a job from `mem` (64-byte aligned, colibri_prep_bytes
  * long): int8 rows, scales and group sums (I8), or the ISA's preferred copy of x (F32). */
-void colibri_prepare_into(mm_job *j, const isa_ops *ops, int family, const float *x, int S,
-                          void *mem) {
+void colibri_prepare_into(mm_job *j, int family, const float *x, int S, void *mem) {
     const colibri_weight *w = j->w;
+    const isa_ops *ops = j->ops;
     const int I = w->I;
     uint8_t *m = mem;
     j->x = x;
@@ -181,10 +260,10 @@ void colibri_prepare_into(mm_job *j, const isa_ops *ops, int family, const float
     }
 }
 
-static int prepare(mm_job *j, const isa_ops *ops, int family, const float *x, int S) {
+static int prepare(mm_job *j, int family, const float *x, int S) {
     void *mem = scratch(SLOT_PREP, colibri_prep_bytes(j, family, S));
     if (!mem) return -2;
-    colibri_prepare_into(j, ops, family, x, S, mem);
+    colibri_prepare_into(j, family, x, S, mem);
     return 0;
 }
 
@@ -204,12 +283,12 @@ static void run_chunk(void *ctx, int c) {
 /* Split the output rows of every job into tile-aligned chunks, ~8 per thread over all
  * jobs so a late or slow thread costs little and no thread idles between jobs; each
  * output is still computed by exactly one call, so the split changes no bit. */
-int colibri_run_jobs(const mm_job *jobs, int n, const isa_ops *ops, int family) {
+int colibri_run_jobs(const mm_job *jobs, int n, int family) {
     double work = 0;
     size_t tiles = 0;
     for (int k = 0; k < n; k++) {
         work += (double)jobs[k].w->O * jobs[k].w->I * jobs[k].S;
-        tiles += (size_t)(jobs[k].w->O + ops->tile - 1) / ops->tile;
+        tiles += (size_t)(jobs[k].w->O + jobs[k].ops->tile - 1) / jobs[k].ops->tile;
     }
     run_task *tasks = scratch(SLOT_TASKS, tiles * sizeof(run_task)); /* at most one a tile */
     if (!tasks) return -2;
@@ -217,11 +296,11 @@ int colibri_run_jobs(const mm_job *jobs, int n, const isa_ops *ops, int family) 
     if (work < (double)(1 << 18)) nt = 1; /* not worth waking anyone */
     size_t per = nt > 1 ? tiles / ((size_t)nt * 8) : tiles;
     if (per < 1) per = 1;
-    const int rows = (int)per * ops->tile;
     int count = 0;
     for (int k = 0; k < n; k++) {
         const mm_job *j = &jobs[k];
-        const rows_fn fn = colibri_is_integer(j->w, family) ? ops->i8_rows : ops->f32_rows;
+        const int rows = (int)per * j->ops->tile;
+        const rows_fn fn = colibri_is_integer(j->w, family) ? j->ops->i8_rows : j->ops->f32_rows;
         for (int o = 0; o < j->w->O; o += rows)
             tasks[count++] = (run_task){j, fn, o, o + rows < j->w->O ? o + rows : j->w->O};
     }
@@ -231,13 +310,12 @@ int colibri_run_jobs(const mm_job *jobs, int n, const isa_ops *ops, int family) 
 
 int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y) {
     if (colibri_check_weight(w) || x == NULL || y == NULL || S < 1) return -1;
-    const isa_ops *ops = isa_table(colibri_get_isa());
     mm_job j;
-    colibri_describe(&j, w);
+    colibri_describe(&j, w, family);
     j.y = y;
-    int rc = prepare(&j, ops, family, x, S);
+    int rc = prepare(&j, family, x, S);
     if (rc) return rc;
-    return colibri_run_jobs(&j, 1, ops, family);
+    return colibri_run_jobs(&j, 1, family);
 }
 
 int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
@@ -247,30 +325,29 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
         return -1;
     const int F = gate->O, D = gate->I;
     if (up->O != F || up->I != D || down->O != D || down->I != F) return -1;
-    const isa_ops *ops = isa_table(colibri_get_isa());
     float *g = scratch(SLOT_G, (size_t)S * F * sizeof(float));
     float *u = scratch(SLOT_U, (size_t)S * F * sizeof(float));
     if (!g || !u) return -2;
     mm_job j;
-    colibri_describe(&j, gate);
+    colibri_describe(&j, gate, family);
     j.y = g;
-    int rc = prepare(&j, ops, family, x, S);
+    int rc = prepare(&j, family, x, S);
     if (rc) return rc;
-    if ((rc = colibri_run_jobs(&j, 1, ops, family))) return rc;
+    if ((rc = colibri_run_jobs(&j, 1, family))) return rc;
     if (colibri_same_layout(gate, up)) { /* reuse the prepared (quantised) activation */
         j.w = up;
         j.y = u;
     } else {
-        colibri_describe(&j, up);
+        colibri_describe(&j, up, family);
         j.y = u;
-        if ((rc = prepare(&j, ops, family, x, S))) return rc;
+        if ((rc = prepare(&j, family, x, S))) return rc;
     }
-    if ((rc = colibri_run_jobs(&j, 1, ops, family))) return rc;
+    if ((rc = colibri_run_jobs(&j, 1, family))) return rc;
     for (size_t k = 0; k < (size_t)S * F; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-    colibri_describe(&j, down);
+    colibri_describe(&j, down, family);
     j.y = y;
-    if ((rc = prepare(&j, ops, family, g, S))) return rc;
-    return colibri_run_jobs(&j, 1, ops, family);
+    if ((rc = prepare(&j, family, g, S))) return rc;
+    return colibri_run_jobs(&j, 1, family);
 }
 
 /* ---- block-diagonal matmul: each block of output rows has its own activation ----
@@ -292,16 +369,15 @@ typedef struct {
 static void block_chunk(void *ctx, int b) {
     blocks_ctx *c = ctx;
     const colibri_weight *w = c->w;
-    const isa_ops *ops = isa_table(colibri_get_isa());
     const int I = w->I, S = c->S;
     colibri_weight sub = *w;
     mm_job j;
-    colibri_describe(&j, w);
+    colibri_describe(&j, w, c->family);
     const size_t G = (size_t)j.G;
     sub.O = c->Ob;
     sub.data = (const uint8_t *)w->data + (size_t)b * c->Ob * j.wrow;
     if (w->scales) sub.scales = w->scales + (size_t)b * c->Ob * G;
-    colibri_describe(&j, &sub);
+    colibri_describe(&j, &sub, c->family);
     float *xb = scratch(SLOT_BX, (size_t)S * I * sizeof(float));
     float *yb = S == 1 ? c->y + (size_t)b * c->Ob : scratch(SLOT_BY, (size_t)S * c->Ob * sizeof(float));
     if (!xb || !yb) {
@@ -311,12 +387,12 @@ static void block_chunk(void *ctx, int b) {
     for (int s = 0; s < S; s++)
         memcpy(xb + (size_t)s * I, c->x + ((size_t)s * c->B + b) * I, (size_t)I * sizeof(float));
     j.y = yb;
-    const int rc = prepare(&j, ops, c->family, xb, S);
+    const int rc = prepare(&j, c->family, xb, S);
     if (rc) {
         atomic_store(&c->rc, rc);
         return;
     }
-    (colibri_is_integer(&sub, c->family) ? ops->i8_rows : ops->f32_rows)(&j, 0, c->Ob);
+    (colibri_is_integer(&sub, c->family) ? j.ops->i8_rows : j.ops->f32_rows)(&j, 0, c->Ob);
     if (S > 1)
         for (int s = 0; s < S; s++)
             memcpy(c->y + (size_t)s * w->O + (size_t)b * c->Ob, yb + (size_t)s * c->Ob,

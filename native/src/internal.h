@@ -19,8 +19,11 @@
  * kernels may read whole blocks of x; weights are never over-read. */
 #define COLIBRI_XPAD 128
 
+struct isa_ops;
+
 typedef struct mm_job {
     const colibri_weight *w;
+    const struct isa_ops *ops; /* the kernel set this weight's layout runs on (pick_ops) */
     int G;           /* scale groups per row: 1 for per-row formats */
     int gsz;         /* elements per group (I for per-row formats) */
     size_t wrow;     /* bytes per weight row */
@@ -70,17 +73,17 @@ extern const isa_ops colibri_avx512_ops;
 extern const isa_ops colibri_neon_ops;
 #endif
 
-/* Job description and activation preparation (dispatch.c), shared with batch.c. */
-const isa_ops *colibri_isa_ops(void);
+/* Job description and activation preparation (dispatch.c), shared with batch.c.
+ * describe() picks the job's kernel set from the weight's layout and the family (the
+ * calibrated choice, else the process ISA), so equal layouts always share one set. */
 int colibri_is_integer(const colibri_weight *w, int family);
 int colibri_check_weight(const colibri_weight *w);
 int colibri_same_layout(const colibri_weight *a, const colibri_weight *b);
-void colibri_describe(mm_job *j, const colibri_weight *w);
+void colibri_describe(mm_job *j, const colibri_weight *w, int family);
 size_t colibri_prep_bytes(const mm_job *j, int family, int S);
-void colibri_prepare_into(mm_job *j, const isa_ops *ops, int family, const float *x, int S,
-                          void *mem);
+void colibri_prepare_into(mm_job *j, int family, const float *x, int S, void *mem);
 /* Run prepared jobs in one pool dispatch (0, or -2 when out of memory). */
-int colibri_run_jobs(const mm_job *jobs, int n, const isa_ops *ops, int family);
+int colibri_run_jobs(const mm_job *jobs, int n, int family);
 /* Per-calling-thread buffer k (< COLIBRI_ARENAS) of at least n bytes, 64-byte aligned,
  * reused by the next call from the same thread: what a batched call carves its job
  * descriptions (0) and work buffers (1) from, and a composed block (gqa.c) its

@@ -110,3 +110,29 @@ def test_context_limit_is_enforced(oracle_checkpoint) -> None:
         session.prefill([1, 2, 3])
     assert session.length == 6  # the refused call changed nothing
     engine.close()
+
+
+def test_load_hands_the_backend_every_matrix_layout_before_the_first_token(model_copy):
+    """Ops.prepare sees each layout the model holds (dense and experts) with its largest
+    row count, once, before anything is computed: what the CPU backend calibrates."""
+    from colibrid.backends.cpu import CpuOps
+
+    calls: list[dict] = []
+
+    class Recording(CpuOps):
+        def prepare(self, layouts):  # noqa: ANN001
+            calls.append(dict(layouts))
+            super().prepare(layouts)
+
+    config = json.loads((model_copy / "config.json").read_text())
+    engine = Engine.load(model_copy, ops=Recording())
+    try:
+        assert len(calls) == 1
+        (layouts,) = calls
+        ins = {lay.in_features for lay in layouts}
+        assert {config["hidden_size"], config["moe_intermediate_size"]} <= ins
+        rows = max(o for lay, o in layouts.items() if lay.in_features == config["hidden_size"])
+        assert rows >= config["intermediate_size"]  # a dense MLP gate at least
+        assert layouts == engine.checkpoint.matrix_layouts
+    finally:
+        engine.close()

@@ -26,6 +26,9 @@ class NumpyOps:
     def __init__(self) -> None:
         self._cache: dict[int, np.ndarray] = {}
 
+    def prepare(self, layouts) -> None:  # noqa: ANN001
+        """Nothing to tune: numpy has one way to multiply."""
+
     def _dense(self, w: QuantWeight) -> np.ndarray:
         key = id(w.data)
         if key not in self._cache:

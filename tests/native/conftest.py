@@ -136,7 +136,7 @@ def kit() -> types.SimpleNamespace:
 @pytest.fixture(autouse=True)
 def _restore_isa_and_threads():
     """Tests switch ISA/threads freely; put the process defaults back afterwards."""
-    isa, nt = native.current_isa(), native.threads()
+    isa, nt = native.isa_setting(), native.threads()
     yield
     native.set_isa(isa)
     native.set_threads(nt)
