@@ -7,6 +7,8 @@ expert goes where (that is :mod:`colibrid.store.slots`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import PROJECTIONS, ExpertLayout, ExpertWeights
 from colibrid.store.extents import ExpertExtents, ExtentPlanner
@@ -108,6 +110,10 @@ class ExpertReader:
     def fault_in(self, slot: int) -> None:
         assert self.arena is not None
         self.arena.fault_in(slot)
+
+    def fault_in_many(self, slots: Sequence[int]) -> None:
+        assert self.arena is not None
+        self.arena.fault_in_many(slots)
 
     def park(self, slot: int) -> None:
         assert self.arena is not None

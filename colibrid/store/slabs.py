@@ -11,6 +11,9 @@ never touched fills slowly the first time (DESIGN §7).
 from __future__ import annotations
 
 import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -51,8 +54,7 @@ class SlabArena:
             self._mv[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(n_slots)
         ]
         if prefault:
-            for i in range(n_slots):
-                self.fault_in(i)
+            self.fault_in_many(range(n_slots))
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +70,22 @@ class SlabArena:
 
     def fault_in(self, i: int) -> None:
         self._slots[i][::PAGE] = 0
+
+    def fault_in_many(self, slots: Sequence[int], threads: int | None = None) -> None:
+        """Fault many slots in on several threads (numpy drops the GIL while it writes).
+
+        Why threads: a load pre-faults gigabytes, and a VM's first touch of memory it was
+        never given runs at well under 1 GB/s per thread (3.4 s of a 4.7 s load of a
+        10 GB GLM-5-shaped model at a 3.5 GB budget was this loop); page faults on
+        different threads proceed in parallel."""
+        slots = list(slots)
+        n = max(1, min(threads or os.cpu_count() or 1, 8, len(slots)))
+        if n == 1:
+            for i in slots:
+                self.fault_in(i)
+            return
+        with ThreadPoolExecutor(n, thread_name_prefix="colibri-fault") as pool:
+            list(pool.map(self.fault_in, slots))
 
     def release(self, i: int) -> None:
         """Give slot ``i``'s pages back to the kernel (its contents become zeros)."""

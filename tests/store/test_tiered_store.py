@@ -83,6 +83,22 @@ def test_slab_release_and_fault_in() -> None:
     arena.fault_in(1)
 
 
+def test_fault_in_many_gives_every_slot_its_pages() -> None:
+    from colibrid.store.memwatch import mapping_rss
+
+    arena = SlabArena(1 << 20, 12, prefault=False)
+    start = arena.buf.ctypes.data
+    before = mapping_rss(start, start + arena.nbytes)
+    if before is None:
+        pytest.skip("no /proc/self/smaps here")
+    assert before < arena.nbytes // 2
+    arena.fault_in_many(range(12), threads=3)
+    assert mapping_rss(start, start + arena.nbytes) >= arena.nbytes
+    for i in range(12):
+        arena.release(i)
+    assert mapping_rss(start, start + arena.nbytes) < arena.nbytes // 2
+
+
 def test_memwatch_shrinks_and_grows_between_tokens(oracle_checkpoint) -> None:
     ref = oracle_checkpoint("glm4_moe")
     engine = tiered(ref, cache=16)
