@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from colibrid import control
+from colibrid.config import PILOT_HELP
 from colibrid.errors import CheckpointError, ColibriError, RequestError
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pilot",
         choices=("on", "off", "auto"),
-        help="lookahead prefetch (auto: on when experts stream from disk)",
+        help=PILOT_HELP,
     )
     g.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     g.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")

@@ -14,6 +14,13 @@ from typing import Any
 from colibrid.errors import ConfigError
 from colibrid.paths import Paths
 
+# The --pilot help of every command that places experts (kept here: help must not import
+# the store).
+PILOT_HELP = (
+    "lookahead prefetch (auto: when experts stream, decode is measured with and without "
+    "it and the faster kept, re-checked as the run goes; on/off: always)"
+)
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from colibrid.config import load_settings, resolve_model
+from colibrid.config import PILOT_HELP, load_settings, resolve_model
 from colibrid.errors import ColibriError
 from colibrid.paths import Paths, atomic_write, persisting
 from colibrid.serve import socket_server
@@ -54,7 +54,7 @@ def configure_daemon(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pilot",
         choices=("on", "off", "auto"),
-        help="lookahead prefetch (auto: on when experts stream from disk)",
+        help=PILOT_HELP,
     )
     p.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     p.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")

@@ -35,6 +35,9 @@ def render(status: dict) -> str:
     pins = ""
     if ram.get("pins"):
         pins = f"\npins ({ram.get('pin_mode', '-')}): {ram['pins']}"
+    store = status["tiers"].get("store", {})
+    if store.get("streams"):
+        pins += f"\nPILOT: {store.get('pilot_note', 'off')}"
     return f"{head}\n\n{table(rows)}{pins}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}"
 
 

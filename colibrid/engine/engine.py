@@ -316,7 +316,7 @@ class Session:
             store.abort_pass()  # reads land, slots free: the store is as before the pass
             raise
         finally:  # a token boundary: the store may resize, never mid-layer
-            store.between_tokens(time.perf_counter() - t0, clock.attention_s)
+            store.between_tokens(time.perf_counter() - t0, clock.attention_s, len(tokens))
 
     def _check(self, token_ids: Sequence[int]) -> np.ndarray:
         tokens = np.asarray(list(token_ids), dtype=np.int64)

@@ -23,6 +23,7 @@ from colibrid.store import budget as budgets
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout
 from colibrid.store.extents import NotStreamable
+from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pins import PIN_MODES, PinBudget
 from colibrid.store.policy import DEFAULT_POLICY
 from colibrid.store.protocol import ExpertStore
@@ -173,6 +174,8 @@ def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> 
         pilot_slots=base.pilot_slots,
         pin_budget=budget,
     )
+    if opts.pilot == "auto" and base.pilot_slots and store.streams():
+        store.pilot_switch = PilotSwitch()  # PILOT measures whether it pays, per run
     if opts.pin_at_start:
         store.apply_pins(usage.counts)
     if opts.memwatch:  # whenever experts stream, `--cache` included (it is the ceiling)

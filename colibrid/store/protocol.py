@@ -53,8 +53,8 @@ class ExpertStore(Protocol):
     def hint(self, layer: int, experts: Sequence[int]) -> int:
         """PILOT: ``layer`` will probably choose ``experts``; returns reads started."""
 
-    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
-        """A forward pass ended (also after a failed one)."""
+    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0, rows: int = 1) -> None:
+        """A forward pass of ``rows`` tokens ended (also after a failed one)."""
 
     def abort_pass(self) -> None:
         """A forward pass raised: leave the store as consistent as before the pass."""

@@ -98,7 +98,7 @@ class ResidentExpertStore:
     def hint(self, layer: int, experts: Sequence[int]) -> int:
         return 0  # everything is in memory: nothing to read ahead
 
-    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
+    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0, rows: int = 1) -> None:
         self.stats.tokens += 1
         self.stats.token_wall_s += wall_s
         self.stats.attention_s += attention_s

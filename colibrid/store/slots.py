@@ -79,6 +79,7 @@ class Placement:
         self.layers = tuple(layers)
         self.cache_max = plan.cache_per_layer
         self.cache_per_layer = plan.cache_per_layer
+        self.lent = 0  # PILOT slots lent to every layer's cache while PILOT is off
         self._fault_in, self._park = fault_in, park
         n = max(1, plan.total)
         self.state = [FREE] * n
@@ -111,6 +112,26 @@ class Placement:
         self.state[slot] = state
         self.slot_key[slot] = key
 
+    @property
+    def pilot_room(self) -> int:
+        """Slots PILOT may read into now: its plan share less what is lent to the caches."""
+        return self.plan.pilot - self.lent * len(self.layers)
+
+    def lend(self, per_layer: int) -> int:
+        """Lend PILOT's slots to the caches, ``per_layer`` more experts each (at most what
+        the PILOT share covers), or 0 to take them back (evicting each layer's coldest);
+        returns what is lent. A cache MEMWATCH shrank stays as it is, under the new
+        ceiling."""
+        per_layer = max(0, min(int(per_layer), self.plan.pilot // max(1, len(self.layers))))
+        at_ceiling = self.cache_per_layer >= self.cache_max
+        self.lent = per_layer
+        self.cache_max = self.plan.cache_per_layer + per_layer
+        if at_ceiling or self.cache_per_layer > self.cache_max:
+            self.resize_cache(self.cache_max)
+        else:
+            self.rebalance()
+        return per_layer
+
     def spare(self) -> int:
         """Free slots beyond the work slots a layer's misses may need (PILOT, REPIN)."""
         return len(self.free) - self.plan.work
@@ -118,7 +139,8 @@ class Placement:
     def wanted_faulted(self) -> int:
         """Slots that must have pages: what the tiers may hold now plus work and PILOT."""
         pins = len(self.pinned) + len(self.pin_on_land)
-        return pins + self.cache_per_layer * len(self.layers) + self.plan.work + self.plan.pilot
+        cache = self.cache_per_layer * len(self.layers)
+        return pins + cache + self.plan.work + self.pilot_room
 
     def rebalance(self) -> None:
         """Park free slots the plan does not need now; fault parked ones in when it does."""

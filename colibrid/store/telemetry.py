@@ -75,6 +75,7 @@ class StoreStats:
     pin_mode: str = "off"
     pin_note: str = "off"  # what the pin controller did, in words
     streams: bool = False  # experts are read from disk (the cache cannot hold them all)
+    pilot_note: str = "off"  # PILOT: off, on, or what --pilot auto measured and chose
 
     @property
     def hit_rate(self) -> float:
@@ -93,8 +94,8 @@ class StoreStats:
             f"{title}: time io-wait {self.io_wait_s:.3f} s, expert compute {self.compute_s:.3f} "
             f"s, attention {self.attention_s:.3f} s, other (shared experts, dense MLPs, "
             f"routing) {self.other_s:.3f} s over {self.tokens} forward passes",
-            f"{title}: PILOT recall {recall}, {self.pilot_loads} prefetch loads "
-            f"({self.pilot_cancelled} withdrawn unread); cache "
+            f"{title}: PILOT {self.pilot_note}; recall {recall}, {self.pilot_loads} prefetch "
+            f"loads ({self.pilot_cancelled} withdrawn unread); cache "
             f"{self.cache_per_layer} experts/layer ({self.cache_bytes / 2**30:.2f} GiB, "
             f"{self.policy}), {self.pinned} pinned; memwatch: {self.memwatch}",
         ]

@@ -23,6 +23,7 @@ from dataclasses import replace
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.completions import Completions
 from colibrid.store.experts import ExpertLayout, ExpertWeights
+from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pin_moves import PinMoves
 from colibrid.store.pins import PinBudget, PinController, repin_swaps
 from colibrid.store.policy import DEFAULT_POLICY
@@ -79,6 +80,8 @@ class TieredStore:
         self.pins = PinController(PinBudget("off", 0, 0))
         self.memwatch = None  # a memwatch.MemWatch, attached by options.allocate_store
         self.memwatch_note = "off"  # what `ps` shows: the watch's "on: ..." until it acts
+        self.pilot_on = True  # PILOT's slots read guesses (False: lent to the caches)
+        self.pilot_switch: PilotSwitch | None = None  # --pilot auto: measures on vs off
         self.placement: Placement | None = None
         self.prefetcher: Prefetcher | None = None
         self.completions: Completions | None = None
@@ -126,8 +129,8 @@ class TieredStore:
             fault_in=self.reader.fault_in,
             park=self.reader.park,
         )
-        for slot in self.placement.free:  # pre-fault: untouched RAM fills slowly later
-            self.reader.fault_in(slot)
+        # pre-fault: untouched RAM fills slowly later
+        self.reader.fault_in_many(self.placement.free)
         self.prefetcher = Prefetcher(self.placement, self.reader, self.stats)
         self.completions = Completions(self.placement, self.reader, self.prefetcher)
         self.server = LayerServer(
@@ -248,15 +251,38 @@ class TieredStore:
         if self.placement is None or layer not in self.extents:
             return 0
         pilot = self._pilot()
-        room = (
-            self.placement.plan.pilot - len(pilot.inflight) - len(self._served().completions.landed)
-        )
+        room = 0  # off: the guess is still scored, so the recall stays measured
+        if self.pilot_on:
+            landed = len(self._served().completions.landed)
+            room = self.placement.pilot_room - len(pilot.inflight) - landed
         return pilot.hint(layer, experts, room)
 
+    def set_pilot(self, on: bool) -> None:
+        """PILOT on (its slots read guesses) or off (its slots lent to the caches, one
+        more expert per layer for each layer's worth; guesses in flight land first)."""
+        self._quiesce()
+        pl, pilot, completions = self._placed(), self._pilot(), self._served().completions
+        if not on:
+            repin = pl.pin_on_land
+            for key in [k for k in pilot.inflight if k not in repin]:
+                pilot.withdraw(key)
+            while any(k not in repin for k in pilot.inflight):
+                completions.pump_quiet()
+            completions.drain()
+        lend = min(
+            pl.plan.pilot // max(1, self.n_layers), self.layout.n_experts - pl.plan.cache_per_layer
+        )
+        pl.lend(0 if on else lend)
+        self.pilot_on = on
+
     # ---- boundaries, resizing, telemetry -------------------------------------------------
-    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0) -> None:
+    def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0, rows: int = 1) -> None:
         """A forward pass ended: admit held experts, count the token and its time."""
         self._served().finish_held()
+        if self.pilot_switch is not None:
+            on = self.pilot_switch.observe(rows, wall_s)
+            if on != self.pilot_on:
+                self.set_pilot(on)
         self.stats.io_active_s = self.pool.busy_seconds()
         self.stats.tokens += 1
         self.stats.token_wall_s += wall_s
@@ -315,6 +341,10 @@ class TieredStore:
             policy=self.policy_name,
             memwatch=self.memwatch_note,
         )
+        if self.pilot_switch is not None:
+            pilot_note = self.pilot_switch.describe()
+        else:
+            pilot_note = "on" if pl is not None and pl.plan.pilot else "off"
         return replace(
             snap,
             resident_experts=cached + snap.pinned,
@@ -324,6 +354,7 @@ class TieredStore:
             pin_mode=self.pins.budget.mode,
             pin_note=self.pins.note,
             streams=self.streams(),
+            pilot_note=pilot_note,
         )
 
     def close(self) -> None:

@@ -1,0 +1,120 @@
+"""PILOT's self-switch (store/pilot_switch.py): it tries both states, keeps the faster,
+re-measures the other now and then, counts only decode tokens; and in the store,
+switching lends PILOT's slots to the caches and back without changing a token."""
+
+from __future__ import annotations
+
+import pytest
+
+from colibrid.engine.engine import Engine
+from colibrid.engine.generate import TokenEvent, generate
+from colibrid.engine.sampling import SamplingParams
+from colibrid.store import pilot_switch
+from colibrid.store.options import StoreOptions
+from colibrid.store.pilot_switch import HOLD, TRIALS, WARMUP, WINDOW, PilotSwitch
+
+
+def feed(switch: PilotSwitch, seconds: dict[bool, float], windows: int) -> list[bool]:
+    """Decode tokens costing seconds[state] each; the state at the end of each window."""
+    states = []
+    for _ in range(windows):
+        done = sum(switch.windows.values())
+        for _ in range(WARMUP + WINDOW):
+            switch.observe(1, seconds[switch.on])
+            if sum(switch.windows.values()) > done:
+                break
+        assert sum(switch.windows.values()) == done + 1
+        states.append(switch.on)
+    return states
+
+
+def test_trials_alternate_then_the_faster_state_holds():
+    switch = PilotSwitch()
+    assert switch.on and "measuring" in switch.describe()
+    states = feed(switch, {True: 0.30, False: 0.20}, 2 * TRIALS)
+    assert states[: 2 * TRIALS - 1] == [i % 2 == 1 for i in range(2 * TRIALS - 1)]
+    assert switch.on is False, "PILOT costs more than it saves here: off"
+    held = feed(switch, {True: 0.30, False: 0.20}, HOLD - 1)
+    assert held == [False] * (HOLD - 1)
+    assert "off (300 ms/token with PILOT, 200 without" in switch.describe()
+
+
+def test_the_other_state_is_re_measured_and_a_change_is_followed():
+    switch = PilotSwitch()
+    feed(switch, {True: 0.30, False: 0.20}, 2 * TRIALS + HOLD - 1)
+    assert switch.on is False
+    feed(switch, {True: 0.30, False: 0.20}, 1)  # HOLD reached: one window of PILOT on
+    assert switch.on is True
+    feed(switch, {True: 0.10, False: 0.20}, 1)  # PILOT got better: it stays on
+    assert switch.on is True
+    feed(switch, {True: 0.10, False: 0.20}, 3)
+    assert switch.on is True
+
+
+def test_within_the_margin_the_current_state_stays():
+    switch = PilotSwitch()
+    feed(switch, {True: 0.200, False: 0.202}, 2 * TRIALS)
+    state = switch.on
+    assert feed(switch, {True: 0.200, False: 0.202}, HOLD - 1) == [state] * (HOLD - 1)
+
+
+def test_prefill_passes_and_warm_up_tokens_are_not_counted():
+    switch = PilotSwitch()
+    for _ in range(1000):
+        switch.observe(32, 5.0)
+    assert switch.on and switch.windows == {True: 0, False: 0}
+    for _ in range(WARMUP + WINDOW - 1):
+        switch.observe(1, 0.1)
+    assert switch.on, "one token short of a window"
+    switch.observe(1, 0.1)
+    assert not switch.on and switch.windows[True] == 1
+
+
+def test_switching_lends_slots_and_never_changes_tokens(oracle_checkpoint, monkeypatch):
+    """--pilot auto with a switch every two decode tokens: PILOT's slots move to the caches
+    and back many times in one answer, the text equals the resident run's and the
+    bookkeeping stays whole."""
+    monkeypatch.setattr(pilot_switch, "WINDOW", 2)
+    monkeypatch.setattr(pilot_switch, "WARMUP", 0)
+    monkeypatch.setattr(pilot_switch, "TRIALS", 10_000)  # never leaves the trial phase
+    ref = oracle_checkpoint("glm4_moe")
+    opts = StoreOptions(mode="tiered", cache=1, pin="off", pilot="auto", io_threads=2)
+    engine = Engine.load(ref.out_dir, store=opts)
+    try:
+        store = engine.experts
+        assert store.pilot_switch is not None and store.streams()
+        plan = store.plan
+        per_layer = plan.pilot // store.n_layers
+        assert per_layer >= 1, "the tiny model must have a layer's worth of PILOT slots"
+        lent = []
+        real_set = store.set_pilot
+
+        def recording(on: bool) -> None:
+            real_set(on)
+            lent.append(store.placement.lent)
+            assert store.cache_max == plan.cache_per_layer + store.placement.lent
+            store.check_consistency()
+
+        monkeypatch.setattr(store, "set_pilot", recording)
+        params = SamplingParams(max_tokens=20, temperature=0.0)
+        events = generate(engine, ref.prompt_ids, params)
+        tokens = [e.token_id for e in events if isinstance(e, TokenEvent)]
+        assert tokens == ref.greedy_ids
+        assert per_layer in lent and 0 in lent, f"slots never moved both ways: {lent}"
+        st = store.statistics()
+        assert st.pilot_recall is not None, "guesses are scored in both states"
+        assert st.pilot_note.startswith("auto: ")
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_explicit_pilot_modes_do_not_switch(oracle_checkpoint, mode):
+    ref = oracle_checkpoint("glm4_moe")
+    opts = StoreOptions(mode="tiered", cache=1, pin="off", pilot=mode, io_threads=2)
+    engine = Engine.load(ref.out_dir, store=opts)
+    try:
+        assert engine.experts.pilot_switch is None
+        assert engine.experts.statistics().pilot_note == mode
+    finally:
+        engine.close()
