@@ -13,8 +13,10 @@ never a test dependency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,7 +41,7 @@ class PeerResult:
     model_bytes: int
 
 
-def _llama_cpp():  # noqa: ANN202 - the optional module
+def llama_cpp_module():  # noqa: ANN201 - the optional module
     try:
         import llama_cpp
     except ImportError:
@@ -47,8 +49,36 @@ def _llama_cpp():  # noqa: ANN202 - the optional module
     return llama_cpp
 
 
+@contextlib.contextmanager
+def no_repack(llama_cpp) -> Iterator[None]:  # noqa: ANN001
+    """Models loaded meanwhile keep their weights in the mapped file (llama.cpp's
+    `--no-repack`): repacking copies them into RAM, which a model bigger than RAM has not.
+    llama-cpp-python has no argument for it, so its default parameters are wrapped."""
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+
+    def params():  # noqa: ANN202
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
+def last_logits(llm) -> np.ndarray:  # noqa: ANN001
+    """The logits of the last token evaluated. (`Llama.scores` is only filled with
+    logits_all, which makes every prompt token compute the head too.)"""
+    llama_cpp = llama_cpp_module()
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
 def llama_cpp_run(gguf: Path, prompt: list[int], tokens: int, threads: int) -> PeerResult:
-    llama_cpp = _llama_cpp()
+    llama_cpp = llama_cpp_module()
     llm = llama_cpp.Llama(
         model_path=str(gguf),
         n_ctx=len(prompt) + tokens + 16,
@@ -65,7 +95,7 @@ def llama_cpp_run(gguf: Path, prompt: list[int], tokens: int, threads: int) -> P
         prefill_s = time.perf_counter() - started
         started = time.perf_counter()
         for _ in range(tokens):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([int(np.argmax(last_logits(llm)))])
         decode_s = time.perf_counter() - started
     finally:
         llm.close()
@@ -82,13 +112,41 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="colibri bench peer", description=__doc__)
     p.add_argument("--model", default="demo-dense", metavar="NAME|DIR", help="colibri model")
     p.add_argument("--gguf", metavar="FILE", help="the GGUF for llama.cpp (default: the demo's)")
-    p.add_argument("--prompt-tokens", type=int, default=256, help="prefill length")
-    p.add_argument("--tokens", type=int, default=128, help="decode steps measured")
+    p.add_argument("--prompt-tokens", type=int, help="prefill length (default 256; 16 with --far)")
+    p.add_argument("--tokens", type=int, help="decode steps measured (default 128; 16 with --far)")
+    p.add_argument(
+        "--far",
+        metavar="DIR",
+        help=(
+            "side-by-side (b): this GLM-4.5-Air-shaped container (colibri synth --shape "
+            "glm4-air) and its GGUF twin (written once, or --gguf), with all but --leave-gb "
+            "of memory locked away"
+        ),
+    )
+    p.add_argument(
+        "--leave-gb", type=float, default=4.0, help="--far: GB of memory left to the runtimes"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 16 if args.far else 256
+    if args.tokens is None:
+        args.tokens = 16 if args.far else 128
     if args.prompt_tokens < 1 or args.tokens < 1:
         p.error("--prompt-tokens and --tokens must be >= 1")
-    _llama_cpp()  # before minutes of measuring colibri, not after
+    llama_cpp_module()  # before minutes of measuring colibri, not after
+    if args.far:
+        from colibrid.bench import peer_far
+
+        far = peer_far.run(
+            Path(args.far),
+            Path(args.gguf) if args.gguf else None,
+            args.leave_gb,
+            args.tokens,
+            args.prompt_tokens,
+        )
+        print(json.dumps(far) if args.json else peer_far.report(far))
+        return 0
     from colibrid.backends import native
     from colibrid.bench.decode import measure, random_prompt
     from colibrid.config import resolve_model

@@ -59,7 +59,7 @@ def test_record_prompts_then_replay_through_a_tiny_cache(chat_model, tmp_path) -
         n = sum(len(r["generated_ids"]) for r in doc["requests"])
         assert f"2 request(s), {n} tokens teacher-forced" in rep.stdout
         assert f"argmax agrees {n}/{n}" in rep.stdout
-        assert "PILOT recall" in rep.stdout
+        assert re.search(r"PILOT (on|off|auto: [^;]+); recall", rep.stdout)
 
     pol = colibri("bench", "policy", "--trace", str(trace), "--cache", "1", "--cache", "2")
     assert pol.returncode == 0, pol.stderr
@@ -93,7 +93,7 @@ def test_stream_reports_against_its_own_probe(oracle_checkpoint) -> None:
     assert probe > 0
     assert re.search(r"decode: [0-9.]+ tok/s over 4 tokens; hit [0-9.]+%", text)
     assert re.search(r"roofline: [0-9.]+ tok/s .* achieved \d+% of it", text)
-    assert "stream: PILOT recall" in text
+    assert re.search(r"stream: PILOT (on|off|auto: [^;]+); recall", text)
 
 
 def test_record_needs_a_model(tmp_path: Path) -> None:
