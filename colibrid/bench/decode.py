@@ -3,7 +3,7 @@
 With every expert in RAM, decode is a stream of weights through the cores: each token
 reads the attention and dense weights, the shared experts, the output head and the routed
 experts it chose. The honest limit is therefore memory read bandwidth divided by the
-weight bytes a token touches. Both are measured in this run (DESIGN §8): the bytes by
+weight bytes a token touches. Both are measured in this run (docs/performance.md): the bytes by
 counting every weight handed to the kernels during a few extra decode steps, the
 bandwidth by the native read probe right before and right after decoding (the faster one
 is the limit, so a noisy moment never flatters the ratio).

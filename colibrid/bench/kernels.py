@@ -2,7 +2,7 @@
 
 Decode (S=1) through an expert-shaped matrix is a pure weight stream, so the honest
 figure is weight bytes (data + scales) read per second, printed next to the machine's
-memory read bandwidth measured in the same run with the same thread count (DESIGN §8).
+memory read bandwidth measured in the same run with the same thread count (docs/performance.md).
 To measure DRAM and not cache, every case cycles through enough distinct copies of the
 matrix to cover --working-set MB, after one warm-up pass that faults the pages in.
 """

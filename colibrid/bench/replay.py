@@ -1,7 +1,7 @@
 """`colibri bench replay`: record a request once, replay it teacher-forced anywhere.
 
 Why: two store configurations must see identical inputs so they differ only in speed and
-hit rate (DESIGN §9). ``--record FILE`` runs one greedy generation with every expert
+hit rate (docs/performance.md). ``--record FILE`` runs one greedy generation with every expert
 resident and saves the prompt, the generated ids and the routing trace (per forward pass,
 per MoE layer, the union of chosen experts: what `colibri bench policy` replays).
 ``--replay FILE`` prefills the prompt and decodes the recorded tokens (not sampled ones)

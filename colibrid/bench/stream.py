@@ -1,6 +1,6 @@
 """`colibri bench stream`: decode speed while streaming experts, against the disk limit.
 
-Measured in the same run (DESIGN §8): first an O_DIRECT probe reads randomly chosen
+Measured in the same run (docs/performance.md): first an O_DIRECT probe reads randomly chosen
 experts of this model (their real aligned extents, with the store's own reader threads)
 into a slab arena and gives the drive's GB/s for expert-sized reads; then the model
 decodes with the given budget. Printed: decode tok/s, expert GB/s achieved while reading
