@@ -113,32 +113,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         use_qk_norm=False,
         vocab_size=8192,
     ),
-    "glm4-tiny": dict(  # GLM-4.5-Air's structure at toy sizes: for tests
-        model_type="glm4_moe",
-        architectures=["Glm4MoeForCausalLM"],
-        hidden_size=128,
-        intermediate_size=192,
-        moe_intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=True,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=1024,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
-        },
-        attention_bias=True,
-        use_qk_norm=False,
-        vocab_size=320,
-    ),
     "tiny": dict(  # GLM-5's structure at toy sizes: for tests
         model_type="glm_moe_dsa",
         architectures=["GlmMoeDsaForCausalLM"],
@@ -169,6 +143,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=320,
     ),
 }
+# GLM-4.5-Air's structure at toy sizes: for tests
+SHAPES["glm4-tiny"] = dict(
+    SHAPES["glm4-air"],
+    hidden_size=128,
+    intermediate_size=192,
+    moe_intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts_per_tok=2,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    vocab_size=320,
+)
 
 
 def synth_config(shape: str, layers: int, experts: int) -> dict[str, Any]:
