@@ -1,16 +1,23 @@
-"""`colibri bench decode`: resident prefill and decode speed against the memory roofline.
+"""`colibri bench decode`: resident prefill and decode speed against the memory roofline
+and the kernels' own speed.
 
 With every expert in RAM, decode is a stream of weights through the cores: each token
 reads the attention and dense weights, the shared experts, the output head and the routed
-experts it chose. The honest limit is therefore memory read bandwidth divided by the
-weight bytes a token touches. Both are measured in this run (docs/performance.md): the bytes by
+experts it chose. One limit is therefore memory read bandwidth divided by the weight bytes
+a token touches. Both are measured in this run (docs/performance.md): the bytes by
 counting every weight handed to the kernels during a few extra decode steps, the
 bandwidth by the native read probe right before and right after decoding (the faster one
 is the limit, so a noisy moment never flatters the ratio).
 
+The other limit is arithmetic: on a few cores an int4 matrix in the F32 family (weights
+widened to f32 in registers) can take longer to multiply than to read. So the same run
+also times each kind of matrix the token used, at S = 1 with its weights hot in cache,
+and adds up what the token's matrices cost at those speeds: the kernel floor. Decode can
+beat neither limit; the lower one is what bounds it.
+
 Printed: prefill tok/s (and its GFLOP/s from the same byte count, two flops per weight),
 decode tok/s, GB of weights per token, the KV cache read per token at the end, the
-roofline tok/s and decode as a fraction of it.
+roofline tok/s, the kernel floor tok/s and decode as a fraction of each.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,10 @@ from colibrid.errors import ConfigError
 from colibrid.formats.weights import QuantWeight
 
 COUNTED_STEPS = 4  # decode steps whose weight bytes are counted (after the timed ones)
+HOT_SET_BYTES = 1 << 20  # copies of a matrix timed together: stays in a core's L2
+HOT_ROUNDS = 7
+
+Shape = tuple[str, int, int, int]  # (format, Q4 group size, O, I): one kind of matrix
 
 
 class CountingOps:
@@ -52,6 +64,8 @@ class CountingOps:
         self.name = inner.name
         self.bytes = 0
         self.elements = 0
+        self.by_shape: Counter[Shape] = Counter()  # bytes per kind of matrix
+        self.weights: dict[Shape, QuantWeight] = {}  # one of each kind, to time it
         self.counting = False
 
     @property
@@ -79,6 +93,9 @@ class CountingOps:
         for w in weights:
             self.bytes += w.nbytes
             self.elements += w.shape[0] * w.shape[1]
+            shape = (w.fmt.value, w.group_size, *w.shape)
+            self.by_shape[shape] += w.nbytes
+            self.weights.setdefault(shape, w)
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         self._count(w)
@@ -125,6 +142,8 @@ class Result:
     membw_gbs: float
     roofline_tok_s: float
     ratio: float
+    kernel_floor_tok_s: float
+    floor_ratio: float
 
 
 def random_prompt(vocab: int, tokens: int) -> list[int]:
@@ -138,6 +157,32 @@ def _greedy(session: Any, logits: np.ndarray, steps: int) -> np.ndarray:
     for _ in range(steps):
         logits = session.decode(int(np.argmax(logits)))
     return logits
+
+
+def hot_seconds_per_byte(w: QuantWeight, family: KernelFamily) -> float:
+    """Seconds per weight byte of an S = 1 product with ``w``'s layout and shape, its
+    weights hot in cache: copies of it (about ``HOT_SET_BYTES`` in all) in one
+    ``matmul_many`` call, so a small matrix is timed without a call's fixed cost; the
+    best of ``HOT_ROUNDS`` after a warm-up."""
+    from colibrid.backends import native
+
+    copies = [w] * max(1, HOT_SET_BYTES // max(1, w.nbytes))
+    x = np.random.default_rng(1).standard_normal((1, w.shape[1]), dtype=np.float32)
+    native.matmul_many(copies, x, family)
+    best = float("inf")
+    for _ in range(HOT_ROUNDS):
+        t0 = time.perf_counter()
+        native.matmul_many(copies, x, family)
+        best = min(best, time.perf_counter() - t0)
+    return best / (len(copies) * w.nbytes)
+
+
+def kernel_floor_s(ops: CountingOps, steps: int, family: KernelFamily) -> float:
+    """Seconds one decode step's matrices take at their cache-hot kernel speed."""
+    return sum(
+        nbytes / steps * hot_seconds_per_byte(ops.weights[shape], family)
+        for shape, nbytes in ops.by_shape.items()
+    )
 
 
 def measure(
@@ -179,6 +224,7 @@ def measure(
         gb_token = ops.bytes / COUNTED_STEPS / 1e9
         flops_token = 2 * ops.elements / COUNTED_STEPS
         kv_mb = bytes_per_position(engine.model.cache_layouts()) * session.length / 1e6
+        floor_tok_s = 1.0 / kernel_floor_s(ops, COUNTED_STEPS, family)
     finally:
         engine.close()
     membw = max(probe_before, probe_after)
@@ -197,6 +243,8 @@ def measure(
         membw_gbs=membw,
         roofline_tok_s=roofline,
         ratio=decode_tok_s / roofline,
+        kernel_floor_tok_s=floor_tok_s,
+        floor_ratio=decode_tok_s / floor_tok_s,
     )
 
 
@@ -240,6 +288,12 @@ def main(argv: list[str]) -> int:
     print(
         f"roofline: {r.roofline_tok_s:.1f} tok/s (probe GB/s / weight GB per token); "
         f"decode is {100 * r.ratio:.0f}% of it"
+    )
+    bound = "kernel arithmetic" if r.kernel_floor_tok_s < r.roofline_tok_s else "memory"
+    print(
+        f"kernel floor: {r.kernel_floor_tok_s:.1f} tok/s (the token's matrices at their "
+        f"cache-hot S=1 kernel speed); decode is {100 * r.floor_ratio:.0f}% of it; "
+        f"the lower limit: {bound}"
     )
     return 0
 

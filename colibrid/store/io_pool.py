@@ -133,9 +133,11 @@ class IOPool:
     back on ``done`` as ``(tag, nbytes, error_or_None)`` in completion order.
 
     Why priorities: a layer's demand misses must not queue behind PILOT's guesses for the
-    next layer; background reads run only when no demand read waits, and one that has not
-    started yet can be withdrawn (:meth:`cancel`) or promoted (:meth:`promote`) once the
-    router has spoken. At most ``max_background`` background reads run at once (one
+    next layer, nor share the drive with them; background reads run only while no demand
+    read is queued or running (a guess fills the drive's idle time: the attention and the
+    last expert of a layer, before the next layer's misses are known), and one that has
+    not started yet can be withdrawn (:meth:`cancel`) or promoted (:meth:`promote`) once
+    the router has spoken. At most ``max_background`` background reads run at once (one
     expert-sized read already keeps a drive's queue deep), so the later, less confident
     guesses stay queued long enough to be withdrawn instead of costing disk time. Each
     tag has at most one read in the pool at a time.
@@ -182,8 +184,11 @@ class IOPool:
                     if job is None or job[1] != seq:  # cancelled or re-queued: drop it
                         heapq.heappop(self._heap)
                         continue
-                    if prio == BACKGROUND and self._background_running >= self.max_background:
-                        break  # only background work left and its share is running
+                    if prio == BACKGROUND and (
+                        self._background_running >= self.max_background
+                        or self._running > self._background_running
+                    ):
+                        break  # only background work left: it waits for an idle drive
                     heapq.heappop(self._heap)
                     del self._queued[tag]
                     self._background_running += prio == BACKGROUND
@@ -205,7 +210,8 @@ class IOPool:
                     self._busy_s += time.perf_counter() - self._busy_since
                 if prio == BACKGROUND:
                     self._background_running -= 1
-                    self._cv.notify_all()
+                if self._running == self._background_running:
+                    self._cv.notify_all()  # background work may start on an idle drive
 
     def submit(
         self, tag: int, reads: Sequence[Read], target: memoryview, priority: int = DEMAND_READ

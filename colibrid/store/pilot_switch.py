@@ -84,7 +84,7 @@ class PilotSwitch:
         state = "on" if self.on else "off"
         if with_ is None or without is None:
             return f"auto: {state}, measuring"
-        return (
-            f"auto: {state} ({with_ * 1e3:.0f} ms/token with PILOT, "
-            f"{without * 1e3:.0f} without; {self.switches} switches)"
-        )
+        figures = f"{with_ * 1e3:.0f} ms/token with PILOT, {without * 1e3:.0f} without"
+        if min(self.windows.values()) < TRIALS:  # still alternating: nothing chosen yet
+            return f"auto: {state}, measuring ({figures} so far)"
+        return f"auto: {state} ({figures}; {self.switches} switches)"

@@ -141,10 +141,14 @@ def test_decode_bench_counts_the_bytes_a_token_reads_and_its_roofline(chat_model
     assert r["membw_gbs"] > 0 and r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0
     assert r["roofline_tok_s"] == pytest.approx(r["membw_gbs"] / r["weight_gb_per_token"])
     assert r["ratio"] == pytest.approx(r["decode_tok_s"] / r["roofline_tok_s"])
+    assert r["kernel_floor_tok_s"] > 0
+    assert r["floor_ratio"] == pytest.approx(r["decode_tok_s"] / r["kernel_floor_tok_s"])
     assert r["kv_mb_per_token"] > 0
     text = colibri("bench", "decode", "--model", str(chat_model), "--prompt-tokens", "8")
     assert text.returncode == 0, text.stderr
     assert re.search(r"roofline: [\d.]+ tok/s .* decode is \d+% of it", text.stdout)
+    limits = r"kernel floor: [\d.]+ tok/s .* the lower limit: (memory|kernel arithmetic)"
+    assert re.search(limits, text.stdout)
     too_long = colibri("bench", "decode", "--model", str(chat_model), "--prompt-tokens", "250")
     assert too_long.returncode == 1
     assert "context is 256: lower them" in too_long.stderr and "Traceback" not in too_long.stderr

@@ -63,3 +63,33 @@ def test_inline_pool_reads_at_submit(tmp_path) -> None:
     finally:
         pool.close()
         pool.files.close()
+
+
+def test_background_waits_for_an_idle_drive(tmp_path) -> None:
+    """A guess must not share the drive with a read a layer is waiting for: a background
+    read starts only once no demand read is running, even with a reader thread free."""
+    import threading
+
+    pool, arena, reads = _pool(tmp_path, threads=2)
+    release = threading.Event()
+    started: list[int] = []
+    real = pool.files.read_into
+
+    def slow_demand(batch, target):  # noqa: ANN001, ANN202
+        started.append(batch[0].offset // ALIGN)
+        if batch[0].offset == 0:  # the demand read: the drive stays busy until released
+            assert release.wait(timeout=10)
+        return real(batch, target)
+
+    pool.files.read_into = slow_demand
+    try:
+        pool.submit(0, [reads[0]], arena.memview(0), DEMAND_READ)
+        pool.submit(1, [reads[1]], arena.memview(1), BACKGROUND)
+        assert not release.wait(timeout=0.3)  # give the free thread time to misbehave
+        assert started == [0] and pool.done.empty()
+        release.set()
+        assert _drain(pool, 2) == [0, 1]
+    finally:
+        release.set()
+        pool.close()
+        pool.files.close()
