@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
+from colibrid.engine import batch
 from colibrid.engine.kv import KVCache, bytes_per_position
 from colibrid.engine.validate import validate
 from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
-from colibrid.models.base import PassClock, Step
+from colibrid.models.base import PassClock, Segment, Step
 from colibrid.models.mtp import MTPLayer
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout
@@ -28,6 +29,7 @@ from colibrid.store.options import StoreOptions, allocate_store, open_store
 from colibrid.store.protocol import ExpertStore
 
 DEFAULT_MAX_CONTEXT = 4096
+Hook = Callable[[int], None]  # called before each layer of a pass with its index
 PROMPT_LOGITS_KEPT = 2  # prompt ends remembered per session (a vocabulary of floats each)
 VERIFY_RTOL = 1e-3  # relative L2 error a recomputed KV row or logits vector may show
 
@@ -120,6 +122,35 @@ class Engine:
     def new_session(self) -> Session:
         return Session(self)
 
+    def hidden_states(
+        self, tokens: np.ndarray, parts: Sequence[tuple[Session, int]], hook: Hook | None
+    ) -> np.ndarray:
+        """One forward pass over ``parts`` (a session and how many of ``tokens`` are its
+        new rows, in order): each session's rows are written after what it holds; commits
+        nothing (the caller advances the caches it keeps). Final-normed hidden [S, D]."""
+        clock = PassClock()
+        segments = [
+            Segment(s.cache, Step(s.cache.length, self.family, hook, clock), rows)
+            for s, rows in parts
+        ]
+        t0 = time.perf_counter()
+        try:  # a failed pass leaves every length unchanged, so rows it wrote are never read
+            return self.model.hidden_states(tokens, segments)
+        except BaseException:
+            self.experts.abort_pass()  # reads land, slots free: the store is as before
+            raise
+        finally:  # a token boundary: the store may resize, never mid-layer
+            self.experts.between_tokens(time.perf_counter() - t0, clock.attention_s, len(tokens))
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.model.logits(hidden, self.family)
+
+    def run(
+        self, forwards: Sequence[batch.Forward], hook: Hook | None = None
+    ) -> list[np.ndarray | None]:
+        """Every forward's new rows in one pass (engine.batch.run)."""
+        return batch.run(self, forwards, hook)
+
     def request_finished(self) -> None:
         """A request ended: the store persists its usage profile and re-pins."""
         self.experts.request_finished()
@@ -194,11 +225,9 @@ class Session:
         session then holds exactly the tokens it held before the call. `progress(done,
         total)` is called before each layer with the layers done so far.
         """
-        tokens = self._check(token_ids)
-        hidden = self._forward(tokens, cancel, progress)
-        rows = hidden if all_logits else hidden[-1:]
-        logits = self.engine.model.logits(rows, self.engine.family)
-        return logits if all_logits else logits[0]
+        mode = batch.LOGITS_ALL if all_logits else batch.LOGITS_LAST
+        hook = pass_hook(self.engine.info.n_layers, cancel, progress)
+        return batch.run(self.engine, [batch.Forward.of(self, token_ids, mode)], hook)[0]
 
     def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray:
         return self.prefill([token_id], cancel=cancel)
@@ -267,7 +296,7 @@ class Session:
         cache.truncate(p - 1)  # rows stay in memory; the pass rewrites row p - 1
         try:
             hidden = self._pass(np.asarray(self.tokens[p - 1 : p], dtype=np.int64), None)
-            logits = self.engine.model.logits(hidden[-1:], self.engine.family)[0]
+            logits = self.engine.logits(hidden[-1:])[0]
             again = cache.position(p - 1)
         finally:
             cache.put_position(p - 1, saved)
@@ -281,42 +310,20 @@ class Session:
             return f"the logits after {p} tokens do not recompute"
         return None
 
-    def _forward(
-        self,
-        tokens: np.ndarray,
-        cancel: threading.Event | None,
-        progress: Callable[[int, int], None] | None = None,
-    ) -> np.ndarray:
-        hook = None
-        if cancel is not None or progress is not None:
-            layers = self.engine.info.n_layers
+    def _pass(self, tokens: np.ndarray, hook: Hook | None) -> np.ndarray:
+        """One forward pass writing rows [length, length + S); commits nothing."""
+        return self.engine.hidden_states(tokens, [(self, len(tokens))], hook)
 
-            def hook(index: int) -> None:
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled("request cancelled")
-                if progress is not None:
-                    progress(index, layers)
-
-        hidden = self._pass(tokens, hook)
+    def commit(self, tokens: np.ndarray) -> None:
+        """The rows a pass wrote after what the session held are now held."""
         self.cache.advance(len(tokens))
         self.tokens.extend(int(t) for t in tokens)
-        return hidden
 
-    def _pass(self, tokens: np.ndarray, hook: Callable[[int], None] | None) -> np.ndarray:
-        """One forward pass writing rows [length, length + S); commits nothing."""
-        clock = PassClock()
-        step = Step(
-            start=self.cache.length, family=self.engine.family, between_layers=hook, clock=clock
-        )
-        store = self.engine.experts
-        t0 = time.perf_counter()
-        try:  # a failed pass leaves `length` unchanged, so rows it wrote are never read
-            return self.engine.model.hidden_states(tokens, self.cache, step)
-        except BaseException:
-            store.abort_pass()  # reads land, slots free: the store is as before the pass
-            raise
-        finally:  # a token boundary: the store may resize, never mid-layer
-            store.between_tokens(time.perf_counter() - t0, clock.attention_s, len(tokens))
+    def check(self, token_ids: Sequence[int]) -> np.ndarray:
+        """`token_ids` as the int64 rows a pass takes, refused when out of range or when
+        they would not fit the context (before any pass runs, so a pass shared with other
+        sessions never fails for one of them)."""
+        return self._check(token_ids)
 
     def _check(self, token_ids: Sequence[int]) -> np.ndarray:
         tokens = np.asarray(list(token_ids), dtype=np.int64)
@@ -332,6 +339,26 @@ class Session:
                 code="CONTEXT_EXCEEDED",
             )
         return tokens
+
+
+def pass_hook(
+    layers: int,
+    cancel: threading.Event | None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Hook | None:
+    """The hook a pass calls before each layer: a set `cancel` abandons the pass with
+    `Cancelled` (the sessions hold what they held before), `progress(done, layers)`
+    follows it."""
+    if cancel is None and progress is None:
+        return None
+
+    def hook(index: int) -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled("request cancelled")
+        if progress is not None:
+            progress(index, layers)
+
+    return hook
 
 
 def _relative_error(got: np.ndarray, want: np.ndarray) -> float:

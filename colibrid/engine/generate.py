@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from colibrid.engine.batch import LOGITS_ALL, LOGITS_LAST, Forward
 from colibrid.engine.sampling import Sampler, SamplingParams
+from colibrid.engine.speculate import (
+    OFF,
+    PassCosts,
+    PromptLookup,
+    SpecSettings,
+    SpecStats,
+    Speculation,
+)
 from colibrid.engine.tokenizer import StreamingDetokenizer
 from colibrid.errors import Cancelled, RequestError
 
@@ -112,6 +121,7 @@ class DoneEvent:
     finish_reason: str
     stats: GenStats
     stop_string: str | None = None  # the stop string that ended the answer, if one did
+    spec: SpecStats | None = None  # what speculation did, when it was on
 
 
 GenEvent = TokenEvent | DoneEvent
@@ -178,6 +188,7 @@ def generate(
     cancel: threading.Event | None = None,
     session: SessionLike | None = None,
     progress: Callable[[int, int], None] | None = None,
+    speculate: SpecSettings = OFF,
 ) -> Iterator[GenEvent]:
     """Yield a TokenEvent per generated token, then one DoneEvent.
 
@@ -188,29 +199,133 @@ def generate(
 
     A stop token ends generation; it gets a TokenEvent whose text is only what was still
     held back (never the stop token's own text). Text cut by a stop string stops at the
-    string. `cancel` is checked before the prefill and between tokens; text held back at
-    that moment (part of a character or a possible stop-string start) is dropped.
-    `progress(layers_done, layers)` follows the prompt's prefill (see Session.prefill).
-    Bad requests raise RequestError from this call itself, before any engine work.
+    string. `cancel` is checked before the prefill, between layers and between tokens;
+    text held back at that moment (part of a character or a possible stop-string start)
+    is dropped. `progress(layers_done, layers)` follows the prompt's prefill (see
+    Session.prefill). `speculate` drafts tokens and verifies them several at a time
+    (engine.speculate): the same tokens, sooner. Bad requests raise RequestError from this
+    call itself, before any engine work.
+
+    This drives `generation` alone, one pass at a time; the daemon drives many together.
     """
+    steps = generation(
+        engine,
+        prompt_ids,
+        params,
+        stop_token_ids=stop_token_ids,
+        detokenizer=detokenizer,
+        cancel=cancel,
+        session=session,
+        speculate=speculate,
+    )
+    return _drive_alone(engine, steps, cancel, progress)
+
+
+def _drive_alone(
+    engine: EngineLike,
+    steps: Generation,
+    cancel: threading.Event | None,
+    progress: Callable[[int, int], None] | None,
+) -> Iterator[GenEvent]:
+    """Run each pass `steps` asks for as the session's own prefill."""
+    reply: Any = None
+    failure: BaseException | None = None
+    while True:
+        try:
+            item = steps.throw(failure) if failure is not None else steps.send(reply)
+        except StopIteration:
+            return
+        reply = failure = None
+        if not isinstance(item, Forward):
+            yield item
+            continue
+        one = item.logits == LOGITS_LAST and len(item.tokens) == 1
+        t0 = time.perf_counter()
+        try:
+            if one:
+                reply = item.session.decode(int(item.tokens[0]), cancel=cancel)
+            else:
+                reply = item.session.prefill(
+                    item.tokens,
+                    all_logits=item.logits == LOGITS_ALL,
+                    cancel=cancel,
+                    progress=progress if item.is_prompt else None,
+                )
+        except Cancelled as exc:
+            failure = exc
+        else:
+            steps.costs.observe(len(item.tokens), time.perf_counter() - t0)
+
+
+class Generation:
+    """A request's generation as a coroutine (see `generation`): `send` the logits of the
+    pass it asked for, `throw` `Cancelled` when that pass was abandoned. `costs` prices its
+    speculation depth and is fed by whoever runs its passes."""
+
+    def __init__(self, gen: Generator[GenEvent | Forward, Any, None], costs: PassCosts) -> None:
+        self._gen = gen
+        self.costs = costs
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> GenEvent | Forward:
+        return self._gen.send(None)
+
+    def send(self, value: Any) -> GenEvent | Forward:
+        return self._gen.send(value)
+
+    def throw(self, exc: BaseException) -> GenEvent | Forward:
+        return self._gen.throw(exc)
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+def generation(
+    engine: EngineLike,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    stop_token_ids: frozenset[int] = frozenset(),
+    detokenizer: StreamingDetokenizer | None = None,
+    cancel: threading.Event | None = None,
+    session: SessionLike | None = None,
+    speculate: SpecSettings = OFF,
+    costs: PassCosts | None = None,
+) -> Generation:
+    """`generate` as a coroutine that does not run the model itself: it yields a `Forward`
+    (engine.batch) whenever it needs a pass, and is sent that pass's logits back (or is
+    thrown `Cancelled` when the pass was abandoned), so a driver can run the passes of
+    many requests as one. Yields the same events, in the same order, as `generate`.
+    `costs` (engine-wide pass times, which the driver feeds) prices speculation."""
     ids = _check_prompt(engine, prompt_ids)
     if params.stop and detokenizer is None:
         raise RequestError("stop strings need a tokenizer to see the text")
     budget = min(params.max_tokens, engine.max_context - len(ids))
-    sampler = Sampler(params)
-    matcher = StopStringMatcher(params.stop)
-    return _run(
+    costs = costs or PassCosts()
+    spec = make_speculation(engine, speculate, costs)
+    gen = _run(
         engine,
         ids,
         budget,
-        sampler,
+        Sampler(params),
         stop_token_ids,
         detokenizer,
-        matcher,
+        StopStringMatcher(params.stop),
         cancel,
         session,
-        progress,
+        spec,
     )
+    return Generation(gen, costs)
+
+
+def make_speculation(
+    engine: EngineLike, settings: SpecSettings, costs: PassCosts
+) -> Speculation | None:
+    if not settings.on:
+        return None
+    return Speculation(settings, PromptLookup(), costs)
 
 
 def reusable_prefix(session: SessionLike, ids: Sequence[int]) -> int:
@@ -233,14 +348,14 @@ def _run(
     matcher: StopStringMatcher,
     cancel: threading.Event | None,
     session: SessionLike | None,
-    progress: Callable[[int, int], None] | None = None,
-) -> Iterator[GenEvent]:
+    spec: Speculation | None,
+) -> Generator[GenEvent | Forward, Any, None]:
     generated, prefill_s, decode_s, reuse = 0, 0.0, 0.0, 0
 
     def done(reason: str) -> DoneEvent:
         engine.request_finished()  # the store saves its profile and re-pins
         stats = GenStats.measure(len(ids), generated, prefill_s, decode_s, len(ids) - reuse)
-        return DoneEvent(reason, stats, matcher.matched)
+        return DoneEvent(reason, stats, matcher.matched, spec.stats if spec else None)
 
     if cancel is not None and cancel.is_set():
         yield done("cancelled")
@@ -255,38 +370,77 @@ def _run(
         assert logits is not None
     else:
         try:
-            logits = session.prefill(ids[reuse:], cancel=cancel, progress=progress)
+            logits = yield Forward(session, _rows(ids[reuse:]))
         except Cancelled:
             yield done("cancelled")
             return
         session.remember_logits(len(ids), logits)
     prefill_s = time.perf_counter() - t0
+    if spec is not None:
+        spec.feed(ids)
+    rows = [logits]  # logits to sample from in turn: the pass's rows whose input holds
+    drafts: list[int] = []  # the tokens the pass assumed follow rows[0], rows[1], ...
+    seconds = 0.0  # the pass's time (0 for the prompt's: not a decode step)
     while True:
-        token = sampler.sample(logits)
-        generated += 1
-        is_stop_token = token in stop_token_ids
-        last = is_stop_token or generated >= budget
-        piece = "" if detok is None or is_stop_token else detok.push(token)
-        if last and detok is not None:
-            piece += detok.flush()
-        text, hit = matcher.feed(piece, final=last)
-        yield TokenEvent(token, text)
-        if hit or is_stop_token:
-            yield done("stop")
-            return
-        if last:
-            yield done("length")
-            return
-        if cancel is not None and cancel.is_set():
-            yield done("cancelled")
-            return
+        held = session.length  # rows held after the pass (its first input included)
+        for k, row in enumerate(rows):
+            token = sampler.sample(row)
+            generated += 1
+            is_stop_token = token in stop_token_ids
+            last = is_stop_token or generated >= budget
+            piece = "" if detok is None or is_stop_token else detok.push(token)
+            if last and detok is not None:
+                piece += detok.flush()
+            text, hit = matcher.feed(piece, final=last)
+            if spec is not None:
+                spec.feed([token])
+            matched = k < len(drafts) and drafts[k] == token
+            going_on = matched and not (hit or last)
+            if not going_on:  # rows past this token's input assumed other tokens
+                session.truncate(held - len(rows) + k + 1)
+                _account(spec, drafts, k + matched, k + 1, seconds)
+            yield TokenEvent(token, text)
+            if hit or is_stop_token:
+                yield done("stop")
+                return
+            if last:
+                yield done("length")
+                return
+            if cancel is not None and cancel.is_set():
+                if going_on:
+                    session.truncate(held - len(rows) + k + 1)
+                    _account(spec, drafts, k + 1, k + 1, seconds)
+                yield done("cancelled")
+                return
+            if not going_on:
+                break
+        drafts = spec.plan(budget - generated - 1) if spec is not None else []
         t0 = time.perf_counter()
+        mode = LOGITS_ALL if drafts else LOGITS_LAST
         try:
-            logits = session.decode(token, cancel=cancel)
+            out = yield Forward(session, _rows([token, *drafts]), mode)
         except Cancelled:
             yield done("cancelled")
             return
-        decode_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        decode_s += seconds
+        rows = list(out) if drafts else [out]
+
+
+def _rows(ids: Sequence[int]) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _account(
+    spec: Speculation | None, drafts: list[int], accepted: int, emitted: int, seconds: float
+) -> None:
+    """Book the pass whose rows were just sampled (nothing for the prompt's)."""
+    if spec is None or seconds <= 0:
+        return
+    if drafts:
+        spec.verified(len(drafts), accepted, emitted, seconds)
+    else:
+        spec.plain(seconds)
 
 
 def teacher_forced_argmax(engine: EngineLike, ids: Sequence[int]) -> list[int]:

@@ -172,14 +172,31 @@ class PassClock:
 
 @dataclass(frozen=True)
 class Step:
-    """One forward pass: where the new rows start, which arithmetic to use, and a hook
-    called before each layer with its index (the engine uses it to abandon a cancelled
-    prefill and to report a long prefill's progress)."""
+    """One sequence's part of a forward pass: where its new rows start, which arithmetic
+    to use, and a hook called before each layer with its index (the engine uses it to
+    abandon a cancelled prefill and to report a long prefill's progress)."""
 
-    start: int  # absolute position of the first new token
+    start: int  # absolute position of the sequence's first new token
     family: KernelFamily
     between_layers: Callable[[int], None] | None = None
     clock: PassClock | None = None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The rows one sequence contributes to a forward pass: ``rows`` consecutive rows of
+    the pass, written to ``cache`` from ``step.start`` on.
+
+    Why several: a pass may carry the next tokens of several requests at once (batched
+    decode) or several positions of one (a speculative verify). Attention runs per
+    segment over its own cache; everything else (norms, router, experts, head) takes all
+    rows together, so each expert a layer needs is fetched once for every row. Every
+    operation computes a row alone, so a row gets the same bits whatever shares its pass.
+    """
+
+    cache: Any
+    step: Step
+    rows: int
 
 
 class ConfigReader:

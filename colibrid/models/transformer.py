@@ -9,13 +9,14 @@ Shape legend: S rows, D hidden, V vocabulary.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
-from colibrid.models.base import ExpertSource, Ops, Step, WeightSource
+from colibrid.models.base import ExpertSource, Ops, Segment, WeightSource
 from colibrid.models.layers.mlp import MLP
 from colibrid.models.layers.moe import MoE
 from colibrid.models.layers.rope import Rotary
@@ -58,22 +59,47 @@ class DecoderLayer:
         self,
         h: np.ndarray,
         layer: int,
-        cache,
-        step: Step,
+        segments: Sequence[Segment],
         rope: tuple[np.ndarray, np.ndarray],
-        selection: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+        selections: list[np.ndarray | None],
+    ) -> np.ndarray:
+        """The layer on every row of the pass; `selections` (a DSA key selection per
+        segment, or None) are read and replaced in place."""
         t0 = time.perf_counter()
-        attn, selection = self.attention(
-            self.ops.rms_norm(h, self.input_norm, self.eps), layer, cache, step, rope, selection
+        attn = self.attend(
+            self.ops.rms_norm(h, self.input_norm, self.eps), layer, segments, rope, selections
         )
-        if step.clock is not None:
-            step.clock.attention_s += time.perf_counter() - t0
+        clock = segments[0].step.clock
+        if clock is not None:
+            clock.attention_s += time.perf_counter() - t0
         h, normed = self.ops.add_rms_norm(h, attn, self.post_norm, self.eps)
         if self.lookahead is not None:
             self.lookahead(h)
-        h = h + self.mlp(normed, step.family)
-        return h, selection
+        return h + self.mlp(normed, segments[0].step.family)
+
+    def attend(
+        self,
+        x: np.ndarray,
+        layer: int,
+        segments: Sequence[Segment],
+        rope: tuple[np.ndarray, np.ndarray],
+        selections: list[np.ndarray | None],
+    ) -> np.ndarray:
+        """Attention of each segment's rows over its own cache: [S, D]."""
+        if len(segments) == 1:
+            seg = segments[0]
+            out, selections[0] = self.attention(x, layer, seg.cache, seg.step, rope, selections[0])
+            return out
+        out = np.empty_like(x)
+        cos, sin = rope
+        r0 = 0
+        for k, seg in enumerate(segments):
+            r1 = r0 + seg.rows
+            out[r0:r1], selections[k] = self.attention(
+                x[r0:r1], layer, seg.cache, seg.step, (cos[r0:r1], sin[r0:r1]), selections[k]
+            )
+            r0 = r1
+        return out
 
     def mlp_input(self, h: np.ndarray) -> np.ndarray:
         """The post-attention residual as the MLP sees it (PILOT guesses from it too)."""
@@ -167,16 +193,20 @@ class Transformer:
     def cache_layouts(self) -> list[dict[str, tuple[int, ...]]]:
         return [layer.attention.cache_layout() for layer in self.layers]
 
-    def hidden_states(self, tokens: np.ndarray, cache, step: Step) -> np.ndarray:
-        """Final-normed hidden states [S, D] for the new tokens; writes their KV."""
+    def hidden_states(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
+        """Final-normed hidden states [S, D] for the new tokens (each segment's rows in
+        turn); writes their KV into each segment's cache."""
+        if sum(seg.rows for seg in segments) != len(tokens):
+            raise ValueError("the segments do not cover the pass's rows")
         h = self.ops.embed(self.embed_tokens, tokens)  # [S, D]
-        positions = step.start + np.arange(len(tokens))
+        positions = np.concatenate([seg.step.start + np.arange(seg.rows) for seg in segments])
         rope = self.rotary.tables(positions)
-        selection = None
+        selections: list[np.ndarray | None] = [None] * len(segments)
+        hook = segments[0].step.between_layers
         for index, layer in enumerate(self.layers):
-            if step.between_layers is not None:
-                step.between_layers(index)
-            h, selection = layer(h, index, cache, step, rope, selection)
+            if hook is not None:
+                hook(index)
+            h = layer(h, index, segments, rope, selections)
         return self.ops.rms_norm(h, self.norm, self.eps)
 
     def logits(self, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:

@@ -44,6 +44,7 @@ class Done:
     prefill_tok_s: float
     decode_tok_s: float
     stop_string: str | None = None  # the stop string that ended the answer, if one did
+    speculation: dict[str, str] | None = None  # what speculative decoding did, when on
 
 
 @dataclass(frozen=True)

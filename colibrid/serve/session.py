@@ -228,6 +228,7 @@ def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
             "prefill_s": f"{event.prefill_s:.4f}",
             "decode_s": f"{event.decode_s:.4f}",
             "prefill_tok_s": f"{event.prefill_tok_s:.1f}",
+            **(event.speculation or {}),
         },
     )
     return encode_done(done)

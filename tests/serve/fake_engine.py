@@ -22,7 +22,8 @@ import numpy as np
 import trio
 import trio.testing
 
-from colibrid.errors import Cancelled
+from colibrid.engine.batch import LOGITS_ALL, LOGITS_NONE, Forward
+from colibrid.errors import Cancelled, RequestError
 from colibrid.serve.host import EngineHost
 from colibrid.serve.profiles import ProfileBook
 from colibrid.serve.scheduler import Scheduler
@@ -130,6 +131,20 @@ class FakeSession:
     def decode(self, token_id: int, *, cancel: threading.Event | None = None) -> np.ndarray:
         return self.prefill([token_id], cancel=cancel)
 
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def check(self, token_ids: Sequence[int]) -> np.ndarray:
+        if self.length + len(token_ids) > self.engine.max_context:
+            raise RequestError("past the context", code="CONTEXT_EXCEEDED")
+        return np.asarray(token_ids, dtype=np.int64)
+
+    def logits_after(self) -> np.ndarray:
+        logits = np.zeros(VOCAB, dtype=np.float32)
+        logits[next_token(self.tokens[-1])] = 50.0
+        return logits
+
     def common_prefix(self, token_ids: Sequence[int]) -> int:
         n = 0
         for held, new in zip(self.tokens, token_ids, strict=False):
@@ -168,6 +183,31 @@ class FakeEngine:
 
     def new_session(self) -> FakeSession:
         return FakeSession(self)
+
+    def run(self, forwards: Sequence[Forward], hook: Callable[[int], None] | None = None) -> list:
+        """Every forward in one 'pass': the hook before each layer, as the engine does."""
+        for layer in range(N_LAYERS):
+            time.sleep(self.layer_delay_s)
+            if hook is not None:
+                hook(layer)
+            for f in forwards:
+                self.experts.record(layer, [int(f.tokens[-1]) % 4])
+        out = []
+        for f in forwards:
+            rows = []
+            for t in f.tokens:
+                f.session.tokens.append(int(t))
+                rows.append(f.session.logits_after())
+            f.session.prefilled += len(f.tokens)
+            self.computed += len(f.tokens)
+            out.append(
+                None
+                if f.logits == LOGITS_NONE
+                else np.stack(rows)
+                if f.logits == LOGITS_ALL
+                else rows[-1]
+            )
+        return out
 
 
 class FakeCodec:

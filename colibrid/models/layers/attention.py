@@ -35,3 +35,19 @@ def masked_softmax(scores: np.ndarray, allowed: np.ndarray) -> np.ndarray:
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True, dtype=np.float32)
     return scores
+
+
+def row_softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """Softmax over the last axis of one query row's float32 scores [H, t] (its t visible
+    keys, nothing past them), keys outside `keep` [t] excluded; in place.
+
+    A row computed this way is the same arithmetic whatever else shares the pass: decode
+    (one row), a speculative verify or a prefill (many) give it the same bits, because
+    neither the reductions nor the products ever see keys the row cannot see.
+    """
+    if keep is not None and not keep.all():
+        np.copyto(scores, EXCLUDED, where=~keep[None, :])
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True, dtype=np.float32)
+    return scores

@@ -63,9 +63,10 @@ class Indexer:
         cache,
         step: Step,
         rope: tuple[np.ndarray, np.ndarray],
-        allowed: np.ndarray,
     ) -> np.ndarray:
-        """bool [S, T]: the keys each new row keeps (before the causal mask is applied)."""
+        """bool [S, T]: the keys each new row keeps; row i (position start + i) keeps only
+        causal keys, t <= start + i, and is scored over exactly those, on its own, so it
+        selects the same keys in a decode step, a verify or a prefill."""
         s = self.shape
         rows = x.shape[0]
         cos, sin = rope
@@ -76,21 +77,20 @@ class Indexer:
             [apply_interleave(k[:, None, : s.rope], cos, sin)[:, 0], k[:, s.rope :]], axis=-1
         )
         keys = cache.write(layer, "index_k", k)  # [T, Di]
-        scores = np.matmul(q, keys.T) * self.softmax_scale  # [S, Hi, T]
-        np.maximum(scores, 0, out=scores)
         weights = self.weights_proj(x, step.family) * self.head_scale  # [S, Hi]
-        index_scores = np.matmul(weights[:, None, :], scores)[:, 0, :]  # [S, T]
-        return select_top_keys(index_scores, allowed, s.topk)
+        keep = np.zeros((rows, keys.shape[0]), dtype=bool)
+        for i in range(rows):
+            t = step.start + i + 1
+            if t <= s.topk:  # no more keys than the budget: every causal key, i.e. dense
+                keep[i, :t] = True
+                continue
+            scores = np.matmul(q[i], keys[:t].T) * self.softmax_scale  # [Hi, t]
+            np.maximum(scores, 0, out=scores)
+            keep[i, top_keys(np.matmul(weights[i], scores), s.topk)] = True  # [t] scores
+        return keep
 
 
-def select_top_keys(index_scores: np.ndarray, allowed: np.ndarray, topk: int) -> np.ndarray:
-    """bool [S, T]: per row the `topk` best allowed keys (all of them when fewer); among equal
-    scores the earlier position wins (a stable sort), whatever the row's length."""
-    keep = allowed.copy()
-    counts = allowed.sum(axis=1)
-    for row in np.nonzero(counts > topk)[0]:
-        candidates = np.nonzero(allowed[row])[0]
-        order = np.argsort(-index_scores[row, candidates], kind="stable")
-        keep[row] = False
-        keep[row, candidates[order[:topk]]] = True
-    return keep
+def top_keys(index_scores: np.ndarray, topk: int) -> np.ndarray:
+    """The positions of the `topk` best of a row's index scores [t]; among equal scores the
+    earlier position wins (a stable sort), whatever the row's length."""
+    return np.argsort(-index_scores, kind="stable")[:topk]

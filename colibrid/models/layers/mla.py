@@ -4,8 +4,13 @@ Per token and layer the cache holds the normalised latent c (kv_lora_rank floats
 rotary key r (qk_rope_head_dim floats): 512 + 64 = 576 floats on GLM-5, 57x less than
 expanded keys and values. Attention uses weight absorption for every row count: W_k
 (the key half of kv_b_proj) is folded into the query, scores are taken against the
-latent directly, and the probability-weighted latent goes through W_v. One code path
-for prefill and decode means a teacher-forced pass computes what decoding computes.
+latent directly, and the probability-weighted latent goes through W_v.
+
+Each new row attends on its own, over exactly the keys it can see ([H, C] times [C, t]
+for the row at position t - 1): so a row gets the same bits in a one-token decode, a
+speculative verify of several drafts or a prefill, and a batch of requests computes for
+each what it would alone. A batched [H, S, C] x [C, T] product would not: the reductions
+over T and the BLAS blocking over S change with the rows that share the pass.
 
 Shape legend: S new rows, T cached keys, H heads, C kv_lora_rank, N qk_nope_head_dim,
 R qk_rope_head_dim, V v_head_dim.
@@ -21,7 +26,7 @@ import numpy as np
 
 from colibrid.models.base import Linear, Ops, Step, WeightSource
 from colibrid.models.layers.absorb import split_kv_b
-from colibrid.models.layers.attention import causal_mask, masked_softmax
+from colibrid.models.layers.attention import row_softmax
 from colibrid.models.layers.dsa import Indexer
 from colibrid.models.layers.rope import apply_half, apply_interleave
 
@@ -127,21 +132,20 @@ class MLAAttention:
         k_rope = self._rotate(kv[:, None, s.kv_lora_rank :], cos, sin)[:, 0, :]  # [S, R]
         latents = cache.write(layer, "latent", latent)  # [T, C]
         rope_keys = cache.write(layer, "k_rope", k_rope)  # [T, R]
-        allowed = causal_mask(step.start, rows, latents.shape[0])  # [S, T]
         if self.indexer is not None:
-            selection = self.indexer(x, q_resid, layer, cache, step, rope, allowed)
-        if selection is not None:
-            allowed = allowed & selection
+            selection = self.indexer(x, q_resid, layer, cache, step, rope)
         # absorbed scores: q_nope W_k against the latent, plus the rotary part
-        q_latent = self.absorb_k(self.ops, q_nope, family).transpose(1, 0, 2)  # [H, S, C]
-        scores = np.matmul(q_latent, latents.T)  # [H, S, T]
-        scores += np.matmul(q_rope.transpose(1, 0, 2), rope_keys.T)
-        scores *= self.scale
-        probs = masked_softmax(scores, allowed)  # [H, S, T]
-        o_latent = np.matmul(probs, latents)  # [H, S, C]
-        out = self.ops.matmul_blocks(
-            self.w_v, np.ascontiguousarray(o_latent.transpose(1, 0, 2)), family
-        )  # [S, H * V]
+        q_latent = self.absorb_k(self.ops, q_nope, family)  # [S, H, C]
+        q_rope = np.ascontiguousarray(q_rope)
+        o_latent = np.empty((rows, s.heads, s.kv_lora_rank), dtype=np.float32)
+        for i in range(rows):  # each row alone, over its visible keys [0, t)
+            t = step.start + i + 1
+            scores = np.matmul(q_latent[i], latents[:t].T)  # [H, t]
+            scores += np.matmul(q_rope[i], rope_keys[:t].T)
+            scores *= self.scale
+            keep = None if selection is None else selection[i, :t]
+            o_latent[i] = np.matmul(row_softmax(scores, keep), latents[:t])  # [H, C]
+        out = self.ops.matmul_blocks(self.w_v, o_latent, family)  # [S, H * V]
         return self.o_proj(out, family), selection
 
 
