@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from colibrid import control
-from colibrid.config import PILOT_HELP
+from colibrid.config import PILOT_HELP, add_speculate_flags
 from colibrid.errors import CheckpointError, ColibriError, RequestError
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
         default="f32",
         help="kernel arithmetic (i8 is lossy, opt-in)",
     )
+    add_speculate_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="more statistics on stderr")
     add_store_arguments(p)
 
@@ -193,6 +194,7 @@ def _text_side(
 def _run_generate(args: argparse.Namespace) -> int:
     from colibrid.backends.base import KernelFamily
     from colibrid.engine.generate import DoneEvent, generate
+    from colibrid.engine.speculate import DEFAULT_MAX_DEPTH, SpecSettings
     from colibrid.engine.tokenizer import StreamingDetokenizer
 
     params = _sampling_params(args)
@@ -216,7 +218,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         )
     detok = StreamingDetokenizer(codec) if codec else None
     out_ids: list[int] = []
-    for event in generate(engine, prompt, params, stop_token_ids=stops, detokenizer=detok):
+    spec = SpecSettings(args.speculate or "auto", args.draft_max or DEFAULT_MAX_DEPTH)
+    events = generate(
+        engine, prompt, params, stop_token_ids=stops, detokenizer=detok, speculate=spec
+    )
+    for event in events:
         if isinstance(event, DoneEvent):
             break
         if args.ids_out:
@@ -228,6 +234,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     stats = event.stats.as_line(verbose=args.verbose)
     print(f"colibri: {stats}, finish={event.finish_reason}", file=sys.stderr)
+    if event.spec is not None and (args.verbose or event.spec.verifies):
+        print(f"colibri: {event.spec.describe()}", file=sys.stderr)
     if args.verbose:
         for line in engine.experts.statistics().lines():
             print(f"colibri: {line}", file=sys.stderr)

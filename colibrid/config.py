@@ -21,6 +21,26 @@ PILOT_HELP = (
     "it and the faster kept, re-checked as the run goes; on/off: always)"
 )
 
+SPECULATE_HELP = (
+    "speculative decoding, lossless (the same tokens, sooner when drafts are accepted): "
+    "ngram drafts by prompt lookup, mtp with the checkpoint's multi-token-prediction layer, "
+    "auto = mtp where the model has one, else ngram; off (config.toml key `speculate`, "
+    "default auto)"
+)
+
+
+def add_speculate_flags(p: Any) -> None:
+    """--speculate and --draft-max, as every command that decodes takes them."""
+    p.add_argument("--speculate", choices=("auto", "ngram", "mtp", "off"), help=SPECULATE_HELP)
+    p.add_argument(
+        "--draft-max",
+        type=int,
+        metavar="N",
+        help="deepest draft a step may verify, 1-32 (the depth is chosen each step from "
+        "measured pass times and acceptance; config.toml key `draft_max`, default 8)",
+    )
+
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -38,7 +58,9 @@ class Settings:
     direct: bool | None = None  # O_DIRECT / F_NOCACHE expert reads
     socket: str | None = None  # socket path; default $COLIBRI_HOME/run/colibrid.sock
     max_queue: int = 16  # requests waiting beyond the active ones; more answers BUSY
-    max_active: int = 4  # requests decoding at once (interleaved token by token)
+    max_active: int = 4  # requests decoding at once (one forward pass carries all of them)
+    speculate: str = "auto"  # speculative decoding: auto | ngram | mtp | off (lossless)
+    draft_max: int = 8  # the deepest speculative draft a step may verify (1-32)
     max_conversations: int = 8  # sessions whose KV is kept for the next turn / prompt
     prompt_cache: bool = True  # reuse the KV of earlier prompts for requests with no `conv`
     max_context: int | None = None  # context length (default: the engine's)
@@ -82,7 +104,18 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
         want = FIELDS[name].type
         if value is not None and not _type_ok(value, str(want)):
             raise ConfigError(f"{paths.config}: {name} has the wrong type ({value!r})")
+    speculation(settings)  # a bad mode or depth is refused now, not at the first request
     return settings
+
+
+def speculation(settings: Settings):  # -> colibrid.engine.speculate.SpecSettings
+    from colibrid.engine.speculate import SpecSettings
+    from colibrid.errors import RequestError
+
+    try:
+        return SpecSettings(settings.speculate, settings.draft_max)
+    except RequestError as exc:
+        raise ConfigError(f"speculate/draft_max: {exc}") from None
 
 
 def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions

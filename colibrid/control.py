@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from colibrid.config import PILOT_HELP, load_settings, resolve_model
+from colibrid.config import PILOT_HELP, add_speculate_flags, load_settings, resolve_model
 from colibrid.errors import ColibriError
 from colibrid.paths import Paths, atomic_write, persisting
 from colibrid.serve import socket_server
@@ -58,6 +58,7 @@ def configure_daemon(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     p.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
+    add_speculate_flags(p)
     p.add_argument(
         "--socket", metavar="PATH", help="socket path (default $COLIBRI_HOME/run/colibrid.sock)"
     )
@@ -131,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
             io_threads=args.io_threads,
             http=args.http,
             direct=None if args.direct is None else args.direct == "on",
+            speculate=args.speculate,
+            draft_max=args.draft_max,
         )
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
@@ -195,6 +198,8 @@ def start(args: argparse.Namespace) -> int:
         ("--io-threads", args.io_threads),
         ("--direct", args.direct),
         ("--http", args.http),
+        ("--speculate", args.speculate),
+        ("--draft-max", args.draft_max),
     ):
         if value is not None:
             cmd += [flag, str(value)]

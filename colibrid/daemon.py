@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from colibrid.config import Settings, store_options
+from colibrid.config import Settings, speculation, store_options
 from colibrid.errors import ColibriError
 from colibrid.http.app import parse_bind, serve_http
 from colibrid.paths import Paths, make_state_private, remove_orphan_temps
@@ -169,6 +169,7 @@ async def serve(
         fail_prompt=settings.debug_fail_prompt,
         fail_after=settings.debug_fail_after,
         usage=book,
+        speculate=speculation(settings),
     )
     kv_dir = paths.kv / name
     restored = await trio.to_thread.run_sync(host.restore_prompt_cache, kv_dir)

@@ -51,6 +51,8 @@ class Submit:
     conv: str | None = None
     profile: str | None = None
     model: str | None = None
+    speculate: str | None = None  # off | ngram | mtp | auto (None: the daemon's setting)
+    draft_max: int | None = None  # the deepest speculative draft (None: the daemon's)
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,9 @@ class Quit:
 
 Request = Hello | Submit | Stop | Cancel | Query | ProfileCommand | Ping | Quit
 
-_INT_OPTS = {"max_tokens", "top_k", "seed"}
+_INT_OPTS = {"max_tokens", "top_k", "seed", "draft_max"}
 _FLOAT_OPTS = {"temperature", "top_p"}
-_STR_OPTS = {"conv", "profile", "model"}
+_STR_OPTS = {"conv", "profile", "model", "speculate"}
 _PROFILE_ACTIONS = {"LIST": 0, "SHOW": 1, "USE": 1, "SAVE": -1, "FLUSH": 0}
 
 
@@ -259,7 +261,11 @@ def encode_submit(req: Submit) -> bytes:
     if req.seed is not None:
         opts.append(f"seed={req.seed}")
     opts += [f"stop={quote(s, safe='')}" for s in req.stop]
-    opts += [f"{k}={v}" for k in ("conv", "profile", "model") if (v := getattr(req, k))]
+    opts += [
+        f"{k}={v}"
+        for k in ("conv", "profile", "model", "speculate", "draft_max")
+        if (v := getattr(req, k)) is not None
+    ]
     if req.messages is not None:
         opts.append("chat=1")
         payload = json.dumps(list(req.messages), ensure_ascii=False).encode("utf-8")

@@ -34,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="JSON lines: text pieces, then stats")
     p.add_argument("--profile", metavar="NAME", help="usage profile this request counts into")
     p.add_argument("--model", metavar="NAME|DIR", help="model (started if no daemon runs)")
+    p.add_argument(
+        "--speculate",
+        choices=("auto", "ngram", "mtp", "off"),
+        help="speculative decoding for this request (lossless: the same answer, sooner when "
+        "drafts are accepted; default: the daemon's `speculate`)",
+    )
+    p.add_argument("--draft-max", type=int, metavar="N", help="deepest speculative draft, 1-32")
     p.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
     return p
 
@@ -63,6 +70,8 @@ def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
         stop=tuple(args.stop),
         profile=args.profile,
         model=model_name(args.model),
+        speculate=args.speculate,
+        draft_max=args.draft_max,
     )
     if args.raw:
         return Submit(rid, prompt=text, **common)
@@ -73,11 +82,28 @@ def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
 
 def stats_line(done: Done) -> str:
     x = done.extras
-    return (
+    line = (
         f"colibri: {done.prompt_tokens} prompt ({x.get('cached', 0)} cached) + "
         f"{done.emitted} generated tokens, {prefill_rate(x)}, "
         f"decode {done.tok_s:.1f} tok/s, hit rate {done.hit_pct:.1f}%, "
         f"finish={done.finish}"
+    )
+    spec = speculation_line(x)
+    return line if spec is None else f"{line}\ncolibri: {spec}"
+
+
+def speculation_line(x: dict[str, str]) -> str | None:
+    """What speculative decoding did, from DONE's extras (None when it was off)."""
+    mode = x.get("spec")
+    if mode is None or mode == "off":
+        return None
+    if not int(x.get("verifies", "0")):
+        return f"speculation {mode}: no draft was worth verifying"
+    gain = f", {x['gain']}x the plain decode rate" if "gain" in x else ""
+    return (
+        f"speculation {mode}: {x['verifies']} verifies of {x['depth']} drafts on average, "
+        f"{x['accepted']} of {x['drafted']} drafts kept{gain} "
+        f"({x.get('gain_predicted', '?')}x predicted)"
     )
 
 

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from colibri_cli.client import Client, ClientError
+from colibri_cli.commands.ask import speculation_line
 from colibri_cli.render import duration, table
 
 
@@ -38,6 +39,11 @@ def render(status: dict) -> str:
     store = status["tiers"].get("store", {})
     if store.get("streams"):
         pins += f"\nPILOT: {store.get('pilot_note', 'off')}"
+    if status.get("batch_rows"):
+        pins += f"\nbatch: {status['batch_rows']} rows in the last decode pass"
+    if status.get("speculate"):
+        last = speculation_line(status.get("speculation") or {})
+        pins += f"\nspeculate: {status['speculate']}" + (f" (last request: {last})" if last else "")
     return f"{head}\n\n{table(rows)}{pins}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}"
 
 

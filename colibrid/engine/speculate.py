@@ -146,6 +146,7 @@ class PassCosts:
 class SpecStats:
     """What speculation did for one request (DONE's STAT extras, `-v`, `ps`)."""
 
+    costs: PassCosts = field(repr=False)
     mode: str = "off"
     verifies: int = 0  # passes that carried drafts
     drafted: int = 0
@@ -169,17 +170,32 @@ class SpecStats:
     def predicted_gain(self) -> float:
         return self.predicted_gain_sum / self.verifies if self.verifies else 1.0
 
-    def achieved_gain(self, costs: PassCosts) -> float | None:
+    def achieved_gain(self) -> float | None:
         """Tokens per second of the verifies over a plain decode step's (measured in
         this request when it ran some, else the engine's one-row pass time)."""
         if not self.verifies or self.spec_seconds <= 0:
             return None
-        plain = self.plain_seconds / self.plain_tokens if self.plain_tokens else costs.seconds(1)
+        plain = self.plain_seconds / self.plain_tokens if self.plain_tokens else None
+        plain = plain or self.costs.seconds(1)
         if not plain:
             return None
         return (self.spec_tokens / self.spec_seconds) * plain
 
-    def extras(self, costs: PassCosts) -> dict[str, str]:
+    def describe(self) -> str:
+        """One line for `-v` and `ps`."""
+        if self.mode == "off":
+            return "speculation off"
+        if not self.verifies:
+            return f"speculation {self.mode}: no draft was worth verifying"
+        achieved = self.achieved_gain()
+        gain = "" if achieved is None else f"{achieved:.2f}x the plain decode rate, "
+        return (
+            f"speculation {self.mode}: {self.verifies} verifies of {self.mean_depth:.1f} "
+            f"drafts on average, {self.accepted} of {self.drafted} drafts kept "
+            f"({100 * self.accept_rate:.0f}%), {gain}{self.predicted_gain:.2f}x predicted"
+        )
+
+    def extras(self) -> dict[str, str]:
         out = {"spec": self.mode}
         if self.mode == "off":
             return out
@@ -190,7 +206,7 @@ class SpecStats:
             depth=f"{self.mean_depth:.2f}",
             gain_predicted=f"{self.predicted_gain:.2f}",
         )
-        achieved = self.achieved_gain(costs)
+        achieved = self.achieved_gain()
         if achieved is not None:
             out["gain"] = f"{achieved:.2f}"
         return out
@@ -258,7 +274,7 @@ class Speculation:
         self.drafter = drafter
         self.costs = costs
         self.acceptance = Acceptance()
-        self.stats = SpecStats(mode=drafter.name if drafter is not None else "off")
+        self.stats = SpecStats(costs, mode=drafter.name if drafter is not None else "off")
         self._idle_steps = 0
 
     def feed(self, tokens: Sequence[int]) -> None:

@@ -1,22 +1,13 @@
-"""EngineHost: the trio side of the one engine thread, and the batching of requests.
+"""EngineHost: the trio side of the one engine thread.
 
 The engine is synchronous and thread-confined, so one long-lived thread owns it (and every
-KV session). The trio side hands it jobs and commands through a thread-safe inbox. Each
-engine step is one forward pass carrying the next rows of every active request: one
-token each for those decoding (more when a request verifies speculative drafts), and a
-chunk of the prompt of those prefilling (a whole prompt when nothing else is running;
-at most `PREFILL_CHUNK` tokens a step otherwise, so decoding requests keep streaming).
-Each MoE layer of the pass fetches the union of its rows' experts once, and every row is
-computed exactly as it would be alone (engine.batch), so a request's answer never
-depends on what ran beside it.
-
-A request's generation is a coroutine (engine.generate.generation) that asks for passes
-and is sent their logits; events go back with `trio.from_thread.run_sync` onto each job's
-channel, and a closed channel (the client left) cancels that job. A cancel ends a pass
-between layers when it is the pass's only request (within one layer during a prefill),
-else the request leaves after the pass it is in. A pass that fails costs the request it
-can be traced to; one that cannot be traced runs its requests one at a time until the
-failing one shows itself, so a fault in one request never fails the others.
+KV session). The trio side hands it jobs and commands through a thread-safe inbox; the
+thread runs the active requests together (engine.batcher: each step is one forward pass
+over every request's next rows, each expert fetched once for all of them, each row
+computed exactly as alone), so several requests stream at once and a cancelled one
+leaves within a step (within one layer when it runs alone). Events go back with
+`trio.from_thread.run_sync` onto each job's channel; a closed channel (the client left)
+cancels that job.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,12 +24,12 @@ from typing import Any
 import trio
 
 from colibrid.engine import kv_files
-from colibrid.engine.batch import LOGITS_NONE, Forward
-from colibrid.engine.generate import DoneEvent, Generation, TokenEvent, generation, reusable_prefix
+from colibrid.engine.batcher import Batcher, Member
+from colibrid.engine.generate import DoneEvent, TokenEvent, generation, reusable_prefix
 from colibrid.engine.sessions import SessionKey, SessionPool
-from colibrid.engine.speculate import OFF, PassCosts, SpecSettings, SpecStats
+from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
-from colibrid.errors import Cancelled, ColibriError, RequestError
+from colibrid.errors import ColibriError, RequestError
 from colibrid.serve.events import Accepted, Done, Event, Failed, Progress, Token
 from colibrid.serve.requests import GenerateRequest
 from colibrid.store.protocol import UsageDelta
@@ -49,7 +40,6 @@ log = logging.getLogger("colibrid.host")
 # A cancel ends a pass between layers or tokens, leaving the session consistent.
 CLEAN_ENDS = frozenset({"CANCELLED", "SHUTTING_DOWN"})
 PROGRESS_EVERY_S = 1.0  # how often a long prefill reports its progress
-PREFILL_CHUNK = 256  # prompt tokens a step takes while other requests share the engine
 
 
 class DebugEvent(threading.Event):
@@ -86,16 +76,11 @@ class Job:
     cancel: threading.Event
     stop: threading.Event = field(default_factory=threading.Event)
     on_finish: Callable[[], None] = lambda: None
-    steps: Generation | None = None
+    member: Member | None = None  # its place in the batch, once started
     session_key: SessionKey | None = None
     cached: int = 0
-    ran: bool = False  # the engine has worked for it (its session may hold its rows)
     # what a cancel that is not a STOP answers: the client's CANCEL, or the daemon stopping
     cancel_code: str = "CANCELLED"
-    forward: Forward | None = None  # the pass its generation waits for
-    done_rows: int = 0  # of `forward`, rows already computed (a prompt taken in chunks)
-    reply: Any = None  # what to send the generation next (the forward's logits)
-    progress: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,13 +125,10 @@ class EngineHost:
     ) -> None:
         self.engine = engine
         self.speculate = speculate
-        self._costs = PassCosts()  # pass seconds by rows: what a draft depth is priced at
-        self._isolate: list[Job] = []  # run one at a time: a shared pass failed untraced
-        self._last_rows = 0
-        self._last_spec: dict[str, str] | None = None
         self.codec = codec
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._active: list[Job] = []
+        self._batch = Batcher(engine, self)
+        self._last_spec: dict[str, str] | None = None
         self._sessions = SessionPool(
             engine.new_session,
             max_sessions=max_conversations,
@@ -210,36 +192,36 @@ class EngineHost:
 
     def statistics(self) -> HostStatistics:
         return HostStatistics(
-            len(self._active),
+            len(self._batch.members),
             len(self._sessions),
             self._done,
             self._last_tok_s,
-            self._last_rows,
+            self._batch.stats.last_rows,
             self._last_spec,
         )
 
     # ---- engine thread ------------------------------------------------------------------
     def _thread_main(self) -> None:
         closing = False
-        while not (closing and not self._active):
+        while not (closing and not self._batch.members):
             try:
-                item = self._inbox.get(block=not self._active and not closing, timeout=None)
+                item = self._inbox.get(block=not self._batch.members and not closing, timeout=None)
             except queue.Empty:
                 item = ...
             while item is not ...:
                 if item is None:
                     closing = True
-                    for job in self._active:
-                        job.cancel_code = "SHUTTING_DOWN"
-                        job.cancel.set()
+                    for member in self._batch.members:
+                        member.tag.cancel_code = "SHUTTING_DOWN"
+                        member.tag.cancel.set()
                 else:
                     self._handle(item)
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = ...
-            if self._active:
-                self._step()
+            if self._batch.members:
+                self._batch.step()
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, Job):
@@ -276,16 +258,10 @@ class EngineHost:
         """Bookkeeping first, so a client that sees the end also sees the engine free. A
         request that failed after the engine ran for it gives its session up (KV rows and
         remembered logits): only finished (or cleanly cancelled) requests are kept."""
-        if job in self._active:
-            self._active.remove(job)
-        if job in self._isolate:
-            self._isolate.remove(job)
-        if job.steps is not None:
-            job.steps.close()
-        job.forward = None
         if job.session_key is not None:
             failed = isinstance(event, Failed) and event.code not in CLEAN_ENDS
-            self._sessions.checkin(job.session_key, discard=failed and job.ran)
+            ran = job.member is not None and job.member.ran
+            self._sessions.checkin(job.session_key, discard=failed and ran)
             job.session_key = None
         self.publish_store()
         self._done += 1
@@ -312,7 +288,7 @@ class EngineHost:
             job.cached = reusable_prefix(session, ids)
             detok = StreamingDetokenizer(self.codec) if self.codec else None
             stops = self.codec.stop_token_ids if self.codec else frozenset()
-            job.steps = generation(
+            steps = generation(
                 self.engine,
                 ids,
                 job.request.params,
@@ -320,10 +296,12 @@ class EngineHost:
                 detokenizer=detok,
                 cancel=job.cancel,
                 session=session,
-                speculate=self.speculate,
-                costs=self._costs,
+                speculate=job.request.speculation(self.speculate),
+                costs=self._batch.costs,
             )
-            job.progress = self._progress_reporter(job)
+            job.member = Member(
+                steps, job.cancel, self._progress_reporter(job), job, label=job.request.id
+            )
         except ColibriError as exc:
             self._finish(job, Failed(exc.code, str(exc)))
             return
@@ -331,7 +309,7 @@ class EngineHost:
             log.exception("request %s failed to start", job.request.id)
             self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
             return
-        self._active.append(job)
+        self._batch.add(job.member)
         self._emit(job, Accepted(len(ids), job.cached))
 
     def _progress_reporter(self, job: Job) -> Callable[[int, int], None]:
@@ -362,190 +340,28 @@ class EngineHost:
             )
         return self.codec.encode(req.prompt or "", add_special_tokens=True)
 
-    # ---- one engine step: every active request's next rows in one pass ----------------
-    def _step(self) -> None:
-        self._costs.sharing = len(self._active) - 1  # what a draft's rows ride beside
-        ready = [job for job in list(self._active) if self._advance(job)]
-        if not ready:
-            return
-        if self._isolate:  # a shared pass failed untraced: one request a pass until found
-            suspect = next((job for job in self._isolate if job in ready), None)
-            self._isolate.clear() if suspect is None else self._isolate.remove(suspect)
-            ready = ready if suspect is None else [suspect]
-        parts = self._compose(ready)
-        chosen = {id(job) for job, _ in parts}
-        for job in ready:  # prompts that wait for a later step still hear their cancel
-            if id(job) not in chosen:
-                self._cancelled_before(job)
-        self._run_pass(parts)
+    # ---- the batch's listener ------------------------------------------------------------
+    def token(self, member: Member, event: TokenEvent) -> None:
+        if event.text:
+            self._emit(member.tag, Token(event.text))
 
-    def _advance(self, job: Job) -> bool:
-        """Run the job's generation until it asks for a pass (True) or ends (False),
-        emitting its tokens on the way."""
-        if job.forward is not None:
-            return True
-        assert job.steps is not None
-        reply, job.reply = job.reply, None
-        while True:
-            try:
-                if isinstance(reply, BaseException):
-                    item = job.steps.throw(reply)
-                else:
-                    item = job.steps.send(reply)
-            except StopIteration:
-                self._finish(job, Failed("INTERNAL", "the generation ended without an answer"))
-                return False
-            except ColibriError as exc:
-                self._finish(job, Failed(exc.code, str(exc)))
-                return False
-            except Exception as exc:
-                log.exception("request %s failed", job.request.id)
-                self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
-                return False
-            reply = None
-            if isinstance(item, Forward):
-                try:
-                    item = Forward(item.session, item.session.check(item.tokens), item.logits)
-                except ColibriError as exc:
-                    self._finish(job, Failed(exc.code, str(exc)))
-                    return False
-                job.forward, job.done_rows = item, 0
-                return True
-            if isinstance(item, TokenEvent):
-                if item.text:
-                    self._emit(job, Token(item.text))
-                continue
-            self._done_event(job, item)
-            return False
+    def failed(self, member: Member, code: str, message: str) -> None:
+        self._finish(member.tag, Failed(code, message))
 
-    def _cancelled_before(self, job: Job) -> bool:
-        """A request cancelled while it waits for its next pass leaves now, its session
-        holding what it held before the pass it asked for (a prompt taken in chunks is
-        given back whole)."""
-        try:
-            cancelled = job.cancel.is_set()
-        except Exception as exc:  # an injected fault in the check itself
-            job.ran = True
-            self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
-            return True
-        if not cancelled or job.forward is None:
-            return False
-        forward, rows = job.forward, job.done_rows
-        if rows:
-            forward.session.truncate(forward.session.length - rows)
-        job.forward, job.reply = None, Cancelled("request cancelled")
-        self._advance(job)  # the generation answers with its end
-        return True
-
-    def _compose(self, ready: list[Job]) -> list[tuple[Job, Forward]]:
-        """Which rows run this step: every decode and verify whole; prompts whole when
-        alone, else up to PREFILL_CHUNK tokens a step between them (in arrival order)."""
-        parts: list[tuple[Job, Forward]] = []
-        prompts: list[Job] = []
-        for job in ready:
-            assert job.forward is not None
-            if job.forward.is_prompt:
-                prompts.append(job)
-            else:
-                parts.append((job, job.forward))
-        room = None if len(ready) == 1 else PREFILL_CHUNK
-        for job in prompts:
-            fwd = job.forward
-            assert fwd is not None
-            take = len(fwd.tokens) - job.done_rows
-            if room is not None:
-                take = min(take, room)
-                room -= take
-            if take <= 0:
-                break
-            parts.append((job, fwd.chunk(job.done_rows, job.done_rows + take)))
-        return parts
-
-    def _run_pass(self, parts: list[tuple[Job, Forward]]) -> None:
-        jobs = [job for job, _ in parts]
-        culprit: list[Job] = []
-        hook = self._pass_hook(parts, culprit)
-        rows = sum(len(f.tokens) for _, f in parts)
-        store = self.engine.experts
-        for job in jobs:
-            job.ran = True
-        t0 = time.perf_counter()
-        try:
-            outs = self.engine.run([f for _, f in parts], hook)
-        except Cancelled:  # every request of the pass was cancelled: they leave now
-            for job in jobs:
-                self._cancelled_before(job)
-            return
-        except Exception as exc:
-            self._failed_pass(jobs, culprit, exc)
-            return
-        finally:
-            self._account_usage(jobs, store.take_usage())
-            self.store_view = replace(self.store_view, stats=store.statistics())
-        self._costs.observe(rows, time.perf_counter() - t0)
-        if all(f.logits != LOGITS_NONE and len(f.tokens) <= 1 + 32 for _, f in parts):
-            self._last_rows = rows
-        for (job, part), out in zip(parts, outs, strict=True):
-            job.done_rows += len(part.tokens)
-            assert job.forward is not None
-            if job.done_rows == len(job.forward.tokens):
-                job.forward, job.reply = None, out
-
-    def _pass_hook(
-        self, parts: list[tuple[Job, Forward]], culprit: list[Job]
-    ) -> Callable[[int], None]:
-        """Before each layer: a pass whose every request is cancelled is abandoned (a lone
-        request's cancel acts within a layer, as before batching); prompts report their
-        progress. A check that raises (an injected fault) names its request."""
-        layers = self.engine.info.n_layers
-        prompts = [(job, part) for job, part in parts if job.forward and job.forward.is_prompt]
-
-        def hook(index: int) -> None:
-            live = False
-            for job, _ in parts:
-                try:
-                    live = not job.cancel.is_set() or live
-                except BaseException:
-                    culprit.append(job)
-                    raise
-            if not live:
-                raise Cancelled("request cancelled")
-            for job, part in prompts:
-                assert job.forward is not None and job.progress is not None
-                total = len(job.forward.tokens)
-                done = job.done_rows + len(part.tokens) * index / layers
-                job.progress(int(layers * done / total), layers)
-
-        return hook
-
-    def _failed_pass(self, jobs: list[Job], culprit: list[Job], exc: Exception) -> None:
-        """A pass raised and committed nothing: the request it is traced to fails; the
-        others keep their next rows and run again, one request a pass when the fault
-        could not be traced to one."""
-        code = exc.code if isinstance(exc, ColibriError) else "INTERNAL"
-        message = str(exc) if isinstance(exc, ColibriError) else f"{type(exc).__name__}: {exc}"
-        blamed = culprit[:1] if culprit else (jobs if len(jobs) == 1 else [])
-        if not blamed:
-            log.warning(
-                "a pass of %d requests failed (%s); running them one at a time", len(jobs), message
-            )
-            self._isolate.extend(job for job in jobs if job not in self._isolate)
-            return
-        if code == "INTERNAL":
-            log.error("request %s failed: %s", blamed[0].request.id, message)
-        for job in blamed:
-            self._finish(job, Failed(code, message))
-
-    def _account_usage(self, jobs: list[Job], delta: UsageDelta) -> None:
+    def passed(self, members: Sequence[Member]) -> None:
         """A pass's expert selections go to the usage profile of its requests (each
         profile once: requests of different profiles in one pass are all counted)."""
-        for profile in dict.fromkeys(job.request.profile for job in jobs):
+        store = self.engine.experts
+        delta = store.take_usage()
+        for profile in dict.fromkeys(m.tag.request.profile for m in members):
             self._usage.add(profile, delta)
+        self.store_view = replace(self.store_view, stats=store.statistics())
 
-    def _done_event(self, job: Job, event: DoneEvent) -> None:
+    def done(self, member: Member, event: DoneEvent) -> None:
+        job: Job = member.tag
         stats = event.stats
         self._last_tok_s = stats.decode_tok_s
-        spec = _spec_extras(event.spec, self._costs)
+        spec = None if event.spec is None else event.spec.extras()
         if spec is not None:
             self._last_spec = spec
         if event.finish_reason == "cancelled" and not job.stop.is_set():
@@ -571,10 +387,6 @@ class EngineHost:
                 spec,
             ),
         )
-
-
-def _spec_extras(stats: SpecStats | None, costs: PassCosts) -> dict[str, str] | None:
-    return None if stats is None else stats.extras(costs)
 
 
 def _request_text(request: GenerateRequest) -> str:

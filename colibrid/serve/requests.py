@@ -8,6 +8,7 @@ from typing import Any
 from colibri_protocol.messages import Submit
 
 from colibrid.engine.sampling import SamplingParams
+from colibrid.engine.speculate import SpecSettings
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,14 @@ class GenerateRequest:
     conv: str | None = None
     profile: str | None = None
     tools: tuple[dict[str, Any], ...] | None = None  # for the chat template (HTTP API)
+    speculate: str | None = None  # speculation mode (None: the daemon's)
+    draft_max: int | None = None  # deepest draft (None: the daemon's)
+
+    def speculation(self, default: SpecSettings) -> SpecSettings:
+        """The request's speculative decoding: its own mode and depth over the daemon's."""
+        if self.speculate is None and self.draft_max is None:
+            return default
+        return SpecSettings(self.speculate or default.mode, self.draft_max or default.max_depth)
 
     @classmethod
     def from_submit(cls, submit: Submit, client: int) -> GenerateRequest:
@@ -34,7 +43,7 @@ class GenerateRequest:
             seed=submit.seed,
             stop=submit.stop,
         )
-        return cls(
+        request = cls(
             id=submit.id,
             client=client,
             params=params,
@@ -42,4 +51,8 @@ class GenerateRequest:
             messages=submit.messages,
             conv=submit.conv,
             profile=submit.profile,
+            speculate=submit.speculate,
+            draft_max=submit.draft_max,
         )
+        request.speculation(SpecSettings())  # refused at the edge, with the reason
+        return request
