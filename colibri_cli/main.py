@@ -22,6 +22,14 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
         "resident prefill and decode tok/s vs the memory-bandwidth roofline",
     ),
     "stream": ("colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"),
+    "batch": (
+        "colibrid.bench.batch",
+        "1, 2, 4, 8 requests decoded together: tok/s and expert bytes per token vs the disk",
+    ),
+    "spec": (
+        "colibrid.bench.spec",
+        "speculative decoding on and off: tok/s, accepted drafts, bytes per token",
+    ),
     "replay": ("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
     "policy": ("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),
     "peer": (
