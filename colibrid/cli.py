@@ -209,7 +209,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from colibrid.engine.engine import Engine  # lazy: loads numpy, native kernels
 
-    engine = Engine.load(model, family=KernelFamily(args.kernel_family), store=store_options(args))
+    spec = SpecSettings(args.speculate or "auto", args.draft_max or DEFAULT_MAX_DEPTH)
+    engine = Engine.load(
+        model,
+        family=KernelFamily(args.kernel_family),
+        store=store_options(args),
+        mtp=spec.mode in ("mtp", "auto"),
+    )
     if args.verbose:
         print(
             f"colibri: model {model}, family {args.kernel_family}, {mode} prompt of "
@@ -218,7 +224,6 @@ def _run_generate(args: argparse.Namespace) -> int:
         )
     detok = StreamingDetokenizer(codec) if codec else None
     out_ids: list[int] = []
-    spec = SpecSettings(args.speculate or "auto", args.draft_max or DEFAULT_MAX_DEPTH)
     events = generate(
         engine, prompt, params, stop_token_ids=stops, detokenizer=detok, speculate=spec
     )

@@ -54,7 +54,12 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[object, object]:
     from colibrid.engine.engine import Engine
     from colibrid.engine.tokenizer import TextCodec
 
-    engine = Engine.load(model_dir, max_context=settings.max_context, store=store_options(settings))
+    engine = Engine.load(
+        model_dir,
+        max_context=settings.max_context,
+        store=store_options(settings),
+        mtp=settings.speculate in ("mtp", "auto"),
+    )
     has_tokenizer = (model_dir / "tokenizer.json").is_file()
     codec = TextCodec.load(model_dir, max_context=engine.max_context) if has_tokenizer else None
     return engine, codec

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colibrid.bench.replay import add_store_flags, store_options
-from colibrid.bench.workload import QUESTIONS, new_batcher, prompt_ids, run_together
+from colibrid.bench.workload import QUESTIONS, flush_cache, new_batcher, prompt_ids, run_together
 
 
 @dataclass
@@ -33,13 +33,6 @@ class Row:
     gb_per_token: float
     roofline_tok_s: float | None
     same_as_alone: bool
-
-
-def _flush_cache(store) -> None:  # noqa: ANN001
-    """Every concurrency starts from an empty cache (the pins stay)."""
-    keep = store.cache_per_layer
-    store.set_cache_per_layer(0)
-    store.set_cache_per_layer(keep)
 
 
 def main(argv: list[str]) -> int:
@@ -83,7 +76,7 @@ def main(argv: list[str]) -> int:
     rows: list[Row] = []
     for n in levels:
         if streams:
-            _flush_cache(store)
+            flush_cache(store)
         if n == 1:  # every question alone: the single-request figure and the references
             runs = [run_together(engine, [q], args.tokens, batcher=batcher) for q in prompts]
             alone = [r.answers[0].tokens for r in runs]

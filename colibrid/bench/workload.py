@@ -165,3 +165,10 @@ def _generated(answers: Sequence[Answer]) -> int:
 
 def new_batcher(engine: Any) -> Batcher:
     return Batcher(engine, _Collect())
+
+
+def flush_cache(store: Any) -> None:
+    """Empty the expert cache (the pins stay), so no run starts warmer than another."""
+    keep = store.cache_per_layer
+    store.set_cache_per_layer(0)
+    store.set_cache_per_layer(keep)

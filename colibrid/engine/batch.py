@@ -67,8 +67,10 @@ def run(
         raise ValueError("a session can take part in a pass once")
     tokens = np.concatenate([f.tokens for f in forwards])
     hidden = engine.hidden_states(tokens, [(f.session, len(f.tokens)) for f in forwards], hook)
+    row = 0
     for f in forwards:
-        f.session.commit(f.tokens)
+        f.session.commit(f.tokens, hidden[row : row + len(f.tokens)])
+        row += len(f.tokens)
     picks: list[int] = []
     spans: list[tuple[int, int] | None] = []
     row = 0

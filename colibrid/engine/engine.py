@@ -18,6 +18,7 @@ import numpy as np
 from colibrid.backends.base import KernelFamily
 from colibrid.engine import batch
 from colibrid.engine.kv import KVCache, bytes_per_position
+from colibrid.engine.mtp_draft import MTPState
 from colibrid.engine.validate import validate
 from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
@@ -63,6 +64,7 @@ class Engine:
         # The KV share of the memory budget (one sequence at the full context): what kept
         # sessions may hold between requests (engine.sessions.SessionPool).
         self.kv_budget_bytes = kv_budget_bytes
+        self.mtp_on = False  # the MTP layer drafts (Engine.load(mtp=True) on a model with one)
 
     @property
     def vocab_size(self) -> int:
@@ -77,9 +79,12 @@ class Engine:
         max_context: int | None = None,
         ops: Any = None,
         store: StoreOptions | None = None,
+        mtp: bool = False,
     ) -> Engine:
         """Open a model directory; `ops` defaults to the CPU backend (native kernels);
-        `store` chooses where routed experts live (default: StoreOptions(), see there)."""
+        `store` chooses where routed experts live (default: StoreOptions(), see there).
+        `mtp`: run the checkpoint's MTP layer (speculative drafts), when it has one: its
+        experts then join the store's layout and budget."""
         if ops is None:
             from colibrid.backends.cpu import CpuOps
 
@@ -96,13 +101,14 @@ class Engine:
         module = model_family(model_type)
         args = module.ModelArgs.from_config(config)
         store_opts = store or StoreOptions()
-        idle = mtp_prefix(args, checkpoint)  # loaded, never run yet: not in the budget
+        idle = mtp_prefix(args, checkpoint)  # loaded, not run unless drafting: no budget
+        mtp_on = bool(mtp and idle)
         experts = open_store(
             checkpoint,
-            expert_layout(args, checkpoint),
+            expert_layout(args, checkpoint, with_mtp=mtp_on),
             store_opts,
             str(model_type),
-            idle_prefixes=(idle,) if idle else (),
+            idle_prefixes=(idle,) if idle and not mtp_on else (),
         )
         model = module.build(args, checkpoint, experts, ops)
         limit = args.trunk.max_position_embeddings
@@ -117,7 +123,9 @@ class Engine:
         info = LoadInfo(
             str(model_type), args.trunk.num_hidden_layers, time.perf_counter() - started
         )
-        return cls(checkpoint, model, args, experts, family, context, info, kv)
+        engine = cls(checkpoint, model, args, experts, family, context, info, kv)
+        engine.mtp_on = mtp_on and getattr(model, "mtp", None) is not None
+        return engine
 
     def new_session(self) -> Session:
         return Session(self)
@@ -144,6 +152,18 @@ class Engine:
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.model.logits(hidden, self.family)
+
+    def draft_pass(self, run: Callable[[], np.ndarray]) -> np.ndarray:
+        """A speculative drafter's pass through model layers (the MTP layer): the store
+        keeps its experts as after any pass, but counts it as no step of an answer."""
+        t0 = time.perf_counter()
+        try:
+            return run()
+        except BaseException:
+            self.experts.abort_pass()
+            raise
+        finally:
+            self.experts.between_tokens(time.perf_counter() - t0, 0.0, 0)
 
     def run(
         self, forwards: Sequence[batch.Forward], hook: Hook | None = None
@@ -203,6 +223,9 @@ class Session:
         self.engine = engine
         self.cache = cache or KVCache(engine.model.cache_layouts(), engine.max_context)
         self.tokens: list[int] = list(tokens)  # what the KV cache holds, for prefix reuse
+        self.mtp: MTPState | None = None  # the MTP drafter's side, when the engine drafts
+        if engine.mtp_on:
+            self.mtp = MTPState(engine.model.mtp.cache_layout(), engine.max_context + 64)
         # Logits at the end of recent prompts, by length: a repeated prompt is answered
         # from them, so it samples from exactly the numbers its first run did.
         self._prompt_logits: dict[int, np.ndarray] = {}
@@ -236,6 +259,8 @@ class Session:
         """Forget everything after the first `length` tokens (prefix reuse, cancelled turns)."""
         self.cache.truncate(length)
         del self.tokens[length:]
+        if self.mtp is not None:
+            self.mtp.truncate(length)
         self._prompt_logits = {n: v for n, v in self._prompt_logits.items() if n <= length}
 
     def fork(self, length: int) -> Session:
@@ -314,8 +339,11 @@ class Session:
         """One forward pass writing rows [length, length + S); commits nothing."""
         return self.engine.hidden_states(tokens, [(self, len(tokens))], hook)
 
-    def commit(self, tokens: np.ndarray) -> None:
-        """The rows a pass wrote after what the session held are now held."""
+    def commit(self, tokens: np.ndarray, hidden: np.ndarray | None = None) -> None:
+        """The rows a pass wrote after what the session held are now held (`hidden`:
+        their final hidden states, which the MTP drafter feeds on)."""
+        if self.mtp is not None and hidden is not None:
+            self.mtp.note(self.cache.length, hidden)
         self.cache.advance(len(tokens))
         self.tokens.extend(int(t) for t in tokens)
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from colibrid.engine.batch import LOGITS_ALL, LOGITS_LAST, Forward
+from colibrid.engine.mtp_draft import MTPDrafter
 from colibrid.engine.sampling import Sampler, SamplingParams
 from colibrid.engine.speculate import (
     OFF,
@@ -304,7 +305,6 @@ def generation(
         raise RequestError("stop strings need a tokenizer to see the text")
     budget = min(params.max_tokens, engine.max_context - len(ids))
     costs = costs or PassCosts()
-    spec = make_speculation(engine, speculate, costs)
     gen = _run(
         engine,
         ids,
@@ -315,16 +315,20 @@ def generation(
         StopStringMatcher(params.stop),
         cancel,
         session,
-        spec,
+        lambda s: make_speculation(engine, speculate, costs, s),
     )
     return Generation(gen, costs)
 
 
 def make_speculation(
-    engine: EngineLike, settings: SpecSettings, costs: PassCosts
+    engine: EngineLike, settings: SpecSettings, costs: PassCosts, session: SessionLike
 ) -> Speculation | None:
+    """The request's speculation: the MTP layer drafts for `mtp` and `auto` where the
+    engine runs it, prompt lookup otherwise."""
     if not settings.on:
         return None
+    if settings.mode in ("mtp", "auto") and getattr(engine, "mtp_on", False):
+        return Speculation(settings, MTPDrafter(engine, session), costs)
     return Speculation(settings, PromptLookup(), costs)
 
 
@@ -348,9 +352,10 @@ def _run(
     matcher: StopStringMatcher,
     cancel: threading.Event | None,
     session: SessionLike | None,
-    spec: Speculation | None,
+    speculation: Callable[[SessionLike], Speculation | None],
 ) -> Generator[GenEvent | Forward, Any, None]:
     generated, prefill_s, decode_s, reuse = 0, 0.0, 0.0, 0
+    spec: Speculation | None = None
 
     def done(reason: str) -> DoneEvent:
         engine.request_finished()  # the store saves its profile and re-pins
@@ -362,6 +367,7 @@ def _run(
         return
     if session is None:
         session = engine.new_session()
+    spec = speculation(session)
     reuse = reusable_prefix(session, ids)
     session.truncate(reuse)
     t0 = time.perf_counter()

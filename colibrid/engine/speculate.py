@@ -24,8 +24,10 @@ its rates stay measured.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from colibrid.errors import RequestError
 
@@ -39,6 +41,8 @@ COST_ROWS = 64  # pass sizes modelled (bigger passes are prefills: not a verify'
 COST_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
 PRIOR_SLOPE = 0.5  # extra pass time per extra row, as a share of one row's, before data
 PRIOR_TRIES = 2.0  # weight of a draft depth's prior acceptance rate, in tries
+FALLBACK_TRIES = 12  # first drafts an expensive drafter gets before it may be dropped...
+FALLBACK_RATE = 0.1  # ...for prompt lookup, when fewer than this share of them were kept
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class PromptLookup:
     pass; it pays on answers that repeat their input (code edits, summaries, JSON)."""
 
     name = "ngram"
+    free = True
 
     def __init__(self) -> None:
         self._tokens: list[int] = []
@@ -88,6 +93,13 @@ class PromptLookup:
             for n in range(NGRAM_MIN, NGRAM_MAX + 1):
                 if end >= n:
                     self._after[tuple(self._tokens[end - n : end])] = end
+
+    def cost(self, depth: int) -> float:
+        """Seconds `depth` drafts take: a dictionary lookup, nothing to price."""
+        return 0.0
+
+    def keep_up(self) -> None:
+        pass
 
     def propose(self, limit: int) -> list[int]:
         toks = self._tokens
@@ -244,12 +256,36 @@ class Acceptance:
         return total
 
 
+class Drafter(Protocol):
+    name: str
+    free: bool  # proposing costs nothing: propose first, then choose the depth
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Tokens now in the context (the prompt, then each emitted token)."""
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` guesses of the tokens after the last one fed."""
+        ...
+
+    def cost(self, depth: int) -> float:
+        """Seconds drafting `depth` tokens takes (measured; 0 when free)."""
+        ...
+
+    def keep_up(self) -> None:
+        """Between steps, for a drafter that is not free: stay ready to draft."""
+
+
 def best_depth(
-    acceptance: Acceptance, costs: PassCosts, others: int, available: int
+    acceptance: Acceptance,
+    costs: PassCosts,
+    others: int,
+    available: int,
+    draft_cost: Callable[[int], float] = lambda depth: 0.0,
 ) -> tuple[int, float]:
     """The depth (at most `available`) with the most expected tokens per second of the
-    request's share of the pass (its rows on top of `others` rows of other requests),
-    and its expected speed-up over a plain step; (0, 1.0) when nothing beats that."""
+    request's share of the pass (its rows on top of `others` rows of other requests) plus
+    the drafting, and its expected speed-up over a plain step; (0, 1.0) when nothing
+    beats that."""
     base = costs.seconds(others)
     plain = costs.seconds(others + 1)
     if base is None or plain is None or plain - base <= 0:
@@ -260,7 +296,7 @@ def best_depth(
         seconds = costs.seconds(others + 1 + depth)
         if seconds is None or seconds - base <= 0:
             continue
-        rate = acceptance.expected_tokens(depth) / (seconds - base)
+        rate = acceptance.expected_tokens(depth) / (seconds - base + draft_cost(depth))
         if rate > best_rate * (1 + 1e-6):
             best, best_rate = depth, rate
     return best, best_rate / plain_rate
@@ -269,44 +305,79 @@ def best_depth(
 class Speculation:
     """One request's speculation: its drafter, acceptance rates, depth choice and stats."""
 
-    def __init__(self, settings: SpecSettings, drafter: PromptLookup | None, costs: PassCosts):
+    def __init__(self, settings: SpecSettings, drafter: Drafter | None, costs: PassCosts):
         self.settings = settings
         self.drafter = drafter
         self.costs = costs
         self.acceptance = Acceptance()
         self.stats = SpecStats(costs, mode=drafter.name if drafter is not None else "off")
         self._idle_steps = 0
+        self._draft_s = 0.0  # drafting time of the drafts in flight
+        self._context: list[int] = []  # every token fed (for a drafter taking over)
 
     def feed(self, tokens: Sequence[int]) -> None:
         """Tokens now in the context (prompt, then each emitted token)."""
+        self._context.extend(int(t) for t in tokens)
         if self.drafter is not None:
             self.drafter.feed(tokens)
 
     def plan(self, room: int) -> list[int]:
         """The drafts for the next pass: at most `room` (what the answer and the context
-        still allow), as deep as it is worth beside the rows of the requests sharing it."""
+        still allow), as deep as it is worth beside the rows of the requests sharing it.
+        A free drafter proposes first (its proposal's length bounds the depth); one that
+        costs a pass per draft (MTP) drafts only as deep as the depth chosen."""
         if self.drafter is None or room <= 0:
             return []
-        proposal = self.drafter.propose(min(room, self.settings.max_depth))
-        if not proposal:
-            return []
-        depth, gain = best_depth(self.acceptance, self.costs, self.costs.sharing, len(proposal))
+        t0 = time.perf_counter()
+        available = min(room, self.settings.max_depth)
+        proposal: list[int] | None = None
+        self._maybe_fall_back()
+        if not self.drafter.free:
+            self.drafter.keep_up()
+        if self.drafter.free:
+            proposal = self.drafter.propose(available)
+            available = len(proposal)
+            if not available:
+                return []
+        depth, gain = best_depth(
+            self.acceptance, self.costs, self.costs.sharing, available, self.drafter.cost
+        )
         if depth == 0:
             self._idle_steps += 1
             if self._idle_steps < EXPLORE_EVERY:
                 return []
             depth, gain = 1, 1.0  # keep the first rate measured
         self._idle_steps = 0
-        self.stats.predicted_gain_sum += gain
-        return proposal[:depth]
+        drafts = proposal[:depth] if proposal is not None else self.drafter.propose(depth)
+        if drafts:
+            self.stats.predicted_gain_sum += gain
+            self._draft_s = time.perf_counter() - t0
+        return drafts
+
+    def _maybe_fall_back(self) -> None:
+        """A drafter that costs passes and is almost never right (an MTP layer of random
+        or damaged weights) gives way to prompt lookup, fed what it was fed."""
+        a = self.acceptance
+        if self.drafter is None or self.drafter.free or a.tries[1] < FALLBACK_TRIES:
+            return
+        if a.kept[1] / a.tries[1] >= FALLBACK_RATE:
+            return
+        lookup = PromptLookup()
+        lookup.feed(self._context)
+        self.drafter = lookup
+        self.acceptance = Acceptance()
+        self.stats.mode = f"{self.stats.mode}->ngram"
 
     def verified(self, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
+        """A verify pass of `drafted` drafts took `seconds` and emitted `emitted` tokens,
+        `accepted` of them drafts (the drafting's own time is added here)."""
         st = self.stats
         st.verifies += 1
         st.drafted += drafted
         st.accepted += accepted
         st.depth_sum += drafted
-        st.spec_seconds += seconds
+        st.spec_seconds += seconds + self._draft_s
+        self._draft_s = 0.0
         st.spec_tokens += emitted
         self.acceptance.observe(drafted, accepted)
 

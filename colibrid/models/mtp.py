@@ -8,10 +8,12 @@ layer sits at index `num_hidden_layers` with the usual decoder tensors plus `eh_
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
-from colibrid.models.base import Linear, Ops, WeightSource
+from colibrid.models.base import Linear, Ops, Segment, Step, WeightSource
 from colibrid.models.transformer import DecoderLayer
 
 
@@ -38,6 +40,27 @@ class MTPLayer:
     @staticmethod
     def present(src: WeightSource, index: int) -> bool:
         return src.has(f"model.layers.{index}.eh_proj.weight")
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        return self.decoder.attention.cache_layout()
+
+    def draft_hidden(
+        self,
+        model: Any,
+        next_tokens: np.ndarray,
+        hidden: np.ndarray,
+        positions: np.ndarray,
+        cache: Any,
+        family: KernelFamily,
+    ) -> np.ndarray:
+        """The MTP layer on rows (the token after position p, the hidden state at p) for
+        the given positions: appended to `cache` (its own KV cache, one layer) after what
+        it holds; returns the head-normed hidden states [S, D] the LM head turns into the
+        guesses for the tokens after those."""
+        x = self.input(self.ops.embed(model.embed_tokens, next_tokens), hidden, family)
+        segment = Segment(cache, Step(cache.length, family), len(x))
+        out = self.decoder(x, 0, [segment], model.rotary.tables(positions), [None])
+        return self.ops.rms_norm(out, self.head_norm, self.eps)
 
     def input(self, embedded: np.ndarray, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:
         """The MTP decoder input [S, D] from next-token embeddings and main hidden states."""

@@ -54,7 +54,9 @@ class ExpertStore(Protocol):
         """PILOT: ``layer`` will probably choose ``experts``; returns reads started."""
 
     def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0, rows: int = 1) -> None:
-        """A forward pass of ``rows`` tokens ended (also after a failed one)."""
+        """A forward pass of ``rows`` tokens ended (also after a failed one); ``rows`` 0 is
+        a pass no answer steps through (a speculative drafter's): its experts are kept,
+        but it is not counted or timed as a token."""
 
     def abort_pass(self) -> None:
         """A forward pass raised: leave the store as consistent as before the pass."""

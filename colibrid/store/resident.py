@@ -99,9 +99,10 @@ class ResidentExpertStore:
         return 0  # everything is in memory: nothing to read ahead
 
     def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0, rows: int = 1) -> None:
-        self.stats.tokens += 1
-        self.stats.token_wall_s += wall_s
-        self.stats.attention_s += attention_s
+        if rows:  # rows 0: a speculative draft's pass, not a step of any answer
+            self.stats.tokens += 1
+            self.stats.token_wall_s += wall_s
+            self.stats.attention_s += attention_s
         self.recorder.end_pass()
 
     def abort_pass(self) -> None:

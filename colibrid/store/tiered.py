@@ -284,9 +284,10 @@ class TieredStore:
             if on != self.pilot_on:
                 self.set_pilot(on)
         self.stats.io_active_s = self.pool.busy_seconds()
-        self.stats.tokens += 1
-        self.stats.token_wall_s += wall_s
-        self.stats.attention_s += attention_s
+        if rows:  # rows 0: a speculative draft's pass, not a step of any answer
+            self.stats.tokens += 1
+            self.stats.token_wall_s += wall_s
+            self.stats.attention_s += attention_s
         self._pilot().end_pass()
         self.recorder.end_pass()
         if self.memwatch is not None:
