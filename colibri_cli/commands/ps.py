@@ -39,8 +39,11 @@ def render(status: dict) -> str:
     store = status["tiers"].get("store", {})
     if store.get("streams"):
         pins += f"\nPILOT: {store.get('pilot_note', 'off')}"
-    if status.get("batch_rows"):
-        pins += f"\nbatch: {status['batch_rows']} rows in the last decode pass"
+    if status.get("shared_passes"):
+        pins += (
+            f"\nbatch: {status['shared_passes']} passes shared by several requests; "
+            f"{status.get('batch_rows', 0)} rows in the last decode pass"
+        )
     if status.get("speculate"):
         last = speculation_line(status.get("speculation") or {})
         pins += f"\nspeculate: {status['speculate']}" + (f" (last request: {last})" if last else "")

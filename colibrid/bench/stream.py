@@ -121,7 +121,7 @@ def main(argv: list[str]) -> int:
         # The stricter limit: only the experts a token needed that were not resident when
         # the router chose them (demand misses + prefetched hits), so PILOT's mispredicted
         # reads are not forgiven.
-        expert_gb = store.payload_bytes() / 1e9 / (len(store.layers) * store.layout.n_experts)
+        expert_gb = store.payload_bytes() / 1e9 / (store.n_layers * store.layout.n_experts)
         needed = (st.misses + st.hits_prefetched) * expert_gb / args.tokens
         if needed > 0:
             strict = gbs / needed

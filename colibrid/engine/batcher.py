@@ -75,6 +75,7 @@ class Listener(Protocol):
 @dataclass
 class BatchStats:
     passes: int = 0
+    shared: int = 0  # passes that carried several requests
     rows: int = 0  # rows of every pass
     decode_passes: int = 0
     decode_rows: int = 0  # rows of the passes that carried no prompt
@@ -229,6 +230,7 @@ class Batcher:
         self.costs.observe(rows, time.perf_counter() - t0)
         st = self.stats
         st.passes += 1
+        st.shared += len(parts) > 1
         st.rows += rows
         if not any(f.is_prompt or f.logits == LOGITS_NONE for _, f in parts):
             st.decode_passes += 1

@@ -204,13 +204,16 @@ def expert_layout(args: Any, checkpoint: Checkpoint, *, with_mtp: bool = False) 
     count them (they would take slots and budget for nothing)."""
     trunk = args.trunk
     layers = [layer for layer, is_moe in enumerate(args.is_moe) if is_moe]
+    drafting: tuple[int, ...] = ()
     if with_mtp and mtp_prefix(args, checkpoint) is not None:
         layers.append(trunk.num_hidden_layers)
+        drafting = (trunk.num_hidden_layers,)
     return ExpertLayout(
         moe_layers=tuple(layers),
         n_experts=args.moe.n_routed_experts,
         hidden=trunk.hidden_size,
         ffn=args.moe.moe_intermediate_size,
+        draft_layers=drafting,
     )
 
 

@@ -90,6 +90,7 @@ class HostStatistics:
     requests_done: int
     last_tok_s: float
     last_batch_rows: int = 0  # rows of the last decode pass (requests and their drafts)
+    shared_passes: int = 0  # passes that carried several requests
     speculation: dict[str, str] | None = None  # the last finished request's, when on
 
 
@@ -197,6 +198,7 @@ class EngineHost:
             self._done,
             self._last_tok_s,
             self._batch.stats.last_rows,
+            self._batch.stats.shared,
             self._last_spec,
         )
 

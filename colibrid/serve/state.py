@@ -76,6 +76,7 @@ class DaemonState:
             "max_queue": sched.max_queue,
             "last_tok_s": round(host.last_tok_s, 2),
             "batch_rows": host.last_batch_rows,
+            "shared_passes": host.shared_passes,
             "speculate": self.host.speculate.mode,
             "speculation": host.speculation,
             "requests_done": host.requests_done,

@@ -43,9 +43,20 @@ class ExpertLayout:
     hidden: int
     ffn: int
     name_template: str = DEFAULT_TEMPLATE
+    # Layers served only for speculative drafts (the MTP layer): streamed and cached like
+    # the others, but not part of usage profiles (whose shape is the main model's, as
+    # upstream's files are) and never pinned.
+    draft_layers: tuple[int, ...] = ()
+
+    @property
+    def profiled_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer in self.moe_layers if layer not in self.draft_layers)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        object.__setattr__(self, "draft_layers", tuple(self.draft_layers))
+        if not set(self.draft_layers) <= set(self.moe_layers):
+            raise ValueError(f"draft_layers {self.draft_layers} must be MoE layers")
         if any(not isinstance(x, int) or x < 0 for x in self.moe_layers):
             raise ValueError(f"moe_layers must be non-negative ints, got {self.moe_layers}")
         if len(set(self.moe_layers)) != len(self.moe_layers):

@@ -49,8 +49,8 @@ class ResidentExpertStore:
             layer: [self._load(checkpoint, layer, e, template) for e in range(layout.n_experts)]
             for layer, template in sorted(templates.items())
         }
-        n_layers = max(templates, default=-1) + 1
-        self.recorder = UsageRecorder(n_layers, layout.n_experts, self._experts)
+        profiled = [la for la in self._experts if la not in layout.draft_layers]
+        self.recorder = UsageRecorder(max(profiled, default=-1) + 1, layout.n_experts, profiled)
         self.counts = self.recorder.counts
         self.pins = PinController(PinBudget("off", 0, 0))
         self.stats = Counters()
@@ -69,7 +69,8 @@ class ResidentExpertStore:
 
     @property
     def layers(self) -> tuple[int, ...]:
-        return tuple(self._experts)
+        """The layers usage profiles and pins cover (drafting layers served, not counted)."""
+        return tuple(la for la in self._experts if la not in self.layout.draft_layers)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         try:
@@ -92,6 +93,9 @@ class ResidentExpertStore:
         return iter([[(int(e), self.get(layer, int(e))) for e in experts]])  # all in memory
 
     def record(self, layer: int, experts: Sequence[int]) -> None:
+        if layer in self.layout.draft_layers:  # served, but no part of the usage profile
+            self.stats.hits_pinned += len(experts)
+            return
         idx = self.recorder.record(layer, experts)
         self.stats.hits_pinned += len(idx)  # the union: every lookup is a RAM hit
 

@@ -74,7 +74,8 @@ class TieredStore:
         self.files = self.reader.files
         self.pool = self.reader.pool
         self.policy_name = policy
-        self.recorder = UsageRecorder(max(self.extents) + 1, layout.n_experts, self.extents)
+        profiled = [layer for layer in self.extents if layer not in layout.draft_layers]
+        self.recorder = UsageRecorder(max(profiled, default=-1) + 1, layout.n_experts, profiled)
         self.counts = self.recorder.counts
         self.profile_path: str | None = None  # where usage is saved after each request
         self.pins = PinController(PinBudget("off", 0, 0))
@@ -91,6 +92,11 @@ class TieredStore:
     # ---- set-up --------------------------------------------------------------------------
     @property
     def layers(self) -> tuple[int, ...]:
+        """The layers usage profiles and pins cover (drafting layers served, not counted)."""
+        return tuple(la for la in self.extents if la not in self.layout.draft_layers)
+
+    @property
+    def served_layers(self) -> tuple[int, ...]:
         return tuple(self.extents)
 
     @property
@@ -124,7 +130,7 @@ class TieredStore:
         self.reader.allocate(plan.total)
         self.placement = Placement(
             plan,
-            self.layers,
+            self.served_layers,
             self.policy_name,
             fault_in=self.reader.fault_in,
             park=self.reader.park,
@@ -209,6 +215,8 @@ class TieredStore:
     # ---- completions ---------------------------------------------------------------------
     # ---- the ExpertStore protocol -------------------------------------------------------
     def record(self, layer: int, experts: Sequence[int]) -> None:
+        if layer in self.layout.draft_layers:
+            return  # a drafting layer's selections are no part of the usage profile
         idx = self.recorder.record(layer, experts)
         if self.prefetcher is not None:
             self.prefetcher.score(layer, idx)

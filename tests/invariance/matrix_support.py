@@ -159,7 +159,14 @@ def reference(tmp_path_factory):
         if kind in cache:
             return cache[kind]
         port = free_port()
-        home = Home(tmp_path_factory.mktemp(f"ref-{kind}"), model.path, http=str(port), **SETTINGS)
+        # The plain run: no speculation (the cells run the daemon's default, `auto`)
+        home = Home(
+            tmp_path_factory.mktemp(f"ref-{kind}"),
+            model.path,
+            http=str(port),
+            speculate="off",
+            **SETTINGS,
+        )
         try:
             home.start()
             tiers = status(home)["tiers"]
@@ -173,6 +180,7 @@ def reference(tmp_path_factory):
                 f"the resident store alone differs between serial and concurrent asks:\n"
                 f"serial {serve} {http}\nconcurrent {again}"
             )
+            assert status(home)["shared_passes"] > 0, "the concurrent asks were not batched"
             warm = home.colibri("profile", "warm", "code", "--limit", "3", "--max-tokens", "8")
             assert warm.returncode == 0, warm.stderr
         finally:

@@ -1,12 +1,14 @@
 """Placement never changes tokens — through the real daemon (DESIGN §4, §9; issue 12 item 4).
 
 Each cell starts `colibrid start` in a private $COLIBRI_HOME with the placement settings
-users combine (config.toml `cache`, `pilot`, `direct`, `ram_gb`), sends every prompt through
-the SERVE client (`colibri ask`) and the HTTP API (the official `openai` client against
-`--http`) at the same time, greedy, and compares each answer byte for byte with the answer
-of the resident store (the same model in a daemon with no placement key: its experts stay
-resident) to the same prompt and client. A cell then changes the active profile while the
-daemon serves (`colibri profile use code`, and back to `default`) and asks again. Profiles:
+users combine (config.toml `cache`, `pilot`, `direct`, `ram_gb`; speculative decoding at
+its default, `auto`), sends every prompt through the SERVE client (`colibri ask`) and the
+HTTP API (the official `openai` client against `--http`) at the same time, greedy (so the
+requests are decoded together, batched), and compares each answer byte for byte with the
+answer of the plain run: the resident store (the same model in a daemon with no placement
+key: its experts stay resident), speculation off, one request at a time. A cell then
+changes the active profile while the daemon serves (`colibri profile use code`, and back
+to `default`) and asks again. Profiles:
 
 * ``empty``: a fresh home; the daemon itself warms `code` (`colibri profile warm code`)
   before `profile use code`;
@@ -136,6 +138,9 @@ def run_cell(request: pytest.FixtureRequest, reference, tmp_path: Path, cell: Ce
         problems += pins_within_capacity("start", st)
         problems += compare(f"start, {cell.profile} profile", ref, ask_all(home, port, model.name))
         asked += 2 * len(PROMPTS)
+        batched = status(home)
+        if not batched["shared_passes"] or batched["speculate"] != "auto":
+            problems.append(f"[start] not batched or not speculating: {batched}")
         if cell.ram_gb is not None:
             note = status(home)["tiers"].get("store", {}).get("memwatch", "")
             if "shrink" not in note:
