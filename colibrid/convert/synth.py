@@ -159,17 +159,19 @@ SHAPES["glm4-tiny"] = dict(
 )
 
 
-def synth_config(shape: str, layers: int, experts: int) -> dict[str, Any]:
+def synth_config(shape: str, layers: int, experts: int, mtp: bool = False) -> dict[str, Any]:
     if shape not in SHAPES:
         raise ConvertError(f"--shape {shape!r}: choose from {', '.join(SHAPES)}")
     if layers < 1 or experts < 1:
         raise ConvertError("--layers and --experts must be >= 1")
+    if mtp and SHAPES[shape]["model_type"] != "glm_moe_dsa":
+        raise ConvertError(f"--mtp: only GLM-5-shaped models carry an MTP layer, not {shape!r}")
     cfg = dict(SHAPES[shape])
     cfg.update(
         num_hidden_layers=layers,
         n_routed_experts=experts,
         first_k_dense_replace=min(1, layers - 1),
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=1 if mtp else 0,
         num_experts_per_tok=min(cfg["num_experts_per_tok"], experts),
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -257,10 +259,11 @@ def synth(
     seed: int = 0,
     params: ConvertParams | None = None,
     quiet: bool = True,
+    mtp: bool = False,
 ) -> Path:
     params = params or ConvertParams()
     params.check()
-    cfg = synth_config(shape, layers, experts)
+    cfg = synth_config(shape, layers, experts, mtp)
     try:
         args, expected = expected_from_config(cfg, lambda name: True)
     except ColibriError as exc:
@@ -268,7 +271,7 @@ def synth(
     tensors = [(e.name, e.shape) for e in expected.values()]
     groups = build_groups(tensors, args.trunk.num_hidden_layers, params)
     shards = pack_shards(groups, params)
-    identity = [["synth", shape, layers, experts, seed]]
+    identity = [["synth", shape, layers, experts, seed] + (["mtp"] if mtp else [])]
     dst = Path(dst)
     state = prepare_dst(dst, params, identity)
     if state.get("complete"):
@@ -296,7 +299,15 @@ def synth(
         dst,
         shards,
         state,
-        {"synthetic": {"shape": shape, "layers": layers, "experts": experts, "seed": seed}},
+        {
+            "synthetic": {
+                "shape": shape,
+                "layers": layers,
+                "experts": experts,
+                "seed": seed,
+                "mtp": mtp,
+            }
+        },
     )
     return dst
 
@@ -315,6 +326,12 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="routed experts")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--shard-gb", type=float, default=4.0)
+    p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="add a (random) MTP layer after the last one, as GLM-5 checkpoints carry: "
+        "speculative drafting runs on it (its guesses are random, so almost never kept)",
+    )
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(list(argv))
     params = ConvertParams(
@@ -322,7 +339,16 @@ def main(argv: Sequence[str]) -> int:
     )
     started = time.perf_counter()
     try:
-        out = synth(a.dst, a.shape, a.layers, a.experts, seed=a.seed, params=params, quiet=a.quiet)
+        out = synth(
+            a.dst,
+            a.shape,
+            a.layers,
+            a.experts,
+            seed=a.seed,
+            params=params,
+            quiet=a.quiet,
+            mtp=a.mtp,
+        )
     except ColibriError as exc:
         print(f"colibri synth: error: {exc}", file=sys.stderr)
         return 1

@@ -41,7 +41,7 @@ COST_ROWS = 64  # pass sizes modelled (bigger passes are prefills: not a verify'
 COST_WEIGHT = 0.2  # weight of a new measurement in a row count's running mean
 PRIOR_SLOPE = 0.5  # extra pass time per extra row, as a share of one row's, before data
 PRIOR_TRIES = 2.0  # weight of a draft depth's prior acceptance rate, in tries
-FALLBACK_TRIES = 12  # first drafts an expensive drafter gets before it may be dropped...
+FALLBACK_TRIES = 6  # first drafts an expensive drafter gets before it may be dropped...
 FALLBACK_RATE = 0.1  # ...for prompt lookup, when fewer than this share of them were kept
 
 
@@ -314,6 +314,7 @@ class Speculation:
         self._idle_steps = 0
         self._draft_s = 0.0  # drafting time of the drafts in flight
         self._context: list[int] = []  # every token fed (for a drafter taking over)
+        self._drafting = True  # the last step chose to draft
 
     def feed(self, tokens: Sequence[int]) -> None:
         """Tokens now in the context (prompt, then each emitted token)."""
@@ -332,8 +333,8 @@ class Speculation:
         available = min(room, self.settings.max_depth)
         proposal: list[int] | None = None
         self._maybe_fall_back()
-        if not self.drafter.free:
-            self.drafter.keep_up()
+        if not self.drafter.free and self._drafting:
+            self.drafter.keep_up()  # while it drafts; an idle drafter catches up when asked
         if self.drafter.free:
             proposal = self.drafter.propose(available)
             available = len(proposal)
@@ -342,6 +343,7 @@ class Speculation:
         depth, gain = best_depth(
             self.acceptance, self.costs, self.costs.sharing, available, self.drafter.cost
         )
+        self._drafting = depth > 0
         if depth == 0:
             self._idle_steps += 1
             if self._idle_steps < EXPLORE_EVERY:

@@ -364,8 +364,7 @@ class EngineHost:
         stats = event.stats
         self._last_tok_s = stats.decode_tok_s
         spec = None if event.spec is None else event.spec.extras()
-        if spec is not None:
-            self._last_spec = spec
+        self._last_spec = spec
         if event.finish_reason == "cancelled" and not job.stop.is_set():
             why = "the daemon stopped" if job.cancel_code == "SHUTTING_DOWN" else "cancelled"
             self._finish(
