@@ -1,11 +1,11 @@
-"""A heat map written as a PNG with the standard library only (zlib + struct), so the
-client needs no imaging package to draw a profile."""
+"""The heat map of a usage profile, as a labelled PNG: experts across, layers down, a
+log-scaled colour bar, and a title naming the model, the profile and its selections.
+
+Pillow (with its built-in bitmap font) draws it; the client imports it only here."""
 
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +20,7 @@ _RAMP = [
     (250, 193, 39),
     (252, 255, 164),
 ]
+MARGIN_LEFT, MARGIN_TOP, MARGIN_RIGHT, MARGIN_BOTTOM = 64, 40, 96, 44
 
 
 def color(x: float) -> tuple[int, int, int]:
@@ -38,29 +39,64 @@ def heat_rows(counts: Sequence[Sequence[int]]) -> list[list[float]]:
     return [[math.log1p(c) / scale for c in row] for row in counts]
 
 
-def write_heatmap(path: Path, counts: Sequence[Sequence[int]], *, cell: int = 8) -> tuple[int, int]:
-    """Rows are layers, columns experts; returns (width, height) in pixels."""
-    heat = heat_rows(counts)
-    n_cols = max((len(r) for r in heat), default=1)
-    cell_w = max(1, min(4 * cell, 1024 // max(n_cols, 1)))
-    cell = max(2, min(4 * cell, 512 // max(len(heat), 1)))
-    width, height = n_cols * cell_w, max(len(heat), 1) * cell
-    raw = bytearray()
-    for row in heat or [[0.0]]:
-        line = bytearray()
-        for x in range(n_cols):
-            line += bytes(color(row[x] if x < len(row) else 0.0)) * cell_w
-        for _ in range(cell):
-            raw += b"\x00" + line
+def _ticks(n: int, most: int = 8) -> list[int]:
+    """Up to `most` evenly spaced indices of n, the first and last included."""
+    if n <= most:
+        return list(range(n))
+    step = math.ceil((n - 1) / (most - 1))
+    return sorted({*range(0, n, step), n - 1})
 
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        body = tag + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
 
-    png = b"\x89PNG\r\n\x1a\n" + chunk(
-        b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    )
-    png += chunk(b"IDAT", zlib.compress(bytes(raw), 9)) + chunk(b"IEND", b"")
+def write_heatmap(
+    path: Path,
+    counts: Sequence[Sequence[int]],
+    *,
+    layers: Sequence[int] | None = None,
+    title: str = "",
+) -> tuple[int, int]:
+    """Rows are layers (labelled with `layers`), columns experts; returns (width, height)."""
+    from PIL import Image, ImageDraw
+
+    heat = heat_rows(counts) or [[0.0]]
+    layers = list(layers) if layers is not None else list(range(len(heat)))
+    n_cols = max(len(r) for r in heat)
+    cell_w = max(1, min(24, 768 // max(n_cols, 1)))
+    cell_h = max(2, min(24, 512 // len(heat)))
+    grid_w, grid_h = n_cols * cell_w, len(heat) * cell_h
+    width = MARGIN_LEFT + grid_w + MARGIN_RIGHT
+    height = MARGIN_TOP + grid_h + MARGIN_BOTTOM
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    x0, y0 = MARGIN_LEFT, MARGIN_TOP
+    for r, row in enumerate(heat):
+        for c in range(n_cols):
+            left, top = x0 + c * cell_w, y0 + r * cell_h
+            fill = color(row[c] if c < len(row) else 0.0)
+            draw.rectangle([left, top, left + cell_w - 1, top + cell_h - 1], fill=fill)
+    draw.rectangle([x0 - 1, y0 - 1, x0 + grid_w, y0 + grid_h], outline="black")
+    for c in _ticks(n_cols):  # experts across
+        x = x0 + c * cell_w + cell_w // 2
+        draw.line([x, y0 + grid_h, x, y0 + grid_h + 4], fill="black")
+        draw.text((x - 6, y0 + grid_h + 6), str(c), fill="black")
+    draw.text((x0 + grid_w // 2 - 18, y0 + grid_h + 24), "expert", fill="black")
+    for r in _ticks(len(heat)):  # layers down
+        y = y0 + r * cell_h + cell_h // 2
+        draw.line([x0 - 4, y, x0 - 1, y], fill="black")
+        draw.text((x0 - 30, y - 5), str(layers[r] if r < len(layers) else r), fill="black")
+    draw.text((4, y0 + grid_h // 2 - 5), "layer", fill="black")
+    bar_x = x0 + grid_w + 24  # the colour bar: selections, log scale
+    for y in range(grid_h):
+        draw.line([bar_x, y0 + y, bar_x + 12, y0 + y], fill=color(1.0 - y / max(grid_h - 1, 1)))
+    draw.rectangle([bar_x - 1, y0 - 1, bar_x + 13, y0 + grid_h], outline="black")
+    top = max((v for row in counts for v in row), default=0)
+    for frac in (1.0, 0.5, 0.0):
+        value = round(math.expm1(frac * math.log1p(top)))
+        y = y0 + round((1.0 - frac) * (grid_h - 1))
+        draw.line([bar_x + 13, y, bar_x + 17, y], fill="black")
+        draw.text((bar_x + 19, y - 5), str(value), fill="black")
+    draw.text((bar_x - 6, y0 + grid_h + 6), "selections", fill="black")
+    draw.text((bar_x - 6, y0 + grid_h + 18), "(log scale)", fill="black")
+    draw.text((x0, 12), title, fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(png)
+    image.save(path, format="PNG")
     return width, height

@@ -78,6 +78,7 @@ class ProfileCommand:
 
     action: str
     name: str | None = None
+    create: bool = False  # USE: start an empty profile when there is none of that name
 
 
 @dataclass(frozen=True)
@@ -241,14 +242,18 @@ def parse_request(frame: Frame) -> Request:
 def _parse_profile(args: Sequence[str]) -> ProfileCommand:
     action = args[0].upper() if args else ""
     arity = _PROFILE_ACTIONS.get(action)
-    names = args[1:]
+    names = list(args[1:])
+    create = action == "USE" and len(names) == 2 and names[1].upper() == "CREATE"
+    if create:
+        names = names[:1]
     if arity is None or (arity >= 0 and len(names) != arity) or len(names) > 1:
         raise ProtocolError(
-            "BAD_FRAME", "PROFILE needs LIST | SHOW <name> | USE <name> | SAVE [<name>] | FLUSH"
+            "BAD_FRAME",
+            "PROFILE needs LIST | SHOW <name> | USE <name> [CREATE] | SAVE [<name>] | FLUSH",
         )
     if names and not is_valid_id(names[0]):
         raise ProtocolError("BAD_REQUEST", f"bad profile name {names[0][:40]!r}")
-    return ProfileCommand(action, names[0] if names else None)
+    return ProfileCommand(action, names[0] if names else None, create)
 
 
 def encode_submit(req: Submit) -> bytes:

@@ -45,8 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="hottest experts per layer, and a PNG heat map")
     show.add_argument("name")
     show.add_argument("--png", type=Path, metavar="PATH", help="where to write the picture")
-    use = sub.add_parser("use", help="make NAME the active profile (re-pins the hot set)")
+    use = sub.add_parser(
+        "use", help="make NAME the active profile (re-pins the hot set; kept across restarts)"
+    )
     use.add_argument("name")
+    use.add_argument(
+        "--create", action="store_true", help="start an empty profile when there is none"
+    )
     save = sub.add_parser("save", help="save the active profile's history as NAME")
     save.add_argument("name")
     warm = sub.add_parser("warm", help="run the domain's built-in prompts to learn it")
@@ -111,8 +116,9 @@ def do_show(client: Client, name: str, png: Path | None) -> None:
         hot_text = "  ".join(f"e{e}:{100 * row[e] / layer_total:.0f}%" for e in hot if row[e])
         print(f"  layer {layer:>3}  {hot_text or '(no data)'}")
     path = png or home.colibri_home() / "profiles" / body["model"] / f"{name}.png"
-    width, height = write_heatmap(path, counts)
-    print(f"heat map ({width}x{height}, rows = layers, columns = experts): {path}")
+    title = f"profile {name} of {body['model']}: {total} selections"
+    width, height = write_heatmap(path, counts, layers=body["layers"], title=title)
+    print(f"heat map ({width}x{height}, layers down, experts across, log colour bar): {path}")
 
 
 def do_warm(client: Client, name: str, max_tokens: int, limit: int | None) -> None:
@@ -148,8 +154,9 @@ def main(argv: Sequence[str]) -> int:
             elif args.action == "warm":
                 do_warm(client, args.name, args.max_tokens, args.limit)
             else:
+                extra = ["CREATE"] if args.action == "use" and args.create else []
                 words = client.call(
-                    encode_line("PROFILE", args.action.upper(), args.name), want=("OK",)
+                    encode_line("PROFILE", args.action.upper(), args.name, *extra), want=("OK",)
                 )
                 print(f"colibri: {' '.join(words).lower()}")
     except ClientError as exc:

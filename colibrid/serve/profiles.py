@@ -39,16 +39,48 @@ def read_profile(path: Path, shape: tuple[int, int], model_type: str) -> np.ndar
     return parse_counts(text, path, shape, model_type, lenient=True)
 
 
+ACTIVE_FILE = "active"  # beside the profiles: the name `profile use` chose last
+
+
 class ProfileBook:
+    """The usage profiles of one model. ``active`` is the one requests count into; the
+    last `profile use` is remembered in ``<directory>/active`` and wins over the
+    configured default at the next start."""
+
     def __init__(
         self, directory: Path, shape: tuple[int, int], model_type: str, active: str
     ) -> None:
         self.directory = directory
         self.shape = shape
         self.model_type = model_type
-        self.active = active
+        self.active = self._remembered() or active
         self._counts: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
+
+    def _remembered(self) -> str | None:
+        try:
+            name = (self.directory / ACTIVE_FILE).read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+        return name if name and name.replace("-", "").replace("_", "").isalnum() else None
+
+    def use(self, name: str, *, create: bool = False) -> None:
+        """Make `name` the active profile and remember it; a name with no profile (on disk
+        or counted) is refused unless `create`. Raises PersistError when the choice
+        cannot be written (it is still made for this run)."""
+        if name not in self.names() and not create:
+            known = ", ".join(self.names())
+            raise ProfileError(
+                f"no profile {name!r} (this model has: {known}); `colibri profile warm "
+                f"{name}` learns a built-in domain, `colibri profile use {name} --create` "
+                "starts an empty one"
+            )
+        with self._lock:
+            self._get(name)
+            self.active = name
+        path = self.directory / ACTIVE_FILE
+        with persisting(path):
+            atomic_write(path, (name + "\n").encode())
 
     def _get(self, name: str) -> np.ndarray:
         counts = self._counts.get(name)

@@ -153,7 +153,7 @@ class Connection:
             }[request.kind]()
             await self.send(encode_reply(request.kind, body))
         elif isinstance(request, ProfileCommand):
-            kind, body = await state.profile(request.action, request.name)
+            kind, body = await state.profile(request.action, request.name, request.create)
             await self.send(encode_line("OK", *body) if kind == "OK" else encode_reply(kind, body))
         elif isinstance(request, Ping):
             await self.send(b"PONG\n")

@@ -113,7 +113,7 @@ class DaemonState:
             "pinned": len(self.pinned()),
         }
 
-    async def profile(self, action: str, name: str | None) -> tuple[str, Any]:
+    async def profile(self, action: str, name: str | None, create: bool = False) -> tuple[str, Any]:
         """Returns (reply kind, body): PROFILES json, PROFILE json, or OK words.
 
         SAVE and FLUSH that cannot write raise PersistError (code IO, naming the file):
@@ -129,7 +129,11 @@ class DaemonState:
         if action == "SHOW":
             assert name is not None
             if name not in book.names():
-                raise ProfileError(f"no profile {name!r} for {self.model_name}")
+                raise ProfileError(
+                    f"no profile {name!r} for {self.model_name} (it has: "
+                    f"{', '.join(book.names())}); `colibri profile warm {name}` learns a "
+                    "built-in domain, and requests with `profile={name}` count into it"
+                )
             counts = book.counts(name)
             layers = list(self.engine.experts.layers)
             return "PROFILE", {
@@ -140,8 +144,11 @@ class DaemonState:
             }
         if action == "USE":
             assert name is not None
-            book.active = name
-            self.repin_soon()
+            try:
+                await trio.to_thread.run_sync(lambda: book.use(name, create=create))
+            finally:  # chosen even when remembering it failed (a full disk): pin from it
+                if book.active == name:
+                    self.repin_soon()
             return "OK", ["PROFILE", "USE", name]
         if action == "FLUSH":
             await trio.to_thread.run_sync(book.save_all)

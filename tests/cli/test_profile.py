@@ -84,3 +84,50 @@ def test_warm_list_show_use_save(home: Home, tmp_path: Path) -> None:
     assert all(len(line.split()) == 3 for line in usage)
     missing = home.colibri("profile", "show", "nope")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    assert "colibri profile warm nope" in missing.stderr, "a hint, not only NOT_FOUND"
+
+
+def test_use_refuses_an_unknown_profile_and_the_choice_survives_a_restart(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    """`profile use nosuch` used to exit 0 and silently make an empty profile active; and
+    the active profile was forgotten when the daemon restarted."""
+    h = Home(tmp_path / "home", chat_model)
+    try:
+        h.start()
+        nosuch = h.colibri("profile", "use", "nosuch")
+        assert nosuch.returncode == 1 and "NOT_FOUND" in nosuch.stderr
+        assert "--create" in nosuch.stderr and "profile warm nosuch" in nosuch.stderr
+        assert json.loads(h.colibri("ps", "--json").stdout)["profile"] == "default"
+        made = h.colibri("profile", "use", "mine", "--create")
+        assert made.returncode == 0, made.stderr
+        assert json.loads(h.colibri("ps", "--json").stdout)["profile"] == "mine"
+        h.close()
+        h.start()
+        assert json.loads(h.colibri("ps", "--json").stdout)["profile"] == "mine"
+    finally:
+        h.close()
+
+
+def test_the_heat_map_is_labelled(tmp_path: Path) -> None:
+    """Axes (layers down, experts across), tick labels, a colour bar and a title: dark
+    label pixels around the grid, the bar's colours right of it."""
+    from PIL import Image
+
+    from colibri_cli.png import MARGIN_LEFT, MARGIN_TOP, color, write_heatmap
+
+    counts = [[(3 * layer + e) % 7 for e in range(16)] for layer in range(4)]
+    path = tmp_path / "heat.png"
+    width, height = write_heatmap(path, counts, layers=[1, 2, 3, 4], title="profile x of m")
+    image = Image.open(path).convert("RGB")
+    assert image.size == (width, height)
+
+    def dark(box: tuple[int, int, int, int]) -> int:
+        region = list(image.crop(box).get_flattened_data())
+        return sum(1 for r, g, b in region if r + g + b < 200)
+
+    assert dark((0, 0, width, MARGIN_TOP - 4)) > 20, "a title"
+    assert dark((0, MARGIN_TOP, MARGIN_LEFT - 6, height - 40)) > 20, "layer labels"
+    assert dark((MARGIN_LEFT, height - 40, width - 100, height)) > 20, "expert labels"
+    right = list(image.crop((width - 100, MARGIN_TOP, width, height - 44)).get_flattened_data())
+    assert color(1.0) in set(right) and color(0.0) in set(right), "a colour bar"
