@@ -48,6 +48,10 @@ class NotRunning(ClientError):
     pass
 
 
+class ConnectionLost(ClientError):
+    """The daemon went away mid-conversation (stopped, restarted, crashed)."""
+
+
 class Client:
     _ids = itertools.count(1)
 
@@ -81,7 +85,7 @@ class Client:
         try:
             self.sock.sendall(data)
         except OSError as exc:
-            raise ClientError(f"lost the daemon: {exc}") from None
+            raise ConnectionLost(f"lost the daemon: {exc}") from None
 
     def next_id(self) -> str:
         return f"c{os.getpid()}-{next(self._ids)}"
@@ -93,10 +97,12 @@ class Client:
                 yield self._queue.popleft()
             try:
                 data = self.sock.recv(65536)
+            except TimeoutError:
+                raise ClientError("the daemon did not answer in time") from None
             except OSError as exc:
-                raise ClientError(f"lost the daemon: {exc}") from None
+                raise ConnectionLost(f"lost the daemon: {exc}") from None
             if not data:
-                raise ClientError("the daemon closed the connection")
+                raise ConnectionLost("the daemon closed the connection")
             for item in self._decoder.feed(data):
                 if isinstance(item, ProtocolError):
                     raise ClientError(f"garbled reply from the daemon: {item.message}")
@@ -144,13 +150,18 @@ class Client:
 
 
 def start_daemon(model: str | None, stderr: TextIO) -> None:
-    """Run `colibrid start` (the configured default model unless `model`)."""
+    """Run `colibrid start` (the configured default model unless `model`). Another client
+    starting one at the same moment is no failure: `colibrid start` waits for the daemon
+    that is starting and says it is already running, and that one answers."""
     what = f"model {model}" if model else "the configured default model"
     print(f"colibri: no daemon running; starting one with {what}", file=stderr)
     cmd = [sys.executable, "-m", "colibrid", "start"] + (["--model", model] if model else [])
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         message = result.stderr.strip().removeprefix("colibrid: error: ")
+        if "already running" in message:
+            print("colibri: another client started it; using that one", file=stderr)
+            return
         raise ClientError(f"could not start the daemon: {message}")
     print(result.stdout.strip(), file=stderr)
 
@@ -199,6 +210,14 @@ def ensure_daemon(model: str | None = None, *, stderr: TextIO = sys.stderr) -> C
         ensure_demo(model, stderr)
         start_daemon(model, stderr)
     return Client.connect()
+
+
+def reconnect(model: str | None, stderr: TextIO = sys.stderr) -> Client:
+    """After the daemon went away: a new connection (starting a daemon when none runs)."""
+    print("colibri: lost the daemon; reconnecting", file=stderr)
+    client = ensure_daemon(model, stderr=stderr)
+    print("colibri: reconnected to the daemon", file=stderr)
+    return client
 
 
 def model_name(model: str | None) -> str | None:

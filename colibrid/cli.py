@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from colibrid import control
-from colibrid.config import PILOT_HELP, add_speculate_flags
-from colibrid.errors import CheckpointError, ColibriError, RequestError
+from colibrid import __version__, control
+from colibrid.config import PILOT_HELP, add_speculate_flags, resolve_model
+from colibrid.errors import ColibriError, RequestError
+from colibrid.paths import Paths
 
 if TYPE_CHECKING:
     from colibrid.engine.sampling import SamplingParams
@@ -53,7 +54,12 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _configure_generate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME|DIR",
+        help="an installed model's name (`colibri list`) or a checkpoint folder",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", metavar="TEXT", help="prompt text (default: read stdin)")
     src.add_argument(
@@ -201,9 +207,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     text = args.prompt
     if text is None and args.ids is None:
         text = _read_stdin()
-    model = Path(args.model)
-    if not model.is_dir():
-        raise CheckpointError(f"model dir {model} does not exist or is not a directory")
+    model = resolve_model(Paths.from_env(None), args.model)
     codec, stops = _text_side(args, model, params)
     prompt, mode = _prompt_ids(args, text, codec)
 
@@ -264,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="colibrid", description="colibri: Mixture-of-Experts inference, larger than RAM."
     )
+    parser.add_argument("--version", action="version", version=f"colibrid {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

@@ -176,9 +176,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wait_for_starting(paths: Paths, timeout_s: float) -> None:
+    """Another `colibrid start` holds the lock and is loading: wait until its daemon
+    answers (or gives up, releasing the lock), so two starts converge on one daemon."""
+    deadline = time.monotonic() + timeout_s
+    while socket_server.lock_is_held(paths) and not socket_server.socket_answers(paths.socket):
+        if time.monotonic() > deadline:
+            raise ColibriError(
+                f"a daemon is starting on {paths.socket} but did not answer within "
+                f"{timeout_s:g} s; see {paths.log}"
+            )
+        time.sleep(0.1)
+
+
 def start(args: argparse.Namespace) -> int:
     paths = Paths.from_env(args.socket)
     paths.ensure()  # raises PersistError naming the folder it cannot make
+    if socket_server.lock_is_held(paths):
+        _wait_for_starting(paths, args.wait)
     if socket_server.lock_is_held(paths):
         pid = socket_server.read_pid(paths)
         raise socket_server.AlreadyRunning(
@@ -234,6 +249,9 @@ def start(args: argparse.Namespace) -> int:
                 f"(pid {proc.pid} still loading; see {paths.log})"
             )
         message = errors[-1] if errors else f"the daemon exited; see {paths.log}"
+        if "already running" in message:  # another start won the lock a moment earlier
+            _wait_for_starting(paths, args.wait)
+            raise socket_server.AlreadyRunning(message)
         raise ColibriError(message)
     _, pid, where = ready.split(" ", 2)
     print(f"colibrid: listening on {where} (pid {pid}; log {paths.log})")
@@ -314,10 +332,11 @@ def status(args: argparse.Namespace) -> int:
                     if args.json:
                         print(json.dumps(body, indent=2))
                     else:
+                        http = ", ".join(body.get("http") or []) or "off"
                         print(
                             f"colibrid: running (pid {body['pid']}), model {body['model']}, "
                             f"up {body['uptime_s']:.0f} s, profile {body['profile']}, "
-                            f"socket {paths.socket}"
+                            f"socket {paths.socket}, http {http}"
                         )
                     return 0
     except OSError as exc:

@@ -199,6 +199,7 @@ async def serve(
                     where = str(paths.socket)
                     if settings.http:  # the OpenAI/Anthropic API: same scheduler and state
                         urls = await front.start(serve_http, state, settings)
+                        state.http_urls = list(urls)
                         where += " http=" + ",".join(urls)
                     ready(f"{where} model={name}")
                     log.info("listening on %s", where)

@@ -10,6 +10,7 @@ import os
 import random
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import time
@@ -97,6 +98,44 @@ def test_ask_json_lines(home: Home) -> None:
     assert [x.get("text") for x in map(json.loads, again.stdout.splitlines())] == [
         x.get("text") for x in lines
     ]
+    done = lines[-1]  # the same kind of field, the same JSON type (they used to be strings)
+    assert isinstance(done["cached"], int) and isinstance(done["prefill_s"], float)
+    assert isinstance(done["decode_tok_s"], float) and isinstance(done["finish"], str)
+
+
+def test_help_shows_defaults_and_versions_answer(home: Home) -> None:
+    helptext = home.colibri("ask", "--help").stdout
+    assert "default 256" in helptext and "default 0" in helptext
+    for line in helptext.splitlines():  # every flag says what it does
+        if line.strip().startswith("--") and len(line.split()) <= 2:
+            nxt = helptext.splitlines()[helptext.splitlines().index(line) + 1]
+            assert nxt.startswith(" " * 10), f"no help text for {line.strip()}"
+    assert home.colibrid("--version").stdout.startswith("colibrid ")
+    assert home.colibri("--version").stdout.startswith("colibri ")
+
+
+def test_a_stdin_wait_announces_itself_on_a_terminal(home: Home) -> None:
+    """`sleep 8 | colibri ask hi` used to wait without a word: with a terminal on stderr
+    (a pty here) the wait for stdin is announced, and the answer still comes."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "colibri_cli", "ask", "--max-tokens", "2", "hi"],
+            env=home.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=follower,
+        )
+        time.sleep(1.5)
+        said = os.read(leader, 4096).decode(errors="replace")
+        out, _ = proc.communicate(b"and more\n", timeout=120)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert "reading the rest of the prompt from stdin" in said
+    assert proc.returncode == 0 and out.strip()
 
 
 def test_ask_errors_exit_nonzero(home: Home) -> None:
@@ -309,12 +348,12 @@ def test_prompt_cache_survives_a_restart(chat_model: Path, tmp_path_factory) -> 
             return "".join(x.get("text", "") for x in lines), lines[-1]
 
         first, done = answer()
-        assert done["cached"] == "0"
+        assert done["cached"] == 0
         assert home.colibrid("stop").returncode == 0
         assert "prompt cache: 1 session(s) kept" in home.log()
         home.start()
         again, done = answer()
-        assert (again, done["cached"]) == (first, str(done["prompt_tokens"]))
+        assert (again, done["cached"]) == (first, done["prompt_tokens"])
         # a damaged file costs a warning and nothing else
         saved = next((home.path / "kv").rglob("0.npz"))
         assert stat.S_IMODE(saved.stat().st_mode) == 0o600  # the prompts are private
@@ -341,3 +380,31 @@ def test_ask_starts_a_daemon_or_says_how(chat_model: Path, tmp_path_factory) -> 
         assert "no daemon running; starting one" in auto.stderr
     finally:
         fresh.close()
+
+
+def test_concurrent_auto_starts_converge_on_one_daemon(chat_model: Path, tmp_path_factory) -> None:
+    """Two asks with no daemon running, and an ask while `colibrid start` is still loading:
+    each used to fail with 'could not start the daemon: colibrid is already running'. They
+    wait for the daemon that is starting and answer."""
+    home = Home(tmp_path_factory.mktemp("race"), chat_model, debug_layer_delay_s=0.0)
+    try:
+        asks = [home.popen_colibri("ask", "--max-tokens", "2", f"q{k}") for k in range(3)]
+        outs = [p.communicate(timeout=180) for p in asks]
+        for p, (out, err) in zip(asks, outs, strict=True):
+            assert p.returncode == 0, err.decode()
+            assert out.strip(), err.decode()
+        pid = home.pid()
+        home.close()
+        starting = subprocess.Popen(
+            [sys.executable, "-m", "colibrid", "start"],
+            env=home.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        time.sleep(0.3)
+        late = home.colibri("ask", "--max-tokens", "2", "hi", timeout=180)
+        starting.communicate(timeout=180)
+        assert late.returncode == 0, late.stderr
+        assert starting.returncode == 0 and home.pid() not in (None, pid)
+    finally:
+        home.close()

@@ -23,16 +23,45 @@ from colibri_cli.render import ProgressLine, prefill_rate
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri ask", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="*", help="prompt text (stdin is appended when piped)")
-    p.add_argument("--system", metavar="TEXT", help="system message")
+    p.add_argument("--system", metavar="TEXT", help="system message (default: none)")
     p.add_argument("--raw", action="store_true", help="send the text as-is, no chat template")
-    p.add_argument("--max-tokens", type=int, default=256, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--top-k", type=int, default=0, metavar="K")
-    p.add_argument("--seed", type=int, metavar="S")
-    p.add_argument("--stop", action="append", default=[], metavar="STR")
-    p.add_argument("--json", action="store_true", help="JSON lines: text pieces, then stats")
-    p.add_argument("--profile", metavar="NAME", help="usage profile this request counts into")
+    p.add_argument(
+        "--max-tokens", type=int, default=256, metavar="N", help="tokens at most (default 256)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 = greedy, the same answer every time (default 0)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="nucleus filter (default 1: off)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="keep the K likeliest (default 0: off)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        metavar="S",
+        help="sampling seed: same seed, same text (default: random)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop when this text appears, not printed (repeatable)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='JSON lines: {"text": ...} per piece, then the statistics (numbers as numbers)',
+    )
+    p.add_argument(
+        "--profile", metavar="NAME", help="usage profile this request counts into (default: active)"
+    )
     p.add_argument("--model", metavar="NAME|DIR", help="model (started if no daemon runs)")
     p.add_argument(
         "--speculate",
@@ -45,9 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+STDIN_NOTICE_S = 0.5  # a pipe with nothing to read this long gets a notice on a terminal
+
+
 def read_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     parts = [" ".join(args.prompt)] if args.prompt else []
     if sys.stdin is not None and not sys.stdin.isatty():
+        announce_stdin_wait(sys.stdin, sys.stderr)
         data = sys.stdin.buffer.read()
         try:
             text = data.decode("utf-8")
@@ -58,6 +91,24 @@ def read_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> st
     if not parts:
         parser.error("no prompt: give it as arguments or pipe it on stdin")
     return "\n\n".join(parts)
+
+
+def announce_stdin_wait(stdin, stderr) -> None:  # noqa: ANN001
+    """`sleep 8 | colibri ask hi` used to wait without a word: when stdin has nothing to
+    read for a moment and a person watches stderr, say what is awaited."""
+    import select
+
+    try:
+        ready = select.select([stdin], [], [], STDIN_NOTICE_S)[0]
+    except (OSError, ValueError):  # not selectable (a file object without fileno)
+        return
+    if not ready and stderr.isatty():
+        print(
+            "colibri ask: reading the rest of the prompt from stdin "
+            "(it ends when the pipe closes)...",
+            file=stderr,
+            flush=True,
+        )
 
 
 def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
@@ -107,6 +158,16 @@ def speculation_line(x: dict[str, str]) -> str | None:
     )
 
 
+def _number(text: str) -> object:
+    """A DONE extra as JSON: numbers as numbers (counts as integers), words as strings."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def done_json(done: Done) -> dict[str, object]:
     return {
         "done": True,
@@ -115,7 +176,7 @@ def done_json(done: Done) -> dict[str, object]:
         "generated_tokens": done.emitted,
         "decode_tok_s": done.tok_s,
         "hit_pct": done.hit_pct,
-        **{k: v for k, v in done.extras.items() if k != "finish"},
+        **{k: _number(v) for k, v in done.extras.items() if k != "finish"},
     }
 
 

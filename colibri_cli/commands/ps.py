@@ -47,7 +47,11 @@ def render(status: dict) -> str:
     if status.get("speculate"):
         last = speculation_line(status.get("speculation") or {})
         pins += f"\nspeculate: {status['speculate']}" + (f" (last request: {last})" if last else "")
-    return f"{head}\n\n{table(rows)}{pins}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}"
+    http = ", ".join(status.get("http") or []) or "off"
+    return (
+        f"{head}\n\n{table(rows)}{pins}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}, "
+        f"http {http}"
+    )
 
 
 def main(argv: Sequence[str]) -> int:

@@ -14,12 +14,20 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from colibri_protocol import home
 from colibri_protocol.codec import encode_line
 from colibri_protocol.messages import Data, Done, Submit
 
-from colibri_cli.client import Client, ClientError, ensure_daemon, model_name
+from colibri_cli.client import (
+    Client,
+    ClientError,
+    ConnectionLost,
+    ensure_daemon,
+    model_name,
+    reconnect,
+)
 from colibri_cli.render import ProgressLine, prefill_rate
 
 HELP = """commands:
@@ -28,6 +36,7 @@ HELP = """commands:
   /system TEXT          set the system message (and reset)
   /set NAME VALUE       temperature, top_p, top_k, max_tokens, seed
   /profile NAME         make NAME the daemon's active profile; count turns into it
+                        (`/profile NAME --create` starts one that does not exist yet)
   /stats                statistics of the last answer
   /quit                 leave (so does Ctrl-D)
 Ctrl-C cancels an answer in progress. Start a message with \"\"\" for several lines."""
@@ -75,6 +84,8 @@ class Chat:
 
 
 def stream_answer(client: Client, chat: Chat, text: str) -> None:
+    """The answer to one message; a lost daemon raises ConnectionLost (the caller
+    reconnects and asks again)."""
     rid = client.next_id()
     answer: list[str] = []
     status = ProgressLine(sys.stdout)
@@ -95,6 +106,11 @@ def stream_answer(client: Client, chat: Chat, text: str) -> None:
         status.clear()
         client.cancel(rid)
         print("\n(cancelled)")
+    except ConnectionLost:
+        status.clear()
+        if answer:
+            sys.stdout.write("\n")
+        raise
     except ClientError as exc:
         print(f"\nerror: {exc}")
 
@@ -128,10 +144,14 @@ def command(client: Client, chat: Chat, line: str) -> bool:
         if not rest:
             print(f"(profile: {chat.profile or 'the active one'})")
         else:
+            name, _, flag = rest.partition(" ")
+            extra = ["CREATE"] if flag.strip() == "--create" else []
             try:
-                client.call(encode_line("PROFILE", "USE", rest), want=("OK",))
-                chat.profile = rest
-                print(f"(active profile: {rest})")
+                client.call(encode_line("PROFILE", "USE", name, *extra), want=("OK",))
+                chat.profile = name
+                print(f"(active profile: {name})")
+            except ConnectionLost:
+                raise
             except (ClientError, ValueError) as exc:
                 print(f"error: {exc}")
     elif name == "stats":
@@ -148,6 +168,15 @@ def command(client: Client, chat: Chat, line: str) -> bool:
     else:
         print(f"unknown command /{name}; /help lists them")
     return True
+
+
+def private_file(path: Path) -> None:
+    """Create `path` readable by its owner only (0600), or make an existing one so."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def make_reader() -> Callable[[], str]:
@@ -182,6 +211,7 @@ def make_reader() -> Callable[[], str]:
 
     history = home.colibri_home() / "repl_history"
     history.parent.mkdir(parents=True, exist_ok=True)
+    private_file(history)  # what was typed: as private as the kept KV
     session: PromptSession[str] = PromptSession(
         history=FileHistory(str(history)), key_bindings=keys, multiline=True
     )
@@ -213,7 +243,8 @@ def main(argv: Sequence[str]) -> int:
     )
     read = make_reader()
     print("colibri repl: /help for commands, Ctrl-D to leave")
-    with client:
+    conn: Client | None = client
+    try:
         while True:
             try:
                 line = read()
@@ -226,8 +257,25 @@ def main(argv: Sequence[str]) -> int:
                 text = text.strip('"').strip()
             if not text:
                 continue
-            if text.startswith("/"):
-                if not command(client, chat, text):
-                    return 0
-                continue
-            stream_answer(client, chat, text)
+            for attempt in (1, 2):  # a daemon that went away: reconnect, then once more
+                try:
+                    if conn is None:
+                        conn = reconnect(args.model, sys.stdout)
+                    if text.startswith("/"):
+                        if not command(conn, chat, text):
+                            return 0
+                    else:
+                        stream_answer(conn, chat, text)
+                    break
+                except ConnectionLost:
+                    if conn is not None:
+                        conn.close()
+                        conn = None
+                    if attempt == 2:
+                        print("error: the daemon went away again; the next line reconnects")
+                except ClientError as exc:  # no daemon could be reached or started
+                    print(f"error: {exc}")
+                    break
+    finally:
+        if conn is not None:
+            conn.close()

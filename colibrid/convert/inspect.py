@@ -142,10 +142,13 @@ def main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(
         prog="colibri inspect", description="Describe a colibri container or checkpoint."
     )
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="NAME|DIR", help="an installed model's name, or a folder")
     a = p.parse_args(list(argv))
     try:
-        report = inspect(a.dir)
+        from colibrid.config import resolve_model
+        from colibrid.paths import Paths
+
+        report = inspect(resolve_model(Paths.from_env(None), a.dir))
     except ColibriError as exc:
         print(f"colibri inspect: error: {exc}", file=sys.stderr)
         return 1

@@ -279,12 +279,9 @@ class HttpApp:
         if isinstance(first, Failed):
             raise errors.from_code(first.code, first.message, max_context=self.max_context)
         assert isinstance(first, Accepted)
-        if plan.max_tokens is not None and first.prompt_tokens + plan.max_tokens > self.max_context:
-            raise errors.context_exceeded(
-                f"this model's maximum context length is {self.max_context} tokens; the "
-                f"request asks for {first.prompt_tokens} prompt + {plan.max_tokens} "
-                "completion tokens. Shorten the prompt or lower max_tokens."
-            )
+        # A max_tokens past the context is clamped to what is left, as llama-server and the
+        # SERVE protocol do (the answer then ends with finish_reason "length"): many clients
+        # send a large max_tokens by default. A prompt that leaves no room fails (above).
         anthropic_api = isinstance(translator, anthropic.MessageStream)
         encode = _encoder(anthropic_api)
         if plan.stream:

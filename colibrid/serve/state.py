@@ -34,6 +34,7 @@ class DaemonState:
     scheduler: Scheduler
     profiles: ProfileBook
     started: float = dataclasses.field(default_factory=time.time)
+    http_urls: list[str] = dataclasses.field(default_factory=list)  # where the HTTP API is
 
     def hello(self) -> list[str]:
         return ["1", f"colibrid/{__version__}", f"model={self.model_name}"]
@@ -67,6 +68,7 @@ class DaemonState:
         return {
             "pid": os.getpid(),
             "version": __version__,
+            "http": list(self.http_urls),
             "model": self.model_name,
             "model_dir": str(self.model_dir),
             "uptime_s": round(time.time() - self.started, 1),

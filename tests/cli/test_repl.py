@@ -73,7 +73,9 @@ def test_repl_in_tmux(home: Home, tmp_path: Path) -> None:
         tmux.wait(lambda s: len(s.rstrip()) > len(before.rstrip()) + 30)  # streaming
         tmux.keys("C-c")
         tmux.wait(lambda s: "(cancelled)" in s, timeout_s=5)
-        tmux.keys("/profile code", "Enter")
+        tmux.keys("/profile nosuch", "Enter")
+        tmux.wait(lambda s: "NOT_FOUND" in s and "--create" in s)
+        tmux.keys("/profile code --create", "Enter")
         tmux.wait(lambda s: "(active profile: code)" in s)
         status = home.colibri("ps")
         assert "code" in status.stdout
@@ -82,6 +84,28 @@ def test_repl_in_tmux(home: Home, tmp_path: Path) -> None:
         while tmux.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not tmux.alive()
-        assert (home.path / "repl_history").read_text().count("What is the capital?") == 1
+        history = home.path / "repl_history"
+        assert history.read_text().count("What is the capital?") == 1
+        assert history.stat().st_mode & 0o777 == 0o600, "what was typed stays private"
+    finally:
+        tmux.run("kill-server")
+
+
+def test_repl_reconnects_when_the_daemon_comes_back(home: Home, tmp_path: Path) -> None:
+    """It used to answer every line with 'lost the daemon: Broken pipe' until restarted."""
+    tmux = Tmux(f"colibri-test-{tmp_path.name}")
+    command = f"env COLIBRI_HOME={home.path} {sys.executable} -m colibri_cli repl --max-tokens 4"
+    tmux.run("new-session", "-d", "-s", "repl", "-x", "150", "-y", "50", command)
+    try:
+        tmux.wait(lambda s: ">>>" in s)
+        tmux.keys("first question", "Enter")
+        tmux.wait(lambda s: s.count(">>>") >= 2)
+        home.close()  # the daemon goes away, and comes back
+        home.start()
+        tmux.keys("second question", "Enter")
+        screen = tmux.wait(lambda s: "reconnected to the daemon" in s and s.count(">>>") >= 3)
+        assert "Broken pipe" not in screen and "error" not in screen.split("second question")[1]
+        tmux.keys("/stats", "Enter")
+        tmux.wait(lambda s: "4 generated tokens" in s)
     finally:
         tmux.run("kill-server")

@@ -228,3 +228,25 @@ def test_dense_variant_keeps_the_dense_answers(torch_models, demo_gguf: Path, tm
     assert manifest["params"]["dense_bits"] == 4 and manifest["params"]["attn_bits"] == 4
     dense_ok, ours_ok = _facts_answered(torch, dense, folder)
     assert len(ours_ok) >= len(dense_ok) - 1, (sorted(dense_ok), sorted(ours_ok))
+
+
+def test_a_model_name_works_wherever_a_model_is_taken(demo_home: Path) -> None:
+    """`colibri inspect demo` and `colibrid generate --model demo` used to want a folder."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLIBRI_HOME": str(demo_home)}
+
+    def run(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", *cmd], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    inspect = run("colibri_cli", "inspect", "demo")
+    assert inspect.returncode == 0 and "glm4_moe" in inspect.stdout, inspect.stderr
+    gen = run("colibrid", "generate", "--model", "demo", "--max-tokens", "2", "--prompt", "hi")
+    assert gen.returncode == 0, gen.stderr
+    missing = run("colibri_cli", "inspect", "nosuch")
+    assert missing.returncode == 1 and "neither a directory nor a model" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1

@@ -166,13 +166,6 @@ def test_sse_framing(home) -> None:
         (
             "POST",
             "/v1/chat/completions",
-            {"model": MODEL, "messages": HI, "max_tokens": 250},
-            400,
-            "context_length_exceeded",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions",
             {"model": MODEL, "messages": [{"role": "user", "content": "Paris " * 300}]},
             400,
             "context_length_exceeded",
@@ -290,3 +283,20 @@ def test_twenty_concurrent_streams(oai) -> None:
     assert len(results) == 20
     assert all(results[i] == expected[prompts[i % 4]] for i in range(20))
     print(f"20 concurrent streams: {wall:.2f} s")
+
+
+def test_a_max_tokens_past_the_context_is_clamped(home) -> None:
+    """As llama-server does (and the SERVE protocol): not a 400, an answer that stops at
+    the end of the context with finish_reason "length"."""
+    body = {"model": MODEL, "messages": HI, "max_tokens": 100_000, "temperature": 0}
+    r = httpx.post(home.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    usage = doc["usage"]
+    assert doc["choices"][0]["finish_reason"] in ("length", "stop")
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 256
+
+
+def test_ps_and_status_show_the_http_address(home) -> None:
+    assert home.url in home.colibri("ps").stdout
+    assert home.url in home.colibrid("status").stdout
