@@ -118,6 +118,10 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
         _colibrid_command("colibrid.convert.inspect", "inspect"),
         "describe a container: architecture, formats, expert size, totals",
     ),
+    "config": (
+        _colibrid_command("colibrid.config_reference", "config"),
+        "every config.toml key: type, default, meaning (--toml: an example file)",
+    ),
     "synth": (
         _colibrid_command("colibrid.convert.synth", "synth"),
         "write a synthetic container with real per-layer shapes for benchmarks",

@@ -47,36 +47,103 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 
+def setting(default: Any, help: str) -> Any:
+    """A config key: its default and what it means (`colibri config` and
+    docs/configuration.md are made from these)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Settings:
-    default_model: str | None = None  # model NAME (under models/) or a directory
-    ram_gb: float | None = None  # memory budget (default: 88% of available memory)
-    cache: int | None = None  # experts per layer in the RAM cache (overrides the budget)
-    memory_floor_gb: float | None = None  # MEMWATCH keeps this free (default: 5% RAM, >= 0.5)
-    pilot: str | None = None  # lookahead prefetch: on | off | auto
-    io_threads: int | None = None  # expert reader threads (0 = reads on the engine thread)
-    direct: bool | None = None  # O_DIRECT / F_NOCACHE expert reads
-    socket: str | None = None  # socket path; default $COLIBRI_HOME/run/colibrid.sock
-    max_queue: int = 16  # requests waiting beyond the active ones; more answers BUSY
-    max_active: int = 4  # requests decoding at once (one forward pass carries all of them)
-    speculate: str = "auto"  # speculative decoding: auto | ngram | mtp | off (lossless)
-    draft_max: int = 8  # the deepest speculative draft a step may verify (1-32)
-    max_conversations: int = 8  # sessions whose KV is kept for the next turn / prompt
-    prompt_cache: bool = True  # reuse the KV of earlier prompts for requests with no `conv`
-    max_context: int | None = None  # context length (default: the engine's)
-    shutdown_grace_s: float = 10.0  # how long `stop` lets running requests finish
-    profile: str = "default"  # active usage profile at start
-    pin: str = "auto"  # pins from the active profile: auto (AUTOPIN) | all | off
-    profile_save_s: float = 60.0  # how often usage profiles are saved while serving
-    http: str | None = None  # HTTP API: "HOST:PORT" or "PORT" (on 127.0.0.1); off if unset
-    http_api_key: str | None = None  # bearer key the HTTP API requires (needed off loopback)
-    http_cors: str | None = None  # comma-separated allowed CORS origins ("*" = any); off if unset
-    http_max_body_bytes: int = 4 * 1024 * 1024  # larger HTTP request bodies answer 413
-    http_body_timeout_s: float = 15.0  # time for headers, then the body (408); also keep-alive idle
-    http_retry_after_s: int = 1  # Retry-After of a 429 (admission queue full)
-    debug_layer_delay_s: float = 0.0  # tests only: slow every layer to make races visible
-    debug_fail_prompt: str | None = None  # tests only: the first prompt holding this fails...
-    debug_fail_after: int = 1  # ...at this between-layer check of its passes (injected fault)
+    """Every key of $COLIBRI_HOME/config.toml; the daemon's flags override them."""
+
+    default_model: str | None = setting(
+        None,
+        "the model served when none is named: a NAME under models/ or a folder "
+        "(unset: the built-in demo)",
+    )
+    ram_gb: float | None = setting(
+        None,
+        "memory budget in GiB for dense weights, experts, KV and work buffers "
+        "(unset: 88% of available memory)",
+    )
+    cache: int | None = setting(
+        None, "experts per layer in the RAM cache (overrides what the budget gives)"
+    )
+    memory_floor_gb: float | None = setting(
+        None,
+        "MEMWATCH keeps this much memory free, shrinking the cache (unset: 5% of "
+        "RAM, at least 0.5 GiB)",
+    )
+    pilot: str | None = setting(
+        None,
+        "lookahead prefetch when experts stream: on | off | auto (unset: auto, "
+        "measured both ways and the faster kept)",
+    )
+    io_threads: int | None = setting(
+        None, "expert reader threads (0: reads on the engine thread; unset: 4)"
+    )
+    direct: bool | None = setting(
+        None, "O_DIRECT / F_NOCACHE expert reads, past the page cache (unset: true)"
+    )
+    socket: str | None = setting(
+        None, "the SERVE socket's path (unset: $COLIBRI_HOME/run/colibrid.sock)"
+    )
+    max_queue: int = setting(16, "requests waiting beyond the active ones; more answer BUSY")
+    max_active: int = setting(
+        4, "requests decoded at once: one forward pass carries the next token of each"
+    )
+    speculate: str = setting(
+        "auto",
+        "speculative decoding, lossless: auto (MTP where the model has it, else "
+        "ngram) | ngram (prompt lookup) | mtp | off",
+    )
+    draft_max: int = setting(8, "the deepest speculative draft a step may verify (1-32)")
+    max_conversations: int = setting(
+        8, "finished requests whose KV is kept for a next turn or a shared prompt"
+    )
+    prompt_cache: bool = setting(
+        True, "requests without a conversation start from the kept KV sharing their prefix"
+    )
+    max_context: int | None = setting(
+        None, "context length in tokens (unset: the model's, at most 4096)"
+    )
+    shutdown_grace_s: float = setting(
+        10.0, "how long `colibrid stop` lets running requests finish before cancelling them"
+    )
+    profile: str = setting(
+        "default",
+        "the active usage profile at the first start (later: the last `colibri profile use`)",
+    )
+    pin: str = setting(
+        "auto",
+        "pins from the active profile: auto (AUTOPIN) | all (as many used experts as fit) | off",
+    )
+    profile_save_s: float = setting(60.0, "how often usage profiles are saved while serving")
+    http: str | None = setting(
+        None, 'the OpenAI/Anthropic HTTP API: "HOST:PORT", or "PORT" on 127.0.0.1 (unset: off)'
+    )
+    http_api_key: str | None = setting(
+        None, "bearer key the HTTP API requires (needed to listen off the loopback)"
+    )
+    http_cors: str | None = setting(
+        None, 'comma-separated origins allowed by CORS, "*" for any (unset: off)'
+    )
+    http_max_body_bytes: int = setting(4 * 1024 * 1024, "larger HTTP request bodies answer 413")
+    http_body_timeout_s: float = setting(
+        15.0,
+        "seconds for an HTTP request's headers, then its body (408); also the keep-alive idle time",
+    )
+    http_retry_after_s: int = setting(1, "the Retry-After of a 429 (admission queue full)")
+    debug_layer_delay_s: float = setting(
+        0.0, "tests only: sleep this long at every layer to make races visible"
+    )
+    debug_fail_prompt: str | None = setting(
+        None, "tests only: the first prompt holding this text fails inside its pass..."
+    )
+    debug_fail_after: int = setting(
+        1, "tests only: ...at this between-layer check (an injected fault)"
+    )
 
 
 DEMO_MODEL = "demo"  # the default model when none is configured (colibri pull demo)

@@ -68,3 +68,38 @@ def test_atomic_write_leaves_no_temp_files(tmp_path: Path) -> None:
     atomic_write(target, b"two")
     assert target.read_text() == "two"
     assert [p.name for p in target.parent.iterdir()] == ["state.txt"]
+
+
+def test_the_config_reference_is_generated_from_the_one_definition() -> None:
+    """docs/configuration.md is `colibri config --markdown` (it cannot drift from the
+    code), every key is in it, and the example file's defaults load as the defaults."""
+    from colibrid.config import FIELDS, Settings, tomllib
+    from colibrid.config_reference import markdown, toml_example
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert doc == markdown(), "regenerate: colibri config --markdown > docs/configuration.md"
+    for key in FIELDS:
+        assert f"| `{key}` |" in doc and FIELDS[key].metadata["help"]
+    uncommented = "\n".join(
+        line[2:]
+        for line in toml_example().splitlines()
+        if line.startswith("# ") and " = " in line and not line.endswith("= ...")
+    )
+    assert Settings(**tomllib.loads(uncommented)) == Settings()
+
+
+def test_colibri_config_lists_every_key_and_what_the_file_sets(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from colibrid.config import FIELDS
+
+    (tmp_path / "config.toml").write_text("max_active = 2\n")
+    env = {**os.environ, "COLIBRI_HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "config"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert all(key in out.stdout for key in FIELDS)
+    assert "[set: 2]" in out.stdout
