@@ -149,6 +149,16 @@ class Client:
             pass
 
 
+def daemon_status(timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """The daemon's STATUS, or None when no daemon runs (none is started for it)."""
+    try:
+        with Client.connect(timeout_s=timeout_s) as client:
+            status = client.query("STATUS")
+    except NotRunning:
+        return None
+    return status if isinstance(status, dict) else None
+
+
 def start_daemon(model: str | None, stderr: TextIO) -> None:
     """Run `colibrid start` (the configured default model unless `model`). Another client
     starting one at the same moment is no failure: `colibrid start` waits for the daemon

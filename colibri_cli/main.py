@@ -7,8 +7,11 @@ in colibrid modules imported lazily by the subcommand.
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
 
 from colibri_cli import __version__
 
@@ -43,87 +46,116 @@ BENCH_SUITES: dict[str, tuple[str, str]] = {
 }
 
 
-def _run_bench(argv: Sequence[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: colibri bench SUITE [options]\n\nsuites:")
-        for name, (_, summary) in BENCH_SUITES.items():
-            print(f"  {name:<10} {summary}")
-        print("\n`colibri bench SUITE --help` explains a suite's options.")
-        return 0 if argv else 2
-    suite, rest = argv[0], list(argv[1:])
-    if suite not in BENCH_SUITES:
-        print(
-            f"colibri bench: unknown suite {suite!r} (choose from {', '.join(BENCH_SUITES)})",
-            file=sys.stderr,
-        )
-        return 2
-    import importlib
+@dataclass(frozen=True)
+class Command:
+    """One `colibri` subcommand: the module whose `main(argv)` runs it and whose
+    `build_parser()` describes it (for --help and shell completion), imported only when
+    used. Modules of colibrid (heavy: numpy) report their errors as one line here."""
 
-    from colibrid.errors import ColibriError
+    module: str
+    summary: str
 
-    module = importlib.import_module(BENCH_SUITES[suite][0])
-    try:
-        return int(module.main(rest) or 0)
-    except ColibriError as exc:
-        print(f"colibri bench {suite}: error: {exc}", file=sys.stderr)
-        return 1
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
 
-
-def _colibrid_command(module: str, name: str) -> Callable[[Sequence[str]], int]:
-    """A subcommand implemented by ``module.main(argv)`` in colibrid, imported lazily."""
-
-    def run(argv: Sequence[str]) -> int:
-        import importlib
-
+    def run(self, name: str, argv: Sequence[str]) -> int:
+        if not self.module.startswith("colibrid."):
+            return int(self.load().main(list(argv)) or 0)
         from colibrid.errors import ColibriError
 
         try:
-            return int(importlib.import_module(module).main(list(argv)) or 0)
+            return int(self.load().main(list(argv)) or 0)
         except ColibriError as exc:
             print(f"colibri {name}: error: {exc}", file=sys.stderr)
             return 1
 
-    return run
+
+def _client(module: str, summary: str) -> Command:
+    return Command(f"colibri_cli.commands.{module}", summary)
 
 
-def _lazy(module: str) -> Callable[[Sequence[str]], int]:
-    """The `main(argv)` of colibri_cli.commands.<module>, imported only when run."""
-
-    def run(argv: Sequence[str]) -> int:
-        import importlib
-
-        return int(importlib.import_module(f"colibri_cli.commands.{module}").main(argv) or 0)
-
-    return run
-
-
-COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
-    "ask": (_lazy("ask"), "ask the daemon one question; the answer streams to stdout"),
-    "repl": (_lazy("repl"), "chat with the model interactively"),
-    "ps": (_lazy("ps"), "what the daemon runs: model, profile, tiers, hit rate, queue"),
-    "profile": (_lazy("profile"), "usage profiles: list | show | use | save | warm"),
-    "bench": (
-        _run_bench,
-        "measure kernels, decode, streaming, policies and peers against the machine",
+BENCH_SUITES: dict[str, Command] = {
+    "kernels": Command(
+        "colibrid.bench.kernels",
+        "effective weight GB/s of each kernel path next to measured memory bandwidth",
     ),
-    "convert": (
-        _colibrid_command("colibrid.convert.convert", "convert"),
+    "decode": Command(
+        "colibrid.bench.decode",
+        "resident prefill and decode tok/s vs the memory-bandwidth roofline",
+    ),
+    "stream": Command(
+        "colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"
+    ),
+    "batch": Command(
+        "colibrid.bench.batch",
+        "1, 2, 4, 8 requests decoded together: tok/s and expert bytes per token vs the disk",
+    ),
+    "spec": Command(
+        "colibrid.bench.spec",
+        "speculative decoding on and off: tok/s, accepted drafts, bytes per token",
+    ),
+    "replay": Command("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
+    "policy": Command("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),
+    "peer": Command(
+        "colibrid.bench.peer",
+        "colibri and llama.cpp decoding the same model in the same run (optional extra)",
+    ),
+    "routing": Command(
+        "colibrid.bench.routing",
+        "per-layer expert skew and code-vs-prose difference on the built-in profiles",
+    ),
+}
+
+
+def _run_bench(argv: Sequence[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: colibri bench SUITE [options]\n\nsuites:")
+        for name, suite in BENCH_SUITES.items():
+            print(f"  {name:<10} {suite.summary}")
+        print("\n`colibri bench SUITE --help` explains a suite's options.")
+        return 0 if argv else 2
+    name, rest = argv[0], list(argv[1:])
+    suite = BENCH_SUITES.get(name)
+    if suite is None:
+        print(
+            f"colibri bench: unknown suite {name!r} (choose from {', '.join(BENCH_SUITES)})",
+            file=sys.stderr,
+        )
+        return 2
+    return suite.run(f"bench {name}", rest)
+
+
+BENCH_SUMMARY = "measure kernels, decode, streaming, batching, speculation, policies and peers"
+
+COMMANDS: dict[str, Command] = {
+    "ask": _client("ask", "ask the daemon one question; the answer streams to stdout"),
+    "repl": _client("repl", "chat with the model interactively"),
+    "run": _client("run", "load an installed model, then chat (or answer one prompt)"),
+    "list": _client("list_models", "installed models: architecture, size, formats, loaded"),
+    "pull": Command(
+        "colibrid.convert.pull",
+        "install a model: demo, a checkpoint folder (converted), a container, a .gguf",
+    ),
+    "stop": _client("stop", "unload the model (the daemon stays; a request reloads one)"),
+    "rm": _client("rm", "remove an installed model (--force unloads it first)"),
+    "ps": _client("ps", "what the daemon runs: model, profile, tiers, hit rate, queue"),
+    "logs": _client("logs", "the daemon's log, one line per request (-f follows)"),
+    "profile": _client("profile", "usage profiles: list | show | use | save | warm"),
+    "service": _client("service", "run colibrid as a per-user service (systemd, launchd)"),
+    "completion": _client("completion", "shell completion script: bash | zsh | fish"),
+    "convert": Command(
+        "colibrid.convert.convert",
         "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container",
     ),
-    "pull": (
-        _colibrid_command("colibrid.convert.demo", "pull"),
-        "fetch and build the built-in demo model (`colibri pull demo`)",
+    "inspect": Command(
+        "colibrid.convert.inspect", "describe a container: architecture, formats, expert size"
     ),
-    "inspect": (
-        _colibrid_command("colibrid.convert.inspect", "inspect"),
-        "describe a container: architecture, formats, expert size, totals",
-    ),
-    "config": (
-        _colibrid_command("colibrid.config_reference", "config"),
+    "config": Command(
+        "colibrid.config_reference",
         "every config.toml key: type, default, meaning (--toml: an example file)",
     ),
-    "synth": (
-        _colibrid_command("colibrid.convert.synth", "synth"),
+    "synth": Command(
+        "colibrid.convert.synth",
         "write a synthetic container with real per-layer shapes for benchmarks",
     ),
 }
@@ -131,7 +163,10 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 
 def _usage() -> str:
     lines = ["usage: colibri COMMAND [options]", "", "commands:"]
-    lines += [f"  {name:<10} {summary}" for name, (_, summary) in COMMANDS.items()]
+    for name, command in COMMANDS.items():
+        lines.append(f"  {name:<10} {command.summary}")
+        if name == "completion":
+            lines.append(f"  {'bench':<10} {BENCH_SUMMARY}")
     lines += ["", "One-shot generation without a daemon: `colibrid generate --help`."]
     return "\n".join(lines)
 
@@ -144,12 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] == "--version":
         print(f"colibri {__version__}")
         return 0
-    command = COMMANDS.get(args[0])
-    if command is None:
-        print(f"colibri: unknown command {args[0]!r}\n\n{_usage()}", file=sys.stderr)
+    name, rest = args[0], args[1:]
+    command = COMMANDS.get(name)
+    if command is None and name != "bench":
+        print(f"colibri: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     try:
-        return command[0](args[1:])
+        return _run_bench(rest) if command is None else command.run(name, rest)
     except KeyboardInterrupt:
         return 130
 

@@ -108,6 +108,12 @@ class Settings:
     max_context: int | None = setting(
         None, "context length in tokens (unset: the model's, at most 4096)"
     )
+    keep_alive: float = setting(
+        -1.0,
+        "seconds an idle model stays loaded: 0 unloads it after each request, a "
+        "negative value (the default: a large model takes minutes to map) keeps it; "
+        "Ollama's habit is 300 (a request's own keep_alive overrides this)",
+    )
     shutdown_grace_s: float = setting(
         10.0, "how long `colibrid stop` lets running requests finish before cancelling them"
     )
@@ -235,6 +241,6 @@ def resolve_model(paths: Paths, name: str | None) -> Path:
     if candidate.is_dir():
         return candidate.resolve()
     named = paths.models / name
-    if named.is_dir():
-        return named.resolve()
+    if named.is_dir():  # a link keeps its name: models/NAME -> a folder elsewhere
+        return named.absolute()
     raise ConfigError(f"model {name!r} is neither a directory nor a model in {paths.models}/")

@@ -78,7 +78,7 @@ def table(current: dict[str, object] | None = None) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri config",
         description="Every key of $COLIBRI_HOME/config.toml: type, default, meaning, and "
@@ -87,7 +87,11 @@ def main(argv: Sequence[str]) -> int:
     form = p.add_mutually_exclusive_group()
     form.add_argument("--toml", action="store_true", help="a commented example config.toml")
     form.add_argument("--markdown", action="store_true", help="the table of docs/configuration.md")
-    args = p.parse_args(list(argv))
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
     if args.toml:
         print(toml_example())
         return 0

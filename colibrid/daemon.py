@@ -3,74 +3,54 @@
 ::
 
     serve
-    ├── load the model (in a thread, so signals stay responsive)
     └── daemon nursery
         ├── signal watcher (SIGTERM/SIGINT -> stopping)
         ├── engine host (owns the one engine thread)
         ├── scheduler (admission, fairness)
-        ├── profile saver (periodic atomic writes; final flush after the nursery)
+        ├── the model slot: load the default model (on the engine thread), then
+        │   ├── keep_alive watcher (unloads a model idle for its keep_alive)
+        │   └── profile saver (periodic atomic writes of the loaded model's profiles)
         └── front nursery
             ├── socket server: serve_listeners -> one task per connection
             └── http (optional): hypercorn.trio.serve(ASGI app) -> one task per connection
 
-Readiness (`ready`) is reported only after the socket is bound. Shutdown: refuse new
+Readiness (`ready`) is reported only after the default model is loaded and the socket is
+bound. Later a request may load another installed model when the daemon is idle, and
+`colibri stop` or keep_alive may unload it (serve/models.py). Shutdown: refuse new
 requests, let running ones finish within `shutdown_grace_s`, cancel the rest (freed within
 one token), wait until their last lines are written, then cancel the rest of the tree.
 
 A disk that fills (or fails) never stops the daemon: a periodic save that fails is logged
-once per distinct error and tried again next period; the final save at shutdown tries the
-profiles and the prompt cache each, logs what was not saved, and never raises.
+once per distinct error and tried again next period; the final save at shutdown (or an
+unload) tries the profiles and the prompt cache each, logs what was not saved, and never
+raises.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
-from colibrid.config import Settings, speculation, store_options
+if sys.version_info < (3, 11):  # trio brings the backport there
+    from exceptiongroup import BaseExceptionGroup
+
+from colibrid.config import Settings, speculation
 from colibrid.errors import ColibriError
 from colibrid.http.app import parse_bind, serve_http
 from colibrid.paths import Paths, make_state_private, remove_orphan_temps
 from colibrid.serve.host import EngineHost
-from colibrid.serve.profiles import ProfileBook
+from colibrid.serve.models import ModelSlot
 from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
 from colibrid.serve.socket_server import serve_socket
 from colibrid.serve.state import DaemonState
 
-if TYPE_CHECKING:
-    from colibrid.engine.engine import Engine
-
 log = logging.getLogger("colibrid")
-
-
-def load_model(model_dir: Path, settings: Settings) -> tuple[object, object]:
-    """The engine and its text codec (None when the checkpoint has no tokenizer)."""
-    from colibrid.engine.engine import Engine
-    from colibrid.engine.tokenizer import TextCodec
-
-    engine = Engine.load(
-        model_dir,
-        max_context=settings.max_context,
-        store=store_options(settings),
-        mtp=settings.speculate in ("mtp", "auto"),
-    )
-    has_tokenizer = (model_dir / "tokenizer.json").is_file()
-    codec = TextCodec.load(model_dir, max_context=engine.max_context) if has_tokenizer else None
-    return engine, codec
-
-
-def make_profiles(paths: Paths, settings: Settings, engine: Engine, name: str) -> ProfileBook:
-    """The model's profile book; the active profile's counts choose the pins."""
-    store = engine.experts
-    return ProfileBook(
-        paths.profiles / name, tuple(store.counts.shape), engine.info.model_type, settings.profile
-    )
 
 
 def tidy_home(paths: Paths) -> None:
@@ -92,29 +72,6 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _save_prompt_cache(host: EngineHost, directory: Path) -> int:
-    """A prompt cache that cannot be written (a full disk) is logged; the stop goes on."""
-    try:
-        return host.save_prompt_cache(directory)
-    except (OSError, ColibriError) as exc:
-        log.warning("prompt cache not saved to %s: %s", directory, _reason(exc))
-    except Exception:  # the final save must not turn a clean stop into a crash
-        log.exception("prompt cache not saved to %s", directory)
-    return 0
-
-
-def _save_profiles_finally(book: ProfileBook) -> bool:
-    """The last save of the profiles; False (logged, naming the files) when it failed."""
-    try:
-        book.save_all()
-        return True
-    except (OSError, ColibriError) as exc:
-        log.warning("profiles not saved: %s", _reason(exc))
-    except Exception:
-        log.exception("profiles not saved to %s", book.directory)
-    return False
-
-
 async def watch_signals(stopping: trio.Event) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for signum in signals:
@@ -122,14 +79,18 @@ async def watch_signals(stopping: trio.Event) -> None:
             stopping.set()
 
 
-async def save_profiles(book: ProfileBook, every_s: float) -> None:
-    """Save every `every_s`; a failure is logged when it first happens or changes (not
-    every period while the disk stays full) and when saving works again."""
+async def save_profiles(models: ModelSlot, every_s: float) -> None:
+    """Save the loaded model's profiles every `every_s`; a failure is logged when it
+    first happens or changes (not every period while the disk stays full) and when
+    saving works again."""
     failing: str | None = None
     while True:
         await trio.sleep(every_s)
+        loaded = models.current
+        if loaded is None:
+            continue
         try:
-            await trio.to_thread.run_sync(book.save_all)
+            await trio.to_thread.run_sync(loaded.book.save_all)
         except (OSError, ColibriError) as exc:
             if _reason(exc) != failing:
                 failing = _reason(exc)
@@ -153,34 +114,21 @@ async def drain(scheduler: Scheduler, grace_s: float) -> None:
 async def serve(
     settings: Settings, paths: Paths, model_dir: Path, ready: Callable[[str], None]
 ) -> None:
-    name = model_dir.name
     if settings.http:
         parse_bind(settings.http, settings.http_api_key)  # refuse before loading the model
     tidy_home(paths)
-    log.info("loading %s", model_dir)
-    engine, codec = await trio.to_thread.run_sync(load_model, model_dir, settings)
-    book = make_profiles(paths, settings, engine, name)
-    # Pin from the active profile before serving (no engine thread exists yet, so this
-    # thread may touch the store): `ps` right after start already shows the pins.
-    store = engine.experts
-    await trio.to_thread.run_sync(lambda: store.apply_pins(book.counts(book.active)))
-    log.info("pins from profile %r: %s", book.active, store.pins.note)
     host = EngineHost(
-        engine,
-        codec,
+        None,
+        None,
         max_conversations=settings.max_conversations,
         prompt_cache=settings.prompt_cache,
         layer_delay_s=settings.debug_layer_delay_s,
         fail_prompt=settings.debug_fail_prompt,
         fail_after=settings.debug_fail_after,
-        usage=book,
         speculate=speculation(settings),
     )
-    kv_dir = paths.kv / name
-    restored = await trio.to_thread.run_sync(host.restore_prompt_cache, kv_dir)
-    if restored:
-        log.info("prompt cache: %d kept session(s) restored from %s", restored, kv_dir)
     stopping = trio.Event()
+    models: ModelSlot | None = None
     try:
         async with trio.open_nursery() as daemon:
             daemon.start_soon(watch_signals, stopping)
@@ -189,9 +137,13 @@ async def serve(
                 host, max_queue=settings.max_queue, max_active=settings.max_active
             )
             await daemon.start(scheduler.serve)
-            state = DaemonState(name, model_dir, engine, host, scheduler, book)
-            daemon.start_soon(save_profiles, book, settings.profile_save_s)
-            try:  # a front that fails to start must still end the engine thread
+            models = ModelSlot(settings, paths, host, scheduler)
+            try:  # a load or a front that fails must still end the engine thread
+                log.info("loading %s", model_dir)
+                await models.switch(model_dir)
+                state = DaemonState(host, scheduler, models)
+                daemon.start_soon(save_profiles, models, settings.profile_save_s)
+                daemon.start_soon(models.watch)
                 async with trio.open_nursery() as front:
                     await front.start(
                         serve_socket, paths.socket, lambda stream: serve_connection(stream, state)
@@ -201,7 +153,7 @@ async def serve(
                         urls = await front.start(serve_http, state, settings)
                         state.http_urls = list(urls)
                         where += " http=" + ",".join(urls)
-                    ready(f"{where} model={name}")
+                    ready(f"{where} model={models.name}")
                     log.info("listening on %s", where)
                     await stopping.wait()
                     await drain(scheduler, settings.shutdown_grace_s)
@@ -209,12 +161,26 @@ async def serve(
             finally:
                 host.close()
             daemon.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # a model that cannot load: its own clear error
+        raise _sole_error(group) from None
     finally:
-        with trio.CancelScope(shield=True):  # each attempted; neither raises
-            saved = await trio.to_thread.run_sync(_save_profiles_finally, book)
-            kept = await trio.to_thread.run_sync(_save_prompt_cache, host, kv_dir)
-        log.info(
-            "stopped; %s; prompt cache: %d session(s) kept",
-            "profiles saved" if saved else "profiles NOT saved (see above)",
-            kept,
-        )
+        if models is not None:
+            await models.close()  # the loaded model's profiles and prompt cache are saved
+
+
+def _sole_error(group: BaseExceptionGroup) -> BaseException:
+    """The one ColibriError a nursery's group carries (what the user must read), else
+    the group unchanged (a bug shows its full story)."""
+    leaves: list[BaseException] = []
+
+    def collect(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                collect(inner)
+        elif not isinstance(exc, trio.Cancelled):
+            leaves.append(exc)
+
+    collect(group)
+    if len(leaves) == 1 and isinstance(leaves[0], ColibriError):
+        return leaves[0]
+    return group

@@ -89,3 +89,21 @@ class PersistError(ColibriError):
     def of(cls, path: object, exc: OSError) -> PersistError:
         reason = exc.strerror or type(exc).__name__
         return cls(f"cannot write {path}: {reason}")
+
+
+class ModelBusy(ColibriError):
+    """Another model answers requests; the one asked for loads when the daemon is idle."""
+
+    code = "MODEL_BUSY"
+
+
+class NoModel(ColibriError):
+    """No model is loaded (after `colibri stop` or a keep_alive unload) for a query."""
+
+    code = "NO_MODEL"
+
+
+class ModelNotFound(ColibriError):
+    """A request names a model that is not installed."""
+
+    code = "NOT_FOUND"

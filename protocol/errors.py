@@ -28,7 +28,10 @@ CODES: dict[str, str] = {
     "(output size, render time); the message names the model and the limit",
     "IO": "a write of persistent state failed (full disk, I/O error); the message names "
     "the path; the daemon goes on",
-    "MODEL_MISMATCH": "the request names a model other than the one loaded",
+    "MODEL_BUSY": "the request names a model other than the one loaded while requests of that "
+    "one run (or another is loading); it is loaded when the daemon is idle",
+    "NO_MODEL": "no model is loaded (after `UNLOAD` or keep_alive), for a request that needs "
+    "one and does not load one (MODEL, PROFILE, UNLOAD)",
     "INTERNAL": "an unexpected failure inside the daemon; the request is lost, the daemon lives",
 }
 

@@ -53,6 +53,7 @@ class Submit:
     model: str | None = None
     speculate: str | None = None  # off | ngram | mtp | auto (None: the daemon's setting)
     draft_max: int | None = None  # the deepest speculative draft (None: the daemon's)
+    keep_alive: float | None = None  # seconds the model stays loaded when idle after this
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,18 @@ class ProfileCommand:
 
 
 @dataclass(frozen=True)
+class Load:
+    """LOAD <name>: serve the installed model NAME (loaded now when the daemon is idle)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Unload:
+    """UNLOAD: let the loaded model go (the daemon stays; the next request loads one)."""
+
+
+@dataclass(frozen=True)
 class Ping:
     pass
 
@@ -91,9 +104,10 @@ class Quit:
     pass
 
 
-Request = Hello | Submit | Stop | Cancel | Query | ProfileCommand | Ping | Quit
+Request = Hello | Submit | Stop | Cancel | Query | ProfileCommand | Load | Unload | Ping | Quit
 
 _INT_OPTS = {"max_tokens", "top_k", "seed", "draft_max"}
+_SECONDS_OPTS = {"keep_alive"}  # seconds, or a duration: 30s, 5m, 1h (negative: forever)
 _FLOAT_OPTS = {"temperature", "top_p"}
 _STR_OPTS = {"conv", "profile", "model", "speculate"}
 _PROFILE_ACTIONS = {"LIST": 0, "SHOW": 1, "USE": 1, "SAVE": -1, "FLUSH": 0}
@@ -112,6 +126,8 @@ def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
                 opts[key] = float(value)
                 if not math.isfinite(opts[key]):
                     raise ValueError(value)
+            elif key in _SECONDS_OPTS:
+                opts[key] = seconds(value)
             elif key == "stop":
                 opts["stop"].append(_stop_string(value, rid))
             elif key == "chat":
@@ -134,6 +150,17 @@ def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
 # `%` not followed by two hex digits: `unquote` would keep it literally, so `%ZZ%` and a
 # cut-off `%4` would silently become stop strings nobody meant.
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def seconds(value: str) -> float:
+    """A duration: plain seconds, or with a unit s, m or h ("90", "30s", "5m", "1h")."""
+    text = value.strip().lower()
+    scale = {"s": 1.0, "m": 60.0, "h": 3600.0}.get(text[-1:], 0.0)
+    number = float(text[:-1]) if scale else float(text)
+    result = number * (scale or 1.0)
+    if not math.isfinite(result):
+        raise ValueError(value)
+    return result
 
 
 def _stop_string(value: str, rid: str) -> str:
@@ -230,12 +257,20 @@ def parse_request(frame: Frame) -> Request:
         return Query(kind)
     if kind == "PROFILE":
         return _parse_profile(args)
+    if kind == "LOAD":
+        if len(args) != 1 or not is_valid_id(args[0]):
+            raise ProtocolError("BAD_FRAME", "LOAD needs `LOAD <model name>`")
+        return Load(args[0])
+    if kind == "UNLOAD":
+        if args:
+            raise ProtocolError("BAD_FRAME", "UNLOAD takes no arguments")
+        return Unload()
     if kind in ("PING", "QUIT"):
         return Ping() if kind == "PING" else Quit()
     raise ProtocolError(
         "UNKNOWN_VERB",
         f"unknown verb {kind[:40]!r} (try HELLO, SUBMIT, "
-        "STOP, CANCEL, STATUS, MODEL, TELEMETRY, PROFILE, PING, QUIT)",
+        "STOP, CANCEL, STATUS, MODEL, TELEMETRY, PROFILE, LOAD, UNLOAD, PING, QUIT)",
     )
 
 
@@ -267,8 +302,8 @@ def encode_submit(req: Submit) -> bytes:
         opts.append(f"seed={req.seed}")
     opts += [f"stop={quote(s, safe='')}" for s in req.stop]
     opts += [
-        f"{k}={v}"
-        for k in ("conv", "profile", "model", "speculate", "draft_max")
+        f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+        for k in ("conv", "profile", "model", "speculate", "draft_max", "keep_alive")
         if (v := getattr(req, k)) is not None
     ]
     if req.messages is not None:

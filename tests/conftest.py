@@ -99,7 +99,7 @@ def demo_home(tmp_path_factory, demo_gguf: Path) -> Path:
         text=True,
     )
     assert r.returncode == 0, r.stderr
-    assert "demo model ready" in r.stdout
+    assert "demo: installed at" in r.stdout
     return home
 
 

@@ -42,9 +42,9 @@ def test_model_resolution(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="colibri pull demo"):
         resolve_model(paths, None)
     (paths.models / "demo").mkdir(parents=True)
-    assert resolve_model(paths, None) == (paths.models / "demo").resolve()
+    assert resolve_model(paths, None) == (paths.models / "demo").absolute()
     (paths.models / "tiny").mkdir(parents=True)
-    assert resolve_model(paths, "tiny") == (paths.models / "tiny").resolve()
+    assert resolve_model(paths, "tiny") == (paths.models / "tiny").absolute()
     assert resolve_model(paths, str(paths.models)) == paths.models.resolve()
     with pytest.raises(ConfigError, match="neither"):
         resolve_model(paths, "absent")

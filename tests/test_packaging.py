@@ -26,4 +26,21 @@ def test_every_package_folder_is_listed() -> None:
         "colibri_protocol": "protocol",
         "colibri_native": "native",
         "colibri_profiles": "profiles",
+        "colibri_packaging": "packaging",
     }
+
+
+def test_every_file_in_packaging_ships() -> None:
+    """`colibri service` and `colibri completion` users get packaging/'s files from a wheel."""
+    from fnmatch import fnmatch
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    globs = config["package-data"]["colibri_packaging"]
+    files = [
+        p.relative_to(ROOT / "packaging").as_posix()
+        for p in (ROOT / "packaging").rglob("*")
+        if p.is_file()
+    ]
+    assert {"systemd/colibrid.service", "completions/_colibri"} <= set(files)
+    unshipped = [f for f in files if not any(fnmatch(f, g) for g in globs)]
+    assert not unshipped, f"packaging/ files no package-data glob ships: {unshipped}"

@@ -17,24 +17,15 @@ from collections.abc import Sequence
 from colibri_protocol.messages import Accept, Data, Done, Submit
 
 from colibri_cli.client import ClientError, ensure_daemon, model_name
+from colibri_cli.options import add_answer_options
 from colibri_cli.render import ProgressLine, prefill_rate
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri ask", description=__doc__.split("\n\n")[0])
     p.add_argument("prompt", nargs="*", help="prompt text (stdin is appended when piped)")
-    p.add_argument("--system", metavar="TEXT", help="system message (default: none)")
+    add_answer_options(p, max_tokens=256, temperature=0.0)
     p.add_argument("--raw", action="store_true", help="send the text as-is, no chat template")
-    p.add_argument(
-        "--max-tokens", type=int, default=256, metavar="N", help="tokens at most (default 256)"
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        metavar="T",
-        help="0 = greedy, the same answer every time (default 0)",
-    )
     p.add_argument(
         "--top-p", type=float, default=1.0, metavar="P", help="nucleus filter (default 1: off)"
     )
@@ -123,6 +114,7 @@ def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
         model=model_name(args.model),
         speculate=args.speculate,
         draft_max=args.draft_max,
+        keep_alive=args.keep_alive,
     )
     if args.raw:
         return Submit(rid, prompt=text, **common)

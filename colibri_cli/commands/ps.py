@@ -12,15 +12,32 @@ from colibri_cli.commands.ask import speculation_line
 from colibri_cli.render import duration, table
 
 
+def model_state(status: dict) -> str:
+    """Loaded, loading or none, and when an idle model unloads (its keep_alive)."""
+    if status.get("loading"):
+        return f"loading {status['loading']}"
+    if not status.get("model"):
+        return "none loaded (a request or `colibri run NAME` loads one)"
+    unload_in = status.get("unload_in_s")
+    keep = status.get("keep_alive_s")
+    if unload_in is not None:
+        return f"idle; unloads in {duration(unload_in)}"
+    if keep is not None and keep < 0:
+        return "stays loaded (keep_alive < 0)"
+    if status.get("running"):
+        return f"busy; unloads {duration(keep)} after its last request" if keep else "busy"
+    return "loaded"
+
+
 def render(status: dict) -> str:
     hit = status.get("hit_rate")
     head = table(
         [
             ["MODEL", "UPTIME", "PROFILE", "RUNNING", "QUEUED", "LAST TOK/S", "HIT RATE"],
             [
-                status["model"],
+                status["model"] or "-",
                 duration(status["uptime_s"]),
-                status["profile"],
+                status["profile"] or "-",
                 status["running"],
                 status["queued"],
                 f"{status['last_tok_s']:.1f}",
@@ -49,15 +66,19 @@ def render(status: dict) -> str:
         pins += f"\nspeculate: {status['speculate']}" + (f" (last request: {last})" if last else "")
     http = ", ".join(status.get("http") or []) or "off"
     return (
-        f"{head}\n\n{table(rows)}{pins}\n\nrss {status['rss_gb']:.2f} GB, pid {status['pid']}, "
-        f"http {http}"
+        f"{head}\nmodel: {model_state(status)}\n\n{table(rows)}{pins}\n\n"
+        f"rss {status['rss_gb']:.2f} GB, pid {status['pid']}, http {http}"
     )
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri ps", description=__doc__)
     p.add_argument("--json", action="store_true", help="the raw STATUS reply")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
     try:
         with Client.connect(timeout_s=10) as client:
             status = client.query("STATUS")

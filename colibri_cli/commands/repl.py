@@ -28,6 +28,7 @@ from colibri_cli.client import (
     model_name,
     reconnect,
 )
+from colibri_cli.options import add_answer_options
 from colibri_cli.render import ProgressLine, prefill_rate
 
 HELP = """commands:
@@ -222,14 +223,18 @@ def make_reader() -> Callable[[], str]:
     return ask
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri repl", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", metavar="NAME|DIR")
-    p.add_argument("--system", metavar="TEXT")
-    p.add_argument("--profile", metavar="NAME")
-    p.add_argument("--max-tokens", type=int, default=512, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--model", metavar="NAME|DIR", help="installed model or container (default: the daemon's)"
+    )
+    p.add_argument("--profile", metavar="NAME", help="switch the daemon to this usage profile")
+    add_answer_options(p, max_tokens=512, temperature=0.0)
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(argv)
     try:
         client = ensure_daemon(args.model)
     except ClientError as exc:
@@ -239,7 +244,8 @@ def main(argv: Sequence[str]) -> int:
         system=args.system,
         profile=args.profile,
         model=args.model,
-        options={"max_tokens": args.max_tokens, "temperature": args.temperature},
+        options={"max_tokens": args.max_tokens, "temperature": args.temperature}
+        | ({} if args.keep_alive is None else {"keep_alive": args.keep_alive}),
     )
     read = make_reader()
     print("colibri repl: /help for commands, Ctrl-D to leave")

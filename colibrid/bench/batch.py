@@ -35,7 +35,7 @@ class Row:
     same_as_alone: bool
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench batch", description=__doc__)
     p.add_argument("--model", required=True, metavar="NAME|DIR", help="model name or folder")
     p.add_argument(
@@ -48,6 +48,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--probe-reads", type=int, default=32, help="expert reads of each probe")
     p.add_argument("--json", action="store_true", help="print JSON rows")
     add_store_flags(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         levels = sorted({int(x) for x in args.concurrency.split(",") if x})

@@ -248,7 +248,7 @@ def measure(
     )
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench decode", description=__doc__)
     p.add_argument("--model", required=True, metavar="NAME|DIR", help="model name or folder")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prefill length (default 256)")
@@ -258,6 +258,11 @@ def main(argv: list[str]) -> int:
         "--family", choices=[f.value for f in KernelFamily], default="f32", help="kernel family"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     from colibrid.config import resolve_model
     from colibrid.paths import Paths

@@ -168,7 +168,7 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri bench kernels",
         description=(
@@ -215,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     from colibrid.backends import native
 
     isas = args.isa or [*native.available_isas(), "auto"]

@@ -108,7 +108,7 @@ def llama_cpp_run(gguf: Path, prompt: list[int], tokens: int, threads: int) -> P
     )
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench peer", description=__doc__)
     p.add_argument("--model", default="demo-dense", metavar="NAME|DIR", help="colibri model")
     p.add_argument("--gguf", metavar="FILE", help="the GGUF for llama.cpp (default: the demo's)")
@@ -127,6 +127,11 @@ def main(argv: list[str]) -> int:
         "--leave-gb", type=float, default=4.0, help="--far: GB of memory left to the runtimes"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.prompt_tokens is None:
         args.prompt_tokens = 16 if args.far else 256

@@ -56,7 +56,7 @@ def run(
     return rows
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench policy", description=__doc__)
     p.add_argument("--trace", type=Path, required=True, metavar="FILE")
     p.add_argument(
@@ -67,7 +67,11 @@ def main(argv: list[str]) -> int:
         help="experts per layer (repeatable; default 1,2,4,8,16,32)",
     )
     p.add_argument("--with-prefill", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     doc = json.loads(args.trace.read_text())
     rows = run(
         doc["trace"],

@@ -148,7 +148,7 @@ def replay(doc: dict, model: Path, args: argparse.Namespace) -> dict:
         engine.close()
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench replay", description=__doc__)
     p.add_argument("--model", type=Path, metavar="DIR")
     p.add_argument("--record", type=Path, metavar="FILE")
@@ -170,6 +170,11 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--max-tokens", type=int, default=32, help="generated tokens per request")
     add_store_flags(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     args.parser = p
     if args.record:

@@ -140,11 +140,15 @@ def default_model() -> Path:
     return resolve_model(Paths.from_env(), None)
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench routing", description=__doc__.split("\n")[0])
     p.add_argument("--model", metavar="DIR", help="model directory (default: the demo model)")
     p.add_argument("--limit", type=int, metavar="K", help="only the first K prompts per domain")
-    a = p.parse_args(list(argv))
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    a = build_parser().parse_args(list(argv))
     model = Path(a.model) if a.model else default_model()
     counts, layers = count_selections(model, DOMAINS, a.limit)
     lines, _ = report(counts, layers)

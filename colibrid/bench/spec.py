@@ -47,7 +47,7 @@ class Row:
     same_text: bool
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench spec", description=__doc__)
     p.add_argument("--model", required=True, metavar="NAME|DIR", help="model name or folder")
     p.add_argument("--tokens", type=int, default=160, help="tokens each answer generates")
@@ -61,6 +61,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--probe-reads", type=int, default=32, help="expert reads of each probe")
     p.add_argument("--json", action="store_true", help="print JSON rows")
     add_store_flags(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     drafters = [d for d in args.drafters.split(",") if d]
     if args.tokens < 2 or not drafters or any(d not in ("ngram", "mtp") for d in drafters):

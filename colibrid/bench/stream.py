@@ -59,7 +59,7 @@ def probe(store, n_reads: int, threads: int, seed: int = 0) -> tuple[float, int]
         pool.close()
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri bench stream", description=__doc__)
     p.add_argument("--model", type=Path, required=True, metavar="DIR")
     p.add_argument("--tokens", type=int, default=16, help="decode steps measured")
@@ -67,6 +67,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--probe-reads", type=int, default=64)
     p.add_argument("--ids", default="1,2,3,4,5,6,7,8", metavar="1,2,3", help="prompt ids")
     add_store_flags(p)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     args.parser = p
     if args.ram_gb is None and args.cache is None:

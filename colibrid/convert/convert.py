@@ -292,14 +292,8 @@ def convert(
 # ---- command line ------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="colibri convert",
-        description="Convert a checkpoint folder (f32/bf16/FP8/NVFP4 safetensors) into a "
-        "colibri container. Re-running with the same options resumes.",
-    )
-    p.add_argument("src", metavar="SRC", help="checkpoint folder (config.json + *.safetensors)")
-    p.add_argument("dst", metavar="DST", help="new container folder")
+def add_quant_options(p: argparse.ArgumentParser) -> None:
+    """The number formats of a conversion (shared by `colibri convert` and `pull`)."""
     p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="routed experts")
     p.add_argument(
         "--group-size",
@@ -312,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("attn", 4, "attention and DSA indexer"),
         ("dense", 4, "dense MLPs"),
         ("shared", 4, "shared experts"),
-        ("mtp", 8, "the MTP layer (int4 needs --force)"),
+        ("mtp", 8, "the MTP layer (int4 must be allowed explicitly)"),
     ):
         p.add_argument(
             f"--{cls}-bits",
@@ -321,8 +315,32 @@ def build_parser() -> argparse.ArgumentParser:
             choices=(4, 8, 32),
             help=f"{what} (32 = keep f32; default {default})",
         )
-    p.add_argument("--force", action="store_true", help="allow an int4 MTP layer")
     p.add_argument("--shard-gb", type=float, default=4.0, help="shard size bound (GB)")
+
+
+def params_from(a: argparse.Namespace) -> ConvertParams:
+    return ConvertParams(
+        expert_bits=a.bits,
+        group_size=a.group_size,
+        io_bits=a.io_bits,
+        attn_bits=a.attn_bits,
+        dense_bits=a.dense_bits,
+        shared_bits=a.shared_bits,
+        mtp_bits=a.mtp_bits,
+        shard_bytes=int(a.shard_gb * 1e9),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="colibri convert",
+        description="Convert a checkpoint folder (f32/bf16/FP8/NVFP4 safetensors) into a "
+        "colibri container. Re-running with the same options resumes.",
+    )
+    p.add_argument("src", metavar="SRC", help="checkpoint folder (config.json + *.safetensors)")
+    p.add_argument("dst", metavar="DST", help="new container folder")
+    add_quant_options(p)
+    p.add_argument("--force", action="store_true", help="allow an int4 MTP layer")
     p.add_argument(
         "--order",
         metavar="PROFILE",
@@ -334,16 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     a = build_parser().parse_args(list(argv))
-    params = ConvertParams(
-        expert_bits=a.bits,
-        group_size=a.group_size,
-        io_bits=a.io_bits,
-        attn_bits=a.attn_bits,
-        dense_bits=a.dense_bits,
-        shared_bits=a.shared_bits,
-        mtp_bits=a.mtp_bits,
-        shard_bytes=int(a.shard_gb * 1e9),
-    )
+    params = params_from(a)
     try:
         r = convert(a.src, a.dst, params, order=a.order, force=a.force, quiet=a.quiet)
     except ColibriError as exc:

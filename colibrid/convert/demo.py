@@ -26,7 +26,6 @@ int4-g64 (as ``colibri convert`` writes them), everything else int8 per row.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -36,7 +35,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -176,12 +175,12 @@ def demo_config(m: DenseLlama) -> dict:
     }
 
 
-def dense_config(m: DenseLlama) -> dict:
+def dense_config(m: DenseLlama, source: str | None = None) -> dict:
     """The same model as a glm4_moe whose every layer is dense (no routed experts run)."""
     config = demo_config(m)
     config["first_k_dense_replace"] = m.n_layers
     config["colibri_demo"] = {
-        "source": f"{PACKAGE}=={VERSION} {GGUF_MEMBER}",
+        "source": source or f"{PACKAGE}=={VERSION} {GGUF_MEMBER}",
         "recipe": DENSE_RECIPE,
         "note": "the GGUF's own dense model, for side-by-sides with other runtimes",
     }
@@ -319,6 +318,7 @@ def build_demo(
     dense: bool = False,
     quiet: bool = True,
     log=None,  # type: ignore[no-untyped-def]
+    source: str | None = None,
 ) -> Path:
     """Build the demo container (or, with ``f32``, an f32 Hugging Face checkpoint that
     transformers' ``Glm4MoeForCausalLM`` loads; with ``dense``, the model not upcycled)
@@ -344,7 +344,7 @@ def build_demo(
     try:
         say("writing the f32 export" if f32 else "writing the container")
         shards = write_tensors(tmp, tensors, m.n_layers, params, fingerprint, quiet=quiet)
-        config = dense_config(m) if dense else demo_config(m)
+        config = dense_config(m, source) if dense else demo_config(m)
         for name, data in side_files(m, config).items():
             write_atomic(tmp / name, data)
         if f32:
@@ -430,13 +430,11 @@ def pull(
     from_file: str | None = None,
     force: bool = False,
     quiet: bool = False,
-    dense: bool = False,
 ) -> Path:
-    if name != DEMO_NAME:
-        raise ConvertError(
-            f"unknown model {name!r}: `colibri pull` knows only {DEMO_NAME!r} "
-            "(for real checkpoints use `colibri convert SRC DST`)"
-        )
+    """Build the demo (or, as DENSE_NAME, its dense model) into models/ unless there."""
+    if name not in (DEMO_NAME, DENSE_NAME):
+        raise ConvertError(f"the built-in models are {DEMO_NAME!r} and {DENSE_NAME!r}")
+    dense = name == DENSE_NAME
 
     def log(msg: str) -> None:
         if not quiet:
@@ -453,46 +451,3 @@ def pull(
         shutil.rmtree(dst)
     build_demo(gguf_path, dst, dense=dense, quiet=quiet, log=log)
     return dst
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="colibri pull",
-        description="Fetch and build the built-in demo model (SmolLM2-135M-Instruct, "
-        "upcycled exactly into a 16-expert glm4_moe) under $COLIBRI_HOME/models.",
-    )
-    p.add_argument("name", nargs="?", default=DEMO_NAME, help="model name (only 'demo')")
-    p.add_argument(
-        "--from",
-        dest="from_file",
-        metavar="FILE.gguf",
-        help="build from this GGUF instead of downloading (works offline)",
-    )
-    p.add_argument("--force", action="store_true", help="rebuild even if present")
-    p.add_argument(
-        "--dense",
-        action="store_true",
-        help=f"build the GGUF's dense model as '{DENSE_NAME}' instead (int4-g64, every "
-        "layer dense): what `colibri bench peer` runs beside llama.cpp",
-    )
-    p.add_argument(
-        "--f32-export",
-        metavar="DIR",
-        help="write an f32 Hugging Face checkpoint to DIR instead (for checks)",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    return p
-
-
-def main(argv: Sequence[str]) -> int:
-    a = build_parser().parse_args(list(argv))
-    t0 = time.perf_counter()
-    if a.f32_export:
-        src = Path(a.from_file) if a.from_file else fetch_gguf(print)
-        build_demo(src, a.f32_export, f32=True, quiet=a.quiet)
-        print(a.f32_export)
-        return 0
-    dst = pull(a.name, from_file=a.from_file, force=a.force, quiet=a.quiet, dense=a.dense)
-    size = sum(f.stat().st_size for f in dst.iterdir() if f.is_file())
-    print(f"{dst}: demo model ready ({size / 1e6:.0f} MB, {time.perf_counter() - t0:.1f} s)")
-    return 0

@@ -85,6 +85,21 @@ _GGUF_TO_HF = {
 }
 
 
+def gguf_pre_tokenizer(path: str | Path) -> str | None:
+    """The GGUF's `tokenizer.ggml.pre` (how its tokenizer pre-splits text), read without
+    dequantising anything."""
+    try:
+        import gguf
+    except ImportError as exc:  # pragma: no cover - gguf is a runtime dependency
+        raise ConvertError(f"reading GGUF needs the `gguf` package ({exc})") from None
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConvertError(f"{path}: not a readable GGUF file ({exc})") from None
+    pre = _field(reader, "tokenizer.ggml.pre")
+    return None if pre is None else str(pre)
+
+
 def read_llama_gguf(path: str | Path) -> DenseLlama:
     """Dequantise every tensor of a Llama GGUF file and read its tokenizer metadata."""
     try:

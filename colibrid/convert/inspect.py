@@ -138,12 +138,16 @@ def inspect(path: str | Path) -> Report:
     return r
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri inspect", description="Describe a colibri container or checkpoint."
     )
     p.add_argument("dir", metavar="NAME|DIR", help="an installed model's name, or a folder")
-    a = p.parse_args(list(argv))
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    a = build_parser().parse_args(list(argv))
     try:
         from colibrid.config import resolve_model
         from colibrid.paths import Paths

@@ -312,7 +312,7 @@ def synth(
     return dst
 
 
-def main(argv: Sequence[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri synth",
         description="Write a synthetic container with real per-layer shapes (random "
@@ -333,7 +333,11 @@ def main(argv: Sequence[str]) -> int:
         "speculative drafting runs on it (its guesses are random, so almost never kept)",
     )
     p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(list(argv))
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    a = build_parser().parse_args(list(argv))
     params = ConvertParams(
         expert_bits=a.bits, group_size=a.group_size, shard_bytes=int(a.shard_gb * 1e9)
     )

@@ -11,7 +11,17 @@ import json
 from typing import Any
 
 from colibrid.http.errors import bad_request
-from colibrid.http.openai import Plan, _int, _obj, _stop, _text, check_model, new_id, sampling
+from colibrid.http.openai import (
+    Plan,
+    _int,
+    _obj,
+    _stop,
+    _text,
+    check_model,
+    keep_alive,
+    new_id,
+    sampling,
+)
 from colibrid.http.parsing import Features, OutputSplitter, ToolCall
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest
@@ -143,6 +153,7 @@ def messages_plan(
         params=params,
         messages=tuple(messages),
         tools=template_tools,
+        keep_alive=keep_alive(body),
     )
     return Plan(
         request,

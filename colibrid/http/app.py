@@ -32,6 +32,7 @@ from colibrid.http.gate import Gate, is_loopback_host, require_json
 from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
 from colibrid.http.openapi import describe
 from colibrid.http.parsing import Features
+from colibrid.installed import names as installed_names
 from colibrid.serve.events import Accepted, Done, Failed, Progress, Token
 
 log = logging.getLogger("colibrid.http")
@@ -89,7 +90,7 @@ class HttpApp:
         self.state = state
         self.settings = settings
         self.metrics = HttpMetrics(state)
-        self.features = Features.of_template(getattr(state.host.codec, "chat_templates", None))
+        self._features: tuple[str | None, Features] = (None, Features())
         origins = [o.strip() for o in (settings.http_cors or "").split(",") if o.strip()]
         self.cors = origins
         self.gate = Gate(
@@ -100,7 +101,25 @@ class HttpApp:
 
     @property
     def max_context(self) -> int:
-        return int(self.state.engine.max_context)
+        engine = self.state.engine
+        return int(engine.max_context) if engine is not None else 0
+
+    @property
+    def features(self) -> Features:
+        """What the loaded model's chat template supports (tools, thinking), per model."""
+        name = self.state.model_name
+        if self._features[0] != name:
+            codec = self.state.host.codec
+            templates = codec.chat_templates if codec is not None else None
+            self._features = (name, Features.of_template(templates))
+        return self._features[1]
+
+    def _installed(self) -> list[str]:
+        """What a request may name: the installed models, and the loaded one (which may be
+        a folder outside models/, started with `--model DIR`)."""
+        names = installed_names(self.state.models.paths)
+        current = self.state.model_name
+        return names if current is None or current in names else [current, *names]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -211,35 +230,37 @@ class HttpApp:
         elif path == "/metrics":
             await responder.full(200, self.metrics.render(), CONTENT_TYPE.encode())
         elif path == "/openapi.json":
-            await responder.json(200, describe(state.model_name))
+            await responder.json(200, describe(state.model_name or "MODEL"))
         elif path == "/v1/models":
-            await responder.json(200, openai.models_list(state.model_name, int(state.started)))
+            names = self._installed()
+            await responder.json(200, openai.models_list(names, int(state.started)))
         elif path.startswith("/v1/models/"):
             name = path[len("/v1/models/") :]
-            if name != state.model_name:
-                raise ApiError(
-                    404,
-                    f"the model {name!r} does not exist; this daemon serves {state.model_name!r}",
-                    code="model_not_found",
-                    param="model",
-                )
+            openai.known_model(name, self._installed())
             await responder.json(200, openai.model_card(name, int(state.started)))
         else:
             assert data is not None
             client = next(self._clients)
+            body = await self.decoder.run(len(data), lambda: decode_json(data))
+            model = openai.check_model(body, self._installed())
+            await self._ensure(model)
             plan, translator = await self.decoder.run(
-                len(data), lambda: self._plan(path, data, client)
+                len(data), lambda: self._plan(path, body, client, model)
             )
             await self._generate(plan, translator, receive, responder)
 
-    def _plan(self, path: str, data: bytes, client: int) -> tuple[openai.Plan, Any]:
-        """Body bytes -> (Plan, translator); pure, so it may run in a worker thread."""
-        body = decode_json(data)
-        common = {
-            "served": self.state.model_name,
-            "client": client,
-            "max_context": self.max_context,
-        }
+    async def _ensure(self, model: str) -> None:
+        """The model a request names is loaded (in place of another when idle)."""
+        try:
+            await self.state.models.ensure(model)
+        except ColibriError as exc:
+            raise errors.from_code(
+                exc.code, str(exc), retry_after_s=self.settings.http_retry_after_s
+            ) from None
+
+    def _plan(self, path: str, body: Any, client: int, model: str) -> tuple[openai.Plan, Any]:
+        """Body -> (Plan, translator); pure, so it may run in a worker thread."""
+        common = {"served": model, "client": client, "max_context": self.max_context}
         if path == "/v1/chat/completions":
             plan = openai.chat_plan(body, features=self.features, **common)
             return plan, openai.ChatStream(plan)

@@ -70,6 +70,12 @@ def from_code(
         )
     if code == "SHUTTING_DOWN":
         return ApiError(503, message, code="shutting_down")
+    if code == "MODEL_BUSY":  # another model answers requests: this one loads when idle
+        return ApiError(
+            503, message, code="model_busy", headers=(("retry-after", str(retry_after_s)),)
+        )
+    if code == "NOT_FOUND":
+        return ApiError(404, message, code="model_not_found", param="model")
     if code == "CONTEXT_EXCEEDED":
         limit = f" of {max_context} tokens" if max_context else ""
         return context_exceeded(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colibrid.engine.sampling import SamplingParams
-from colibrid.errors import RequestError
+from colibrid.errors import ColibriError, RequestError
 from colibrid.http.errors import ApiError, bad_request
 from colibrid.http.parsing import Features, OutputSplitter, ToolCall
 from colibrid.serve.events import Done
@@ -43,18 +43,39 @@ def _obj(body: Any) -> dict[str, Any]:
     return body
 
 
-def check_model(body: dict[str, Any], served: str) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("`model` is required (a string)", "model")
-    if model != served:
+def known_model(model: str, installed: list[str]) -> str:
+    """`model` when it is installed, else a 404 naming what is."""
+    if model not in installed:
         raise ApiError(
             404,
-            f"the model {model!r} does not exist; this daemon serves {served!r}",
+            f"the model {model!r} does not exist; installed: {', '.join(installed) or 'none'} "
+            "(`colibri list`, `colibri pull`)",
             code="model_not_found",
             param="model",
         )
     return model
+
+
+def check_model(body: Any, installed: str | list[str]) -> str:
+    """The body's `model`: required, and one of `installed` (or the one given)."""
+    body = _obj(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required (a string)", "model")
+    return known_model(model, [installed] if isinstance(installed, str) else installed)
+
+
+def keep_alive(body: dict[str, Any]) -> float | None:
+    """Ollama's `keep_alive`: seconds, or a duration ("5m"); negative keeps the model."""
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    from colibrid.serve.models import parse_keep_alive
+
+    try:
+        return parse_keep_alive(value)
+    except ColibriError as exc:
+        raise bad_request(str(exc), "keep_alive") from None
 
 
 def _int(body: dict[str, Any], name: str, *, low: int = 1) -> int | None:
@@ -253,7 +274,12 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         body, max_tokens=max_tokens, max_context=max_context, stop=_stop(body.get("stop"))
     )
     request = GenerateRequest(
-        id=new_id("chatcmpl"), client=client, params=params, messages=messages, tools=tools
+        id=new_id("chatcmpl"),
+        client=client,
+        params=params,
+        messages=messages,
+        tools=tools,
+        keep_alive=keep_alive(body),
     )
     return Plan(
         request,
@@ -287,7 +313,9 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
         max_context=max_context,
         stop=_stop(body.get("stop")),
     )
-    request = GenerateRequest(id=new_id("cmpl"), client=client, params=params, prompt=prompt)
+    request = GenerateRequest(
+        id=new_id("cmpl"), client=client, params=params, prompt=prompt, keep_alive=keep_alive(body)
+    )
     return Plan(request, model, stream, include_usage, max_tokens)
 
 
@@ -432,8 +460,8 @@ class CompletionStream:
         return {**body, "usage": usage(done)}
 
 
-def models_list(served: str, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(served, created)]}
+def models_list(names: list[str], created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [model_card(name, created) for name in names]}
 
 
 def model_card(served: str, created: int) -> dict[str, Any]:

@@ -113,7 +113,7 @@ class StoreView:
 class EngineHost:
     def __init__(
         self,
-        engine: Any,
+        engine: Any | None,
         codec: TextCodec | None,
         *,
         max_conversations: int = 8,
@@ -124,24 +124,70 @@ class EngineHost:
         usage: UsageSink | None = None,
         speculate: SpecSettings = OFF,
     ) -> None:
-        self.engine = engine
         self.speculate = speculate
-        self.codec = codec
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._batch = Batcher(engine, self)
+        self._max_conversations = max_conversations
+        self._prompt_cache = prompt_cache
         self._last_spec: dict[str, str] | None = None
-        self._sessions = SessionPool(
-            engine.new_session,
-            max_sessions=max_conversations,
-            max_kv_bytes=engine.kv_budget_bytes,
-            prompt_cache=prompt_cache,
-        )
         self._layer_delay_s = layer_delay_s
         self._fail_prompt, self._fail_after = fail_prompt, max(1, fail_after)
-        self._usage = usage or UsageSink()
         self._done = 0
         self._last_tok_s = 0.0
+        self.engine: Any | None = None
+        self.codec: TextCodec | None = None
+        self._batch: Batcher | None = None
+        self._sessions: SessionPool | None = None
+        self._usage: UsageSink = UsageSink()
+        self.store_view: StoreView | None = None
+        if engine is not None:
+            self.install(engine, codec, usage)
+
+    # ---- the model (engine thread, or before the thread starts) ------------------------
+    def install(self, engine: Any, codec: TextCodec | None, usage: UsageSink | None) -> None:
+        """Serve `engine` from now on: fresh sessions (the kept KV is the model's own),
+        a fresh batch, its usage counted into `usage` (the model's profile book)."""
+        self.engine, self.codec = engine, codec
+        self._batch = Batcher(engine, self)
+        self._sessions = SessionPool(
+            engine.new_session,
+            max_sessions=self._max_conversations,
+            max_kv_bytes=engine.kv_budget_bytes,
+            prompt_cache=self._prompt_cache,
+        )
+        self._usage = usage or UsageSink()
         self.store_view = self._store_view()
+
+    def uninstall(self) -> Any | None:
+        """Serve nothing (no request may run); returns the engine, for the caller to close
+        once its prompt cache is saved."""
+        assert self._batch is None or not self._batch.members, "requests still run"
+        engine = self.engine
+        self.engine = self.codec = self._batch = self._sessions = self.store_view = None
+        self._usage = UsageSink()
+        return engine
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between two steps and return what it returns (or
+        raise what it raises): loading and unloading a model happen there."""
+        done = trio.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            finally:
+                try:
+                    trio.from_thread.run_sync(done.set)
+                except trio.RunFinishedError:
+                    pass
+
+        self._inbox.put(run)
+        await done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     # ---- trio side ----------------------------------------------------------------------
     async def serve(
@@ -177,43 +223,44 @@ class EngineHost:
         self._inbox.put(None)
 
     def restore_prompt_cache(self, directory: Path) -> int:
-        """Take in the prompt cache saved by the last stop (before `serve` starts the
-        engine thread); returns how many sessions were usable."""
-        if not self._sessions.prompt_cache:
+        """Take in the prompt cache saved when this model was last unloaded or the daemon
+        stopped (engine thread, or before it starts); returns how many were usable."""
+        if self._sessions is None or not self._sessions.prompt_cache:
             return 0
         sessions = kv_files.load(directory, self.engine)
         self._sessions.adopt(sessions)
         return len(sessions)
 
     def save_prompt_cache(self, directory: Path) -> int:
-        """Write the prompt cache for the next start (after the engine thread ended)."""
-        if not self._sessions.prompt_cache:
+        """Write the prompt cache for the next load (engine thread, or after it ended)."""
+        if self._sessions is None or not self._sessions.prompt_cache:
             return 0
         return kv_files.save(self._sessions.cached_prompts(), directory, self.engine)
 
     def statistics(self) -> HostStatistics:
+        batch, sessions = self._batch, self._sessions
         return HostStatistics(
-            len(self._batch.members),
-            len(self._sessions),
+            len(batch.members) if batch else 0,
+            len(sessions) if sessions is not None else 0,
             self._done,
             self._last_tok_s,
-            self._batch.stats.last_rows,
-            self._batch.stats.shared,
+            batch.stats.last_rows if batch else 0,
+            batch.stats.shared if batch else 0,
             self._last_spec,
         )
 
     # ---- engine thread ------------------------------------------------------------------
     def _thread_main(self) -> None:
         closing = False
-        while not (closing and not self._batch.members):
+        while not (closing and not self._running()):
             try:
-                item = self._inbox.get(block=not self._batch.members and not closing, timeout=None)
+                item = self._inbox.get(block=not self._running() and not closing, timeout=None)
             except queue.Empty:
                 item = ...
             while item is not ...:
                 if item is None:
                     closing = True
-                    for member in self._batch.members:
+                    for member in self._batch.members if self._batch else ():
                         member.tag.cancel_code = "SHUTTING_DOWN"
                         member.tag.cancel.set()
                 else:
@@ -222,14 +269,18 @@ class EngineHost:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = ...
-            if self._batch.members:
+            if self._running():
                 self._batch.step()
+
+    def _running(self) -> bool:
+        return self._batch is not None and bool(self._batch.members)
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, Job):
             self._begin(item)
         elif isinstance(item, tuple) and item[0] == "forget":
-            self._sessions.forget_client(item[1])
+            if self._sessions is not None:
+                self._sessions.forget_client(item[1])
         else:
             try:
                 item()
@@ -248,7 +299,9 @@ class EngineHost:
             job.cancel.set()
             return False
 
-    def _store_view(self) -> StoreView:
+    def _store_view(self) -> StoreView | None:
+        if self.engine is None:
+            return None
         store = self.engine.experts
         return StoreView(store.statistics(), frozenset(store.pinned_keys()))
 
@@ -260,11 +313,12 @@ class EngineHost:
         """Bookkeeping first, so a client that sees the end also sees the engine free. A
         request that failed after the engine ran for it gives its session up (KV rows and
         remembered logits): only finished (or cleanly cancelled) requests are kept."""
-        if job.session_key is not None:
+        if job.session_key is not None and self._sessions is not None:
             failed = isinstance(event, Failed) and event.code not in CLEAN_ENDS
             ran = job.member is not None and job.member.ran
             self._sessions.checkin(job.session_key, discard=failed and ran)
             job.session_key = None
+        log.info("request %s client %d: %s", job.request.id, job.request.client, _summary(event))
         self.publish_store()
         self._done += 1
         try:
@@ -275,6 +329,8 @@ class EngineHost:
 
     def _begin(self, job: Job) -> None:
         try:
+            if self.engine is None or self._sessions is None or self._batch is None:
+                raise RequestError("no model is loaded", code="NO_MODEL")
             ids = self._tokenize(job.request)
             if not ids:
                 raise RequestError("the prompt renders to no tokens", code="EMPTY_PROMPT")
@@ -388,6 +444,21 @@ class EngineHost:
                 spec,
             ),
         )
+
+
+def _summary(event: Event) -> str:
+    """A finished request as the log's one line about it (`colibri logs`)."""
+    if isinstance(event, Done):
+        spec = event.speculation or {}
+        drafts = f", {spec['accepted']}/{spec['drafted']} drafts kept" if "drafted" in spec else ""
+        return (
+            f"{event.prompt_tokens} prompt ({event.cached_tokens} cached) + "
+            f"{event.generated_tokens} tokens, prefill {event.prefill_tok_s:.1f} tok/s, "
+            f"decode {event.decode_tok_s:.1f} tok/s, finish={event.finish}{drafts}"
+        )
+    if isinstance(event, Failed):
+        return f"failed {event.code}: {event.message}"
+    return type(event).__name__
 
 
 def _request_text(request: GenerateRequest) -> str:

@@ -25,6 +25,7 @@ class GenerateRequest:
     tools: tuple[dict[str, Any], ...] | None = None  # for the chat template (HTTP API)
     speculate: str | None = None  # speculation mode (None: the daemon's)
     draft_max: int | None = None  # deepest draft (None: the daemon's)
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (None: as set)
 
     def speculation(self, default: SpecSettings) -> SpecSettings:
         """The request's speculative decoding: its own mode and depth over the daemon's."""
@@ -53,6 +54,7 @@ class GenerateRequest:
             profile=submit.profile,
             speculate=submit.speculate,
             draft_max=submit.draft_max,
+            keep_alive=submit.keep_alive,
         )
         request.speculation(SpecSettings())  # refused at the edge, with the reason
         return request

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -67,6 +67,7 @@ class Scheduler:
         self._settled = trio.Event()  # wakes wait_idle
         self._slots = trio.Semaphore(max_active)
         self.closing = False
+        self.on_finished: Callable[[Job], None] | None = None  # after each request ends
 
     async def serve(
         self, *, task_status: trio.TaskStatus[Scheduler] = trio.TASK_STATUS_IGNORED
@@ -181,3 +182,5 @@ class Scheduler:
         self._running.discard(job)
         self._slots.release()
         self._wake()
+        if self.on_finished is not None:
+            self.on_finished(job)

@@ -27,6 +27,7 @@ from colibri_protocol.messages import (
     Cancel,
     Done,
     Hello,
+    Load,
     Ping,
     ProfileCommand,
     Query,
@@ -34,6 +35,7 @@ from colibri_protocol.messages import (
     Request,
     Stop,
     Submit,
+    Unload,
     encode_accept,
     encode_data,
     encode_done,
@@ -59,6 +61,7 @@ class Connection:
         self.state = state
         self.client = next(_client_ids)
         self.requests: dict[str, Handle] = {}
+        self.loading: set[str] = set()  # request ids waiting for their model to load
         self._send_lock = trio.Lock()
         self._closed = False
 
@@ -118,26 +121,24 @@ class Connection:
     async def _handle(self, request: Request, nursery: trio.Nursery) -> None:
         state = self.state
         if isinstance(request, Submit):
-            if request.id in self.requests:
+            if request.id in self.requests or request.id in self.loading:
                 raise ProtocolError(
                     "DUPLICATE_ID", f"request {request.id} is in flight", request.id
-                )
-            if request.model and request.model != state.model_name:
-                raise ProtocolError(
-                    "MODEL_MISMATCH",
-                    f"the daemon serves {state.model_name}; stop it to load {request.model}",
-                    request.id,
                 )
             try:
                 generate = GenerateRequest.from_submit(request, self.client)
             except ColibriError as exc:
                 raise ProtocolError("BAD_REQUEST", str(exc), request.id) from None
-            try:
-                handle = state.scheduler.submit_nowait(generate)
-            except ColibriError as exc:
-                raise ProtocolError(_code(exc), str(exc), request.id) from None
-            self.requests[request.id] = handle
-            nursery.start_soon(self._run, handle)
+            if self._served(request.model):  # queued now: one connection's order is kept
+                self.requests[request.id] = self._submit(generate)
+                nursery.start_soon(self._run, self.requests[request.id])
+            else:  # a model to load first: in the request's own task
+                try:  # an unknown name is answered now, in this connection's order
+                    state.models.resolve(request.model)
+                except ColibriError as exc:
+                    raise ProtocolError(_code(exc), str(exc), request.id) from None
+                self.loading.add(request.id)
+                nursery.start_soon(self._load_and_run, generate, request.model)
         elif isinstance(request, (Stop, Cancel)):
             handle = self.requests.get(request.id)
             if handle is None:
@@ -155,10 +156,51 @@ class Connection:
         elif isinstance(request, ProfileCommand):
             kind, body = await state.profile(request.action, request.name, request.create)
             await self.send(encode_line("OK", *body) if kind == "OK" else encode_reply(kind, body))
+        elif isinstance(request, Load):
+            loaded = await state.models.ensure(request.name)
+            await self.send(encode_line("OK", "LOAD", loaded.name))
+        elif isinstance(request, Unload):
+            name = await state.models.unload("`colibri stop` (UNLOAD)")
+            await self.send(encode_line("OK", "UNLOAD", name))
         elif isinstance(request, Ping):
             await self.send(b"PONG\n")
         elif isinstance(request, Quit):
             self._closed = True
+
+    def _served(self, model: str | None) -> bool:
+        """Whether a request for `model` runs on what is loaded, with nothing to load."""
+        slot = self.state.models
+        if slot.current is None or slot.loading is not None:
+            return False
+        return model is None or model == slot.current.name
+
+    def _submit(self, generate: GenerateRequest) -> Handle:
+        try:
+            return self.state.scheduler.submit_nowait(generate)
+        except ColibriError as exc:
+            raise ProtocolError(_code(exc), str(exc), generate.id) from None
+
+    async def _load_and_run(self, generate: GenerateRequest, model: str | None) -> None:
+        """Load the model the request names (or the default), then run it; a model that
+        cannot be loaded ends the request with the reason."""
+        rid = generate.id
+        try:
+            await self.state.models.ensure(model)
+            handle = self._submit(generate)
+        except ProtocolError as exc:
+            await self.send(encode_error(rid, exc.code, exc.message))
+            return
+        except ColibriError as exc:
+            await self.send(encode_error(rid, _code(exc), str(exc)))
+            return
+        except Exception as exc:  # a bug loading: this request is lost, not the daemon
+            log.exception("client %d: loading for %s failed", self.client, rid)
+            await self.send(encode_error(rid, "INTERNAL", _one_line(exc)))
+            return
+        finally:
+            self.loading.discard(rid)
+        self.requests[rid] = handle
+        await self._run(handle)
 
     async def _run(self, handle: Handle) -> None:
         rid = handle.job.request.id

@@ -12,13 +12,14 @@ import os
 import resource
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from colibrid import __version__
+from colibrid.errors import NoModel
 from colibrid.serve.host import EngineHost
+from colibrid.serve.models import ModelSlot
 from colibrid.serve.profiles import ProfileBook, ProfileError
 from colibrid.serve.scheduler import Scheduler
 
@@ -27,21 +28,40 @@ GB = 1024**3
 
 @dataclass
 class DaemonState:
-    model_name: str
-    model_dir: Path
-    engine: Any
+    """What the front ends read and ask of the daemon: the engine host, the scheduler and
+    the model slot (which model is loaded, if any)."""
+
     host: EngineHost
     scheduler: Scheduler
-    profiles: ProfileBook
+    models: ModelSlot
     started: float = dataclasses.field(default_factory=time.time)
     http_urls: list[str] = dataclasses.field(default_factory=list)  # where the HTTP API is
 
+    # ---- the loaded model (None while none is) ------------------------------------------
+    @property
+    def model_name(self) -> str | None:
+        return self.models.name
+
+    @property
+    def engine(self) -> Any:
+        return self.models.current.engine if self.models.current else None
+
+    @property
+    def profiles(self) -> ProfileBook:
+        if self.models.current is None:
+            raise NoModel("no model is loaded (`colibri run NAME` or a request loads one)")
+        return self.models.current.book
+
     def hello(self) -> list[str]:
-        return ["1", f"colibrid/{__version__}", f"model={self.model_name}"]
+        return ["1", f"colibrid/{__version__}", f"model={self.model_name or '-'}"]
 
     def tiers(self) -> dict[str, Any]:
         """Where the experts are, from the snapshot the engine thread last published."""
-        snap = self.host.store_view.stats
+        view = self.host.store_view
+        if view is None:
+            empty = {"experts": 0, "gb": 0.0}
+            return {"vram": empty, "ram": dict(empty), "disk": dict(empty), "hit_rate": None}
+        snap = view.stats
         size, total, ram = snap.expert_bytes, snap.total_experts, snap.resident_experts
         return {
             "vram": {"experts": 0, "gb": 0.0},
@@ -60,7 +80,8 @@ class DaemonState:
         }
 
     def pinned(self) -> frozenset[tuple[int, int]]:
-        return self.host.store_view.pinned
+        view = self.host.store_view
+        return view.pinned if view is not None else frozenset()
 
     def status(self) -> dict[str, Any]:
         host, sched = self.host.statistics(), self.scheduler.statistics()
@@ -70,9 +91,12 @@ class DaemonState:
             "version": __version__,
             "http": list(self.http_urls),
             "model": self.model_name,
-            "model_dir": str(self.model_dir),
+            "model_dir": str(self.models.current.path) if self.models.current else None,
+            "loading": self.models.loading,
+            "keep_alive_s": self.models.keep_alive_s,
+            "unload_in_s": self.models.unload_in(),
             "uptime_s": round(time.time() - self.started, 1),
-            "profile": self.profiles.active,
+            "profile": self.models.current.book.active if self.models.current else None,
             "queued": sched.queued,
             "running": sched.running,
             "max_queue": sched.max_queue,
@@ -91,10 +115,13 @@ class DaemonState:
         }
 
     def model_info(self) -> dict[str, Any]:
-        engine, layout = self.engine, self.engine.experts.layout
+        loaded = self.models.current
+        if loaded is None:
+            raise NoModel("no model is loaded (`colibri run NAME` or a request loads one)")
+        engine, layout = loaded.engine, loaded.engine.experts.layout
         return {
-            "name": self.model_name,
-            "dir": str(self.model_dir),
+            "name": loaded.name,
+            "dir": str(loaded.path),
             "model_type": engine.info.model_type,
             "layers": engine.info.n_layers,
             "moe_layers": list(layout.moe_layers),
@@ -161,10 +188,11 @@ class DaemonState:
     def repin_soon(self) -> None:
         """Choose the pins from the active profile and hand them to the store between two
         engine steps: serving continues, no token changes."""
-        book, store = self.profiles, self.engine.experts
 
         def repin() -> None:  # runs on the engine thread; the host publishes the result
-            store.apply_pins(book.counts(book.active))
+            loaded = self.models.current  # the model loaded by then, if any
+            if loaded is not None:
+                loaded.engine.experts.apply_pins(loaded.book.counts(loaded.book.active))
 
         self.host.call_soon(repin)
 

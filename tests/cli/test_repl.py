@@ -3,49 +3,17 @@ Ctrl-C during a long answer (cancelled, still in the REPL), /profile, /quit."""
 
 from __future__ import annotations
 
+import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from daemon_helpers import Home
+from daemon_helpers import Home, wait_for
+from tmux_helpers import Tmux
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
-
-
-class Tmux:
-    def __init__(self, name: str) -> None:
-        self.base = ["tmux", "-L", name]
-
-    def run(self, *args: str) -> str:
-        return subprocess.run(
-            [*self.base, *args], capture_output=True, text=True, timeout=10
-        ).stdout
-
-    def screen(self) -> str:
-        return self.run("capture-pane", "-p", "-J", "-S", "-200", "-t", "repl")
-
-    def keys(self, *keys: str) -> None:
-        self.run("send-keys", "-t", "repl", *keys)
-
-    def wait(self, predicate, timeout_s: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            screen = self.screen()
-            if predicate(screen):
-                return screen
-            time.sleep(0.1)
-        raise AssertionError(f"timed out; screen:\n{self.screen()}")
-
-    def alive(self) -> bool:
-        return (
-            subprocess.run(
-                [*self.base, "has-session", "-t", "repl"], capture_output=True
-            ).returncode
-            == 0
-        )
 
 
 @pytest.fixture
@@ -107,5 +75,28 @@ def test_repl_reconnects_when_the_daemon_comes_back(home: Home, tmp_path: Path) 
         assert "Broken pipe" not in screen and "error" not in screen.split("second question")[1]
         tmux.keys("/stats", "Enter")
         tmux.wait(lambda s: "4 generated tokens" in s)
+    finally:
+        tmux.run("kill-server")
+
+
+def test_run_on_a_terminal_opens_the_repl_on_that_model(
+    home: Home, tmp_path: Path, demo_container: Path
+) -> None:
+    """`colibri run NAME` on a TTY: the model is loaded (a switch from the daemon's), then
+    the REPL answers with it and passes --keep-alive on."""
+    assert home.colibri("pull", str(demo_container), "--name", "demo").returncode == 0
+    tmux = Tmux(f"colibri-test-{tmp_path.name}")
+    command = (
+        f"env COLIBRI_HOME={home.path} {sys.executable} -m colibri_cli run demo "
+        "--max-tokens 6 --keep-alive 0"
+    )
+    tmux.run("new-session", "-d", "-s", "repl", "-x", "150", "-y", "50", command)
+    try:
+        tmux.wait(lambda s: ">>>" in s)
+        assert json.loads(home.colibri("ps", "--json").stdout)["model"] == "demo"
+        tmux.keys("What is the capital of France?", "Enter")
+        tmux.wait(lambda s: s.count(">>>") >= 2 and "Paris" in s)
+        tmux.keys("/quit", "Enter")
+        assert wait_for(lambda: json.loads(home.colibri("ps", "--json").stdout)["model"] is None)
     finally:
         tmux.run("kill-server")

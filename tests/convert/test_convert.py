@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from interrupt_helpers import KILL_IN_SECOND_SHARD
 from quant_reference import EXACT_FLAGS, ref_quant
 from safetensors import safe_open
 
@@ -109,31 +110,13 @@ def test_file_is_valid_and_experts_adjacent(converted) -> None:
     assert "quantization_config" not in json.loads((dst / "config.json").read_text())
 
 
-_KILLER = """
-import os, sys
-from colibrid.convert import writer
-count = {"shards": 0}
-orig_finish, orig_write = writer.ShardWriter.finish, writer.ShardWriter.write
-def finish(self):
-    orig_finish(self)
-    count["shards"] += 1
-def write(self, name, chunk):
-    if count["shards"] >= 1 and self.written > 1000:
-        os._exit(137)  # like SIGKILL: no cleanup, a partial second shard stays behind
-    orig_write(self, name, chunk)
-writer.ShardWriter.finish, writer.ShardWriter.write = finish, write
-from colibri_cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_interrupted_then_resumed_is_byte_identical(source_checkpoint, tmp_path: Path) -> None:
     ref = source_checkpoint("f32")
     args = [str(ref.out_dir), "--shard-gb", "0.0003", "--quiet"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert main(["convert", args[0], str(whole), *args[1:]]) == 0
     proc = subprocess.run(
-        [sys.executable, "-c", _KILLER, "convert", args[0], str(resumed), *args[1:]],
+        [sys.executable, "-c", KILL_IN_SECOND_SHARD, "convert", args[0], str(resumed), *args[1:]],
         cwd=ROOT,
         capture_output=True,
         text=True,

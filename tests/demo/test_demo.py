@@ -195,7 +195,7 @@ def test_demo_is_the_default_model(demo_home: Path, monkeypatch) -> None:
     from colibrid.paths import Paths
 
     monkeypatch.setenv("COLIBRI_HOME", str(demo_home))
-    assert resolve_model(Paths.from_env(), None) == (demo_home / "models" / "demo").resolve()
+    assert resolve_model(Paths.from_env(), None) == (demo_home / "models" / "demo").absolute()
 
 
 def test_routing_is_skewed_and_domain_dependent(demo_container: Path) -> None:

@@ -76,8 +76,10 @@ def test_a_mirrored_mtp_layer_is_almost_always_right(mirrored) -> None:
             fast, done = answer(engine, prompt, params, SpecSettings("mtp", 4))
             assert fast == plain
             st = done.spec
-            assert st.mode == "mtp" and st.verifies > 0
-            if params.greedy:
+            assert st.verifies > 0
+            if params.greedy:  # sampled, the drafts' acceptance (and so whether MTP keeps
+                # its place) depends on the depths the measured pass times chose
+                assert st.mode == "mtp", st.describe()
                 assert st.accepted >= 0.9 * st.drafted, st.describe()
     finally:
         engine.close()

@@ -35,6 +35,7 @@ from colibri_cli.client import Client, ClientError
 from colibrid import daemon
 from colibrid.errors import PersistError
 from colibrid.paths import Paths, atomic_write, make_state_private, remove_orphan_temps
+from colibrid.serve import models
 
 ASK = ("ask", "--temperature", "0", "--max-tokens", "8", "What is the capital of France?")
 NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
@@ -297,9 +298,12 @@ class FullBook:
 def test_the_saver_logs_a_failure_once_and_goes_on(caplog: pytest.LogCaptureFixture) -> None:
     book = FullBook()
 
+    class Slot:  # the model slot, holding a model whose profiles cannot be written
+        current = type("Loaded", (), {"book": book})()
+
     async def main() -> None:
         with trio.move_on_after(0.3):
-            await daemon.save_profiles(book, 0.01)  # type: ignore[arg-type]
+            await daemon.save_profiles(Slot(), 0.01)  # type: ignore[arg-type]
 
     with caplog.at_level(logging.INFO, logger="colibrid"):
         trio.run(main)
@@ -318,9 +322,9 @@ def test_the_final_save_never_raises(caplog: pytest.LogCaptureFixture) -> None:
             raise OSError(errno.ENOSPC, NO_SPACE)
 
     with caplog.at_level(logging.INFO, logger="colibrid"):
-        assert daemon._save_profiles_finally(FullBook()) is False  # type: ignore[arg-type]
-        assert daemon._save_prompt_cache(FullHost(), Path("/full/kv/m")) == 0  # type: ignore[arg-type]
-        assert daemon._save_prompt_cache(BrokenHost(), Path("/full/kv/m")) == 0  # type: ignore[arg-type]
+        assert models.save_profiles_finally(FullBook()) is False  # type: ignore[arg-type]
+        assert models.save_prompt_cache(FullHost(), Path("/full/kv/m")) == 0  # type: ignore[arg-type]
+        assert models.save_prompt_cache(BrokenHost(), Path("/full/kv/m")) == 0  # type: ignore[arg-type]
     text = caplog.text
     assert (
         f"profiles not saved: cannot write /full/profiles/model/default.coli_usage: {NO_SPACE}"

@@ -22,9 +22,12 @@ import numpy as np
 import trio
 import trio.testing
 
+from colibrid.config import Settings
 from colibrid.engine.batch import LOGITS_ALL, LOGITS_NONE, Forward
 from colibrid.errors import Cancelled, RequestError
+from colibrid.paths import Paths
 from colibrid.serve.host import EngineHost
+from colibrid.serve.models import Loaded, ModelSlot
 from colibrid.serve.profiles import ProfileBook
 from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
@@ -240,13 +243,16 @@ async def open_daemon(
     tmp: Path, *, max_queue: int = 16, max_active: int = 4, layer_delay_s: float = 0.0
 ) -> AsyncIterator[InProcessDaemon]:
     engine = FakeEngine(layer_delay_s=layer_delay_s)
+    codec = FakeCodec()
     book = ProfileBook(tmp / "profiles", (N_LAYERS, 4), "test", "default")
-    host = EngineHost(engine, FakeCodec(), usage=book)  # type: ignore[arg-type]
+    host = EngineHost(engine, codec, usage=book)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         await nursery.start(host.serve)
         scheduler = Scheduler(host, max_queue=max_queue, max_active=max_active)
         await nursery.start(scheduler.serve)
-        state = DaemonState("fake", tmp, engine, host, scheduler, book)
+        models = ModelSlot(Settings(), Paths(home=tmp, socket=tmp / "s"), host, scheduler)
+        models.current = Loaded("fake", tmp, engine, codec, book, tmp / "kv")
+        state = DaemonState(host, scheduler, models)
         try:
             yield InProcessDaemon(state, nursery)
         finally:

@@ -1,0 +1,97 @@
+"""The models installed in $COLIBRI_HOME/models: what `colibri list` shows, what the HTTP
+API's /v1/models lists and what a request may name.
+
+A model is a folder (or a link to one) holding `config.json`: a colibri container (with
+the converter's `manifest.json`) or a Hugging Face checkpoint the engine reads as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from colibrid.paths import Paths
+
+
+@dataclass(frozen=True)
+class Installed:
+    name: str
+    path: Path  # the folder (a link's target)
+    linked: bool  # models/NAME is a link to a folder elsewhere
+    model_type: str
+    size_bytes: int
+    quantisation: str
+
+
+def _quantisation(folder: Path) -> str:
+    """What the converter wrote ("experts int4-g64, attention int8, ..."), or the
+    checkpoint's own dtype."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    if isinstance(manifest, dict) and isinstance(manifest.get("params"), dict):
+        p = manifest["params"]
+        group = f"-g{p['group_size']}" if p.get("group_size") and p.get("expert_bits") == 4 else ""
+        return (
+            f"experts int{p.get('expert_bits')}{group}, attention int{p.get('attn_bits')}, "
+            f"dense int{p.get('dense_bits')}"
+        )
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "?"
+    if isinstance(config, dict) and isinstance(config.get("quantization_config"), dict):
+        return str(config["quantization_config"].get("quant_method", "quantised"))
+    dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    return f"{dtype} (checkpoint)" if dtype else "checkpoint"
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for item in folder.rglob("*"):
+        try:
+            if item.is_file():
+                total += item.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def describe(name: str, entry: Path) -> Installed | None:
+    """The model at models/NAME, or None when it is no model (no config.json)."""
+    folder = entry.resolve()
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = str(config.get("model_type", "?")) if isinstance(config, dict) else "?"
+    return Installed(
+        name, folder, entry.is_symlink(), model_type, _size(folder), _quantisation(folder)
+    )
+
+
+def installed(paths: Paths) -> list[Installed]:
+    """Every installed model, by name."""
+    if not paths.models.is_dir():
+        return []
+    found = []
+    for entry in sorted(paths.models.iterdir()):
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        model = describe(entry.name, entry)
+        if model is not None:
+            found.append(model)
+    return found
+
+
+def names(paths: Paths) -> list[str]:
+    """Installed model names (cheap: no sizes)."""
+    if not paths.models.is_dir():
+        return []
+    return sorted(
+        e.name
+        for e in paths.models.iterdir()
+        if not e.name.startswith(".") and (e / "config.json").is_file()
+    )
