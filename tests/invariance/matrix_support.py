@@ -25,6 +25,7 @@ PROMPTS = (
 )
 MAX_TOKENS = 14
 SETTINGS = dict(prompt_cache=False, profile_save_s=0.5, shutdown_grace_s=2.0)
+BATCH_ROUNDS = 4  # concurrent rounds tried until the daemon batches two of the asks
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,16 @@ def reference(tmp_path_factory):
             http = {p: ask_http(port, model.name, p) for p in PROMPTS}
             for text in [*serve.values(), *http.values()]:
                 assert text and not text.startswith("<"), (text, home.log())
-            again = ask_all(home, port, model.name)
-            assert again == (serve, http), (
-                f"the resident store alone differs between serial and concurrent asks:\n"
-                f"serial {serve} {http}\nconcurrent {again}"
-            )
+            # Concurrent rounds until two requests shared a pass (client processes that
+            # start slowly on a busy machine can each finish alone); every round must agree
+            for _ in range(BATCH_ROUNDS):
+                again = ask_all(home, port, model.name)
+                assert again == (serve, http), (
+                    f"the resident store alone differs between serial and concurrent asks:\n"
+                    f"serial {serve} {http}\nconcurrent {again}"
+                )
+                if status(home)["shared_passes"] > 0:
+                    break
             assert status(home)["shared_passes"] > 0, "the concurrent asks were not batched"
             warm = home.colibri("profile", "warm", "code", "--limit", "3", "--max-tokens", "8")
             assert warm.returncode == 0, warm.stderr
