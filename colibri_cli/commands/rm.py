@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from colibri_cli.client import Client, ClientError, NotRunning
 from colibri_cli.commands.stop import unload
@@ -45,8 +46,6 @@ def release(name: str, force: bool) -> None:
 def remove(name: str, models_dir: os.PathLike[str] | str) -> str:
     """Take models/NAME away (renamed aside first, so a request arriving meanwhile finds
     no half-deleted model); what was removed, in words."""
-    from pathlib import Path
-
     entry = Path(models_dir) / name
     if name.startswith(".") or "/" in name or not (entry.is_symlink() or entry.exists()):
         raise ClientError(f"no installed model {name!r} (`colibri list` shows them)")
