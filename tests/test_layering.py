@@ -1,4 +1,4 @@
-"""Dependencies point one way (DESIGN.md section 2): models never import the store or a
+"""Dependencies point one way (docs/architecture.md): models never import the store or a
 backend implementation, the store never imports models, the engine never imports the
 daemon side (serve, http, daemon) or the converter, nothing below the converter imports it,
 no two top-level parts of colibrid import each other (directly or round a longer loop), and

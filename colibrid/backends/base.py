@@ -19,7 +19,7 @@ from colibrid.formats.weights import QuantWeight
 
 
 class KernelFamily(enum.Enum):
-    """The arithmetic a kernel uses; always chosen explicitly by the caller (DESIGN §4).
+    """The arithmetic a kernel uses; always chosen explicitly by the caller (docs/architecture.md).
 
     F32: activations stay f32; quantised weights are expanded to f32 in registers and
          accumulated in f32. Matches a reference that uses the dequantised weights.

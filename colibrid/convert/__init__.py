@@ -1,1 +1,1 @@
-"""Checkpoint conversion and the quantisation maths of DESIGN.md section 5."""
+"""Checkpoint conversion and the quantisation maths of docs/formats.md."""

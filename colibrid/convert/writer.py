@@ -2,7 +2,7 @@
 
 Why our own writer: the expert store reads an expert with one coalesced read, which only
 works if the expert's three matrices (and, right after them, their three ``.qs`` scale
-arrays) are adjacent in the file (DESIGN §5). The safetensors library orders tensors
+arrays) are adjacent in the file (docs/formats.md). The safetensors library orders tensors
 itself and needs every tensor in memory at once; here the header is computed up front
 from the planned sizes and the data is streamed chunk by chunk, so converting a tensor
 never needs more than one row block of it in memory.

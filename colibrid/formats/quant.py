@@ -1,4 +1,4 @@
-"""The numpy reference of the quantisation maths (DESIGN §5), bit-equal to upstream.
+"""The numpy reference of the quantisation maths (docs/formats.md), bit-equal to upstream.
 
 Why a reference in numpy: the converter writes containers with it, the tests check the
 C kernels against it bit for bit, and a model read from a colibri container must

@@ -15,7 +15,7 @@ import numpy as np
 
 
 class WeightFormat(enum.Enum):
-    """On-disk / in-memory weight formats (DESIGN §5; upstream fmt numbers in comments)."""
+    """On-disk / in-memory weight formats (docs/formats.md; upstream fmt numbers in comments)."""
 
     F32 = "f32"  # fmt 0
     BF16 = "bf16"  # stored as uint16

@@ -12,7 +12,7 @@ from colibrid.models.layers.gqa import GQAAttention, GQAShape
 from colibrid.models.layers.rope import Rotary
 from colibrid.models.transformer import MoEArgs, Transformer, load_decoder_layer
 
-# transformers' Glm4MoeConfig silently defaults partial_rotary_factor to 0.5 (DESIGN §6 trap).
+# transformers' Glm4MoeConfig silently defaults partial_rotary_factor to 0.5.
 DEFAULT_PARTIAL_ROTARY = 0.5
 
 

@@ -1,6 +1,6 @@
 """Per-domain usage profiles: how often each (layer, expert) was selected, per model.
 
-A profile is a usage history (DESIGN.md section 5) kept in upstream's `.coli_usage` text
+A profile is a usage history (docs/formats.md) kept in upstream's `.coli_usage` text
 format under ``$COLIBRI_HOME/profiles/<model>/<name>.coli_usage``, written atomically.
 Each request counts into the profile it names (or the active one): the store's usage
 recorder hands the selections over after every engine step (one way: store -> book).

@@ -1,7 +1,7 @@
 """The RAM budget: how many experts per layer the cache may hold.
 
 Why a plan and not a guess: the daemon must never be OOM-killed, so every byte it will
-hold is accounted before anything big is allocated (upstream ``cap_for_ram``, DESIGN §4):
+hold is accounted before anything big is allocated (upstream ``cap_for_ram``, docs/architecture.md):
 dense weights + pins + cache slabs + work slabs + KV cache + a reserve for the page cache
 and Python. An explicit ``--ram-gb`` is the total; the automatic budget is 88% of the
 memory available at start-up. A budget that cannot hold the dense part is refused

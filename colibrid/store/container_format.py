@@ -2,7 +2,7 @@
 
 Why this module exists: upstream colibri containers carry no format ordinal. A quantised
 weight is a U8 tensor ``name`` plus an F32 tensor ``name.qs``, and its format follows
-from byte arithmetic against the logical [O, I] (DESIGN §5, upstream FORMATS.md), with
+from byte arithmetic against the logical [O, I] (docs/formats.md), with
 an optional container-wide ``colibri.fmt`` stamp map and ``colibri.group_size`` hint in
 ``__metadata__``. The checkpoint reader, the validator and the converter (which must
 write containers this inference reads back unambiguously) all share these rules.

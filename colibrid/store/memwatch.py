@@ -1,5 +1,5 @@
 """MEMWATCH: follow live free memory and our RSS; shrink the expert cache when the
-machine needs memory, grow it back when memory frees (DESIGN §4: never OOM-killed).
+machine needs memory, grow it back when memory frees (docs/architecture.md: memory is bounded).
 
 Why between tokens: a sampler thread only *reads* MemAvailable, RSS and the arena's
 residency; the resize runs on the engine thread from ``TieredStore.between_tokens``, when

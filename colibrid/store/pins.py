@@ -6,7 +6,7 @@ experts in the daemon) and the second never asked the store how many slots it ha
 Here the *capacity* is fixed when the store is planned (slots reserved for pins, never
 taken from the cache or the work slots) and every selection fits inside it:
 
-- AUTOPIN (upstream, tuned on real GLM-5 histories, DESIGN §5): nothing below 5,000
+- AUTOPIN (upstream, tuned on real GLM-5 histories, docs/formats.md): nothing below 5,000
   recorded selections; then 0.5 x confidence x the expert RAM, confidence =
   min(1, n/200,000), the hottest experts first (ties to the lower layer, then expert);
 - ``all``: as many of the used experts as the capacity holds;

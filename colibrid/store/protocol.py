@@ -1,4 +1,4 @@
-"""The one seam every expert store implements in full (DESIGN §4: no probing).
+"""The one seam every expert store implements in full (see docs/architecture.md).
 
 Why a single protocol: the model, the engine, PILOT, the daemon and the benchmarks used
 to ask a store ``hasattr(store, "hint")`` or ``getattr(store, "counts", None)`` and took

@@ -3,7 +3,7 @@
 
 Why it exists beside the tiered store: when the experts fit (tests, small models, a
 big-RAM machine) the page cache is the cache and nothing needs planning; it is also the
-reference every placement is compared with, token for token (DESIGN §4).
+reference every placement is compared with, token for token (docs/architecture.md, invariants).
 """
 
 from __future__ import annotations

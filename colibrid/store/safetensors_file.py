@@ -1,7 +1,7 @@
 """A validated, zero-copy safetensors reader.
 
 Why our own reader: the expert store needs the absolute byte range of every tensor
-(to coalesce an expert's three matrices into one read, DESIGN §5), and model files come
+(to coalesce an expert's three matrices into one read, docs/formats.md), and model files come
 from untrusted mirrors. Upstream colibri had six memory-safety advisories from malicious
 safetensors and config.json files, so every field of the header is checked before any
 byte of tensor data is touched, and every malformed input ends in one

@@ -5,7 +5,7 @@ nothing; an anonymous mmap is page-aligned (O_DIRECT needs an aligned buffer) an
 pages can be handed back to the kernel slot by slot (``MADV_DONTNEED``) when MEMWATCH
 shrinks the cache, then faulted in again when it grows back — without unmapping memory
 that numpy views still reference. Pages are touched once at start-up because RAM the VM
-never touched fills slowly the first time (DESIGN §7).
+never touched fills slowly the first time (docs/performance.md).
 """
 
 from __future__ import annotations

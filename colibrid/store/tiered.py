@@ -1,4 +1,4 @@
-"""The tiered expert store: pinned hot store -> per-layer cache -> disk (DESIGN §3 step 3).
+"""The tiered expert store: pinned hot store -> per-layer cache -> disk (docs/architecture.md).
 
 Composed from parts with one job each: :mod:`slots` (which expert is in which slot; no
 I/O), :mod:`reader` (extents, slabs, the I/O pool), :mod:`prefetch` (PILOT),
@@ -11,7 +11,7 @@ Everything here runs on the engine thread; reader threads only fill slots.
 
 A failure is contained: whatever raises inside a pass (a read error, a cancel, a bug in
 the model), the delivery's clean-up lets its reads land and frees their slots, so the
-next request is served exactly as on a fresh store (:meth:`abort_pass`, DESIGN §4).
+next request is served exactly as on a fresh store (:meth:`abort_pass`, docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The usage profile: how often each (layer, expert) was chosen, and which experts are
 chosen together — the memory AUTOPIN and REPIN learn from.
 
-Format (upstream ``.coli_usage``, DESIGN §5, so users' existing histories are read):
+Format (upstream ``.coli_usage``, docs/formats.md, so users' existing histories are read):
 text, three numeric fields a line; header records ``-1 <n_layers> <n_experts>`` and
 ``-2 <format_version> <engine_id_hash>`` (FNV-1a 32 of the model type: ``glm_moe_dsa``
 -> 3815245270), then ``<layer> <expert> <count>`` for non-zero counts. Header-less
@@ -44,7 +44,7 @@ def engine_id_hash(model_type: str) -> int:
 
 
 def usage_text(counts: np.ndarray, model_type: str) -> bytes:
-    """The `.coli_usage` text of selection counts [layers, experts] (DESIGN.md section 5):
+    """The `.coli_usage` text of selection counts [layers, experts] (docs/formats.md):
     the two header records, then `<layer> <expert> <count>` for non-zero counts; an empty
     history is an empty file, as upstream writes it."""
     if not counts.any():

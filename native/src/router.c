@@ -1,4 +1,4 @@
-/* The sigmoid MoE router of GLM-4.x, GLM-5.x and DeepSeek-V3 (DESIGN.md section 3, step 1).
+/* The sigmoid MoE router of GLM-4.x, GLM-5.x and DeepSeek-V3 (docs/architecture.md, step 1).
  *
  * Why native: routing a decode row is 16..256 dot products and a top-k, a few
  * microseconds of arithmetic, but numpy spent ~40 us a layer on its dozen dispatches.

@@ -1,4 +1,4 @@
-"""The independent numpy maths of DESIGN §5 the converter tests check against (kept out of
+"""The independent numpy maths of docs/formats.md the converter tests check against (kept out of
 conftest.py so test modules import it by a name no other folder's conftest shadows)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ EXACT_FLAGS = [
 """Everything but routed experts kept f32, so the reference needs no other transform."""
 
 
-# ---- independent numpy implementation of DESIGN §5 ---------------------------------
+# ---- independent numpy implementation of docs/formats.md ---------------------------------
 
 
 def ref_quant(w: np.ndarray, bits: int, gs: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""The quantisation maths of DESIGN §5 against hand-worked examples and torch."""
+"""The quantisation maths of docs/formats.md against hand-worked examples and torch."""
 
 from __future__ import annotations
 

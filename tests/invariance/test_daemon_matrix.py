@@ -1,4 +1,4 @@
-"""Placement never changes tokens — through the real daemon (DESIGN §4, §9; issue 12 item 4).
+"""Placement never changes tokens — through the real daemon (docs/architecture.md).
 
 Each cell starts `colibrid start` in a private $COLIBRI_HOME with the placement settings
 users combine (config.toml `cache`, `pilot`, `direct`, `ram_gb`; speculative decoding at

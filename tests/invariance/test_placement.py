@@ -1,4 +1,4 @@
-"""Placement never changes tokens (DESIGN §4): every store configuration gives the same
+"""Placement never changes tokens (docs/architecture.md): every store configuration gives the same
 bytes as the all-resident store, for every tiny oracle architecture.
 
 One checkpoint per arch; each configuration loads once and runs a 32-token teacher-forced

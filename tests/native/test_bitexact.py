@@ -1,5 +1,5 @@
 """Integer kernels are bit-exact across ISAs: every SIMD path equals the portable C
-reference byte for byte (DESIGN §4), including tails, odd I and batched rows."""
+reference byte for byte (docs/architecture.md), including tails, odd I and batched rows."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A memory hog next to the real daemon: MEMWATCH shrinks the streamed cache, gives it back
-when the hog goes, and no answer changes (issue 18 item 6; DESIGN §4).
+when the hog goes, and no answer changes (docs/architecture.md).
 
 The daemon runs the built-in demo with its experts streamed (`cache = 8` of 16 per layer,
 so the cache is most of what placement holds) and `memory_floor_gb` set 1.5 GiB under

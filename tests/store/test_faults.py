@@ -1,4 +1,4 @@
-"""A failure is contained (DESIGN §4): a fault injected at any point of a pass — the
+"""A failure is contained (docs/architecture.md): a fault injected at any point of a pass — the
 first layer's reads, the middle of a layer's deliveries, a model bug after some experts
 ran, PILOT's background reads or its hint, a REPIN read, a cancel — fails that request
 only; the store's bookkeeping stays whole and the next request's tokens equal a fresh

@@ -1,4 +1,4 @@
-"""The MoE router shared by GLM-4.x, GLM-5.x and DeepSeek-V3 (DESIGN.md section 3, step 1).
+"""The MoE router shared by GLM-4.x, GLM-5.x and DeepSeek-V3 (docs/architecture.md, step 1).
 
 Sigmoid scores in float32; `scores + e_score_correction_bias` is used for selection only;
 group-limited top-k (a group's score is the sum of its two best experts; only the best
