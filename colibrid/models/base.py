@@ -256,6 +256,18 @@ class ConfigReader:
             raise self._fail(key, f"must be true or false, got {value!r}")
         return value
 
+    def int_list(self, key: str, *, lo: int = 0, hi: int = MAX_DIM) -> list[int]:
+        """A list of integers in [lo, hi]; absent or null is the empty list."""
+        value = self.config.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or len(value) > MAX_LAYERS:
+            raise self._fail(key, f"must be a list of at most {MAX_LAYERS} integers")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or not lo <= item <= hi:
+                raise self._fail(key, f"has entry {item!r}, not an integer in [{lo}, {hi}]")
+        return list(value)
+
     def str_list(self, key: str, length: int, allowed: set[str]) -> list[str] | None:
         value = self.config.get(key)
         if value is None:
