@@ -96,7 +96,8 @@ def draw_case(arch: str, index: int) -> SweepCase:
 
 
 def _draw_trunk(rng: random.Random) -> dict[str, Any]:
-    """Sizes, dense/MoE layer split and group-limited routing, shared by the three families."""
+    """Sizes, dense/MoE layer split and group-limited routing, shared by the three
+    sigmoid-routed families."""
     layers = rng.randint(1, 4)
     n_group = rng.choice([1, 1, 2, 4])
     per_group = rng.randint(2, 6)
