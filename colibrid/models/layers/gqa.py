@@ -20,7 +20,8 @@ class GQAShape:
     """A GQA block's shape and options. ``bias``: q/k/v biases; ``o_bias``: an o_proj bias
     too (Qwen3-MoE and OLMoE put one on every projection, GLM-4.x never on o_proj);
     ``qk_norm_whole``: the qk norms span the whole projection (OLMoE) rather than a head;
-    ``window``: Mixtral's sliding window (None: every causal key)."""
+    ``window``: a sliding window of keys (Mixtral; Qwen3-MoE with `use_sliding_window`),
+    None for every causal key."""
 
     hidden: int
     heads: int
