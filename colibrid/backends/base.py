@@ -61,22 +61,30 @@ class ExpertBatch:
 
 @dataclass(frozen=True)
 class RouteRule:
-    """The sigmoid router's rule (GLM-4.x/5.x, DeepSeek-V3): the ``top_k`` best experts by
-    selection score, only the best ``topk_group`` of ``n_group`` groups competing; gates
-    divided by their sum when ``norm``, times ``scaling``."""
+    """The router's rule: the ``top_k`` best experts by selection score, only the best
+    ``topk_group`` of ``n_group`` groups competing; gates divided by their sum when
+    ``norm``, times ``scaling``. Scores are per-expert sigmoids (GLM-4.x/5.x, DeepSeek-V3)
+    or, with ``softmax``, the softmax over all experts (Qwen3-MoE, Mixtral, OLMoE)."""
 
     top_k: int
     n_group: int = 1
     topk_group: int = 1
     norm: bool = True
     scaling: float = 1.0
+    softmax: bool = False
 
 
 @dataclass(frozen=True, eq=False)
 class GQAWeights:
     """One GQA attention block's resident weights: projections, optional q/k/v biases and
-    per-head q/k RMSNorm weights (with their epsilon). Built once per layer, so a backend
-    may keep what it checked about it on the object."""
+    q/k RMSNorm weights (with their epsilon), plus the two per-layer choices the block's
+    arithmetic depends on. Built once per layer, so a backend may keep what it checked
+    about it on the object.
+
+    ``qk_norm_whole``: the norms span each row's whole q and k projections (OLMoE, weights
+    [H * d] and [G * d]) instead of each head (GLM-4.x, Qwen3-MoE, weights [d]).
+    ``window``: a row at position p attends to keys t > p - window only (Mixtral's
+    ``sliding_window``); None means every causal key."""
 
     q: QuantWeight
     k: QuantWeight
@@ -85,3 +93,5 @@ class GQAWeights:
     biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     qk_norm: tuple[np.ndarray, np.ndarray] | None = None
     eps: float = 1e-6
+    qk_norm_whole: bool = False
+    window: int | None = None

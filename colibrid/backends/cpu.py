@@ -96,9 +96,15 @@ class CpuOps:
         )
 
     def attend_gqa(
-        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+        self,
+        q: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        scale: float,
+        start: int,
+        window: int | None = None,
     ) -> np.ndarray:
-        return native.attend_gqa(_f32(q), keys, values, scale, start)
+        return native.attend_gqa(_f32(q), keys, values, scale, start, window)
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))

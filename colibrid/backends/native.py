@@ -515,9 +515,10 @@ def rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def route(
     h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The sigmoid router for float32 h [S, D] and weight [E, D]: (ids int64 [S, n], the n
-    best experts by selection score, best first, and gates float32 [S, top_k] of the first
-    top_k). See colibri_route in colibri.h for the exact rule."""
+    """The router (sigmoid or softmax scores, as ``rule`` says) for float32 h [S, D] and
+    weight [E, D]: (ids int64 [S, n], the n best experts by selection score, best first,
+    and gates float32 [S, top_k] of the first top_k). See colibri_route in colibri.h for
+    the exact rule."""
     top_k, n_group, topk_group = rule.top_k, rule.n_group, rule.topk_group
     if not isinstance(h, np.ndarray) or h.ndim != 2:
         raise ValueError("h must be a 2-D [S, D] numpy array")
@@ -546,6 +547,7 @@ def route(
         topk_group,
         n,
         top_k,
+        int(rule.softmax),
         int(rule.norm),
         float(rule.scaling),
         ffi.from_buffer("int32_t[]", ids),
@@ -563,6 +565,7 @@ class _GQAStatic(NamedTuple):
     bias_ptrs: list
     norm_ptrs: list
     heads: int
+    window: int  # 0: every causal key
 
 
 def gqa_attention(
@@ -609,6 +612,7 @@ def gqa_attention(
         _code(family),
         *static.bias_ptrs,
         *static.norm_ptrs,
+        int(block.qk_norm_whole),
         float(block.eps),
         _fptr(cos),
         _fptr(sin),
@@ -621,6 +625,7 @@ def gqa_attention(
         ffi.from_buffer("float[]", keys),
         ffi.from_buffer("float[]", values),
         int(start),
+        static.window,
         float(scale),
         _fptr(out),
     )
@@ -656,20 +661,37 @@ def _gqa_static(block: GQAWeights, family: KernelFamily, g: int, d: int) -> _GQA
             bias_ptrs[k] = _fptr(b)
     norm_ptrs = [ffi.NULL, ffi.NULL]
     if block.qk_norm is not None:
-        for k, w in enumerate(block.qk_norm):
-            _check_array(f"qk_norm[{k}]", w, np.float32, (d,))
+        sizes = (heads * d, g * d) if block.qk_norm_whole else (d, d)
+        for k, (w, n) in enumerate(zip(block.qk_norm, sizes, strict=True)):
+            _check_array(f"qk_norm[{k}]", w, np.float32, (n,))
             norm_ptrs[k] = _fptr(w)
-    return _GQAStatic((_code(family), g, d), views, bias_ptrs, norm_ptrs, heads)
+    window = _window(block.window)
+    return _GQAStatic((_code(family), g, d), views, bias_ptrs, norm_ptrs, heads, window)
+
+
+def _window(window: int | None) -> int:
+    """A sliding window as the kernels take it: 0 for none, else a positive key count."""
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window {window!r} must be None or a positive int")
+    return window
 
 
 def attend_gqa(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    scale: float,
+    start: int,
+    window: int | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention: q float32 [S, H, d] at positions start..start+S-1,
     keys and values float32 [T, G, d] (C-contiguous, T >= start + S); returns [S, H * d].
 
-    Query head h reads KV head h // (H / G). Softmax in float32 with the row's maximum
-    subtracted; every (row, head) is computed alone, so S rows equal S one-row calls."""
+    Query head h reads KV head h // (H / G); with ``window`` the row at position p sees
+    keys t > p - window only. Softmax in float32 with the row's maximum subtracted; every
+    (row, head) is computed alone, so S rows equal S one-row calls."""
     if not isinstance(q, np.ndarray) or q.ndim != 3:
         raise ValueError("q must be a 3-D [S, H, d] numpy array")
     s, h, d = q.shape
@@ -683,9 +705,10 @@ def attend_gqa(
         raise ValueError(
             f"attention shapes disagree: q {q.shape}, keys {keys.shape}, start {start}"
         )
+    span = _window(window)
     out = np.empty((s, h * d), dtype=np.float32)
     rc = lib.colibri_attend_gqa(
-        _fptr(q), s, h, d, _fptr(keys), _fptr(values), t, g, float(scale), start, _fptr(out)
+        _fptr(q), s, h, d, _fptr(keys), _fptr(values), t, g, float(scale), start, span, _fptr(out)
     )
     _raise_rc(rc)
     return out

@@ -12,12 +12,14 @@ Tensor classes (each with its own bit width, docs/formats.md):
 class      tensors                                                     default
 =========  ==========================================================  =============
 expert     routed experts ``mlp.experts.E.{gate,up,down}_proj``         int4-g64
+           (Mixtral: ``block_sparse_moe.experts.E.w{1,3,2}``)
 shared     shared experts ``mlp.shared_experts.*``                     int4-g64
 attn       attention incl. the DSA indexer's wq_b / wk                 int4-g64
 dense      dense MLPs of the first layers                              int4-g64
 io         ``embed_tokens`` and ``lm_head``                            int8
 mtp        every matrix of the MTP layer(s)                            int8
-f32        norms, router, correction bias, indexer weights_proj, 1-D   f32
+f32        norms, router (``mlp.gate`` / ``block_sparse_moe.gate``),      f32
+           correction bias, indexer weights_proj, every 1-D tensor
 =========  ==========================================================  =============
 
 A bit width of 32 keeps a class in f32 (useful for exact round-trip tests).
@@ -45,7 +47,13 @@ from colibrid.store.container_format import (
 CONVERTER_VERSION = "colibri-convert 1"
 CLASSES = ("expert", "shared", "attn", "dense", "io", "mtp", "f32")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.(\d+)\.(w1|w3|w2))\.weight$"
+)
+# Mixtral's names for an expert's gate, up and down projections.
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
 
 MTP_INT4_WARNING = (
     "refusing an int4 MTP layer: per-row/grouped int4 rounds the embedding half of eh_proj "
@@ -107,16 +115,21 @@ def layer_of(name: str) -> int | None:
 
 
 def expert_of(name: str) -> tuple[int, int, str] | None:
-    """(layer, expert, proj) for a routed expert matrix name."""
+    """(layer, expert, proj) for a routed expert matrix name; proj is gate_proj, up_proj
+    or down_proj whatever the checkpoint calls it."""
     m = _EXPERT.match(name)
-    return (int(m.group(1)), int(m.group(2)), m.group(3) + "_proj") if m else None
+    if m is None:
+        return None
+    if m.group(2) is not None:
+        return int(m.group(1)), int(m.group(2)), m.group(3) + "_proj"
+    return int(m.group(1)), int(m.group(4)), _MIXTRAL_PROJ[m.group(5)]
 
 
 def classify(name: str, shape: Sequence[int], n_layers: int) -> str:
     """The tensor class of ``name`` (see the module table)."""
     if len(shape) != 2:
         return "f32"
-    if name.endswith(("mlp.gate.weight", "indexer.weights_proj.weight")) or "norm" in name:
+    if name.endswith((*_ROUTERS, "indexer.weights_proj.weight")) or "norm" in name:
         return "f32"
     layer = layer_of(name)
     if layer is not None and layer >= n_layers:

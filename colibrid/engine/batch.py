@@ -10,8 +10,8 @@ Why it changes no bit: every operation of the models computes a row alone (the k
 S rows equal S single-row calls, attention runs per sequence and per row over exactly the
 keys the row can see, norms and the router are per row), so a request's logits are the
 same whatever shares its pass, and a verified draft's logits are the ones a one-token
-decode would have produced (`tests/engine/test_batch.py` holds all three architectures to
-that, bit for bit).
+decode would have produced (`tests/engine/test_rows_independent.py` holds every
+architecture to that, bit for bit).
 """
 
 from __future__ import annotations

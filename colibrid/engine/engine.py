@@ -202,7 +202,7 @@ def expert_layout(args: Any, checkpoint: Checkpoint, *, with_mtp: bool = False) 
     experts are left out (``with_mtp`` puts them in, for validation): the MTP layer is
     loaded but never run until speculation uses it, so the store must not plan, pin or
     count them (they would take slots and budget for nothing)."""
-    trunk = args.trunk
+    trunk, moe = args.trunk, args.moe
     layers = [layer for layer, is_moe in enumerate(args.is_moe) if is_moe]
     drafting: tuple[int, ...] = ()
     if with_mtp and mtp_prefix(args, checkpoint) is not None:
@@ -210,9 +210,11 @@ def expert_layout(args: Any, checkpoint: Checkpoint, *, with_mtp: bool = False) 
         drafting = (trunk.num_hidden_layers,)
     return ExpertLayout(
         moe_layers=tuple(layers),
-        n_experts=args.moe.n_routed_experts,
+        n_experts=moe.n_routed_experts,
         hidden=trunk.hidden_size,
-        ffn=args.moe.moe_intermediate_size,
+        ffn=moe.moe_intermediate_size,
+        name_template=f"model.layers.{{layer}}.{moe.module}.experts.{{expert}}.{{proj}}.weight",
+        proj_names=moe.expert_names,
         draft_layers=drafting,
     )
 

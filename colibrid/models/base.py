@@ -119,8 +119,9 @@ class Ops(Protocol):
     def route(
         self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The sigmoid MoE router (layers.router.route_reference is the rule): the n best
-        experts per row best first, int64 [S, n], and the gates of the first top_k."""
+        """The MoE router, sigmoid or softmax as ``rule`` says (layers.router.route_reference
+        is the rule): the n best experts per row best first, int64 [S, n], and the gates of
+        the first top_k."""
         ...
 
     def gqa_attention(
@@ -133,8 +134,9 @@ class Ops(Protocol):
         scale: float,
         family: KernelFamily,
     ) -> np.ndarray:
-        """A GQA block: projections (+ biases), optional qk RMSNorm, RoPE, k/v written to
-        cache rows [start, start + S), attention, output projection; bit-identical to
+        """A GQA block: projections (+ biases), optional qk RMSNorm (per head or over the
+        whole projection), RoPE, k/v written to cache rows [start, start + S), attention
+        (within the block's sliding window, if any), output projection; bit-identical to
         layers.gqa.gqa_attention_each (the same ops one by one)."""
         ...
 
@@ -153,10 +155,17 @@ class Ops(Protocol):
         ...
 
     def attend_gqa(
-        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+        self,
+        q: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        scale: float,
+        start: int,
+        window: int | None = None,
     ) -> np.ndarray:
         """Causal attention of q [S, H, d] (positions start..) over the cached keys and
-        values [T, G, d]; query head h reads KV head h // (H / G). Returns [S, H * d]."""
+        values [T, G, d]; query head h reads KV head h // (H / G); with ``window`` the row
+        at position p sees keys t > p - window only. Returns [S, H * d]."""
         ...
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray: ...
@@ -246,6 +255,18 @@ class ConfigReader:
         if not isinstance(value, bool):
             raise self._fail(key, f"must be true or false, got {value!r}")
         return value
+
+    def int_list(self, key: str, *, lo: int = 0, hi: int = MAX_DIM) -> list[int]:
+        """A list of integers in [lo, hi]; absent or null is the empty list."""
+        value = self.config.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or len(value) > MAX_LAYERS:
+            raise self._fail(key, f"must be a list of at most {MAX_LAYERS} integers")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int) or not lo <= item <= hi:
+                raise self._fail(key, f"has entry {item!r}, not an integer in [{lo}, {hi}]")
+        return list(value)
 
     def str_list(self, key: str, length: int, allowed: set[str]) -> list[str] | None:
         value = self.config.get(key)

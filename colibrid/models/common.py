@@ -1,4 +1,6 @@
-"""Config reading shared by the families: the dense trunk and the MoE arguments."""
+"""Config reading shared by the families: the dense trunk, the MoE arguments (sigmoid-routed
+DeepSeek style, softmax-routed Qwen3-MoE / Mixtral / OLMoE style) and the small checks
+several families need."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from colibrid.models.base import (
     MAX_VOCAB,
     ConfigReader,
 )
-from colibrid.models.transformer import MoEArgs
+from colibrid.models.transformer import SWIGLU_NAMES, MoEArgs
+
+# The activations transformers' ACT2FN maps to SiLU, the only one the expert kernels compute.
+SILU_NAMES = ("silu", "swish")
 
 
 @dataclass(frozen=True)
@@ -72,3 +77,47 @@ def moe_layers(r: ConfigReader, n_layers: int, default_dense: int) -> list[bool]
         return [k == "sparse" for k in kinds]
     first_dense = r.int("first_k_dense_replace", default_dense, lo=0, hi=MAX_LAYERS)
     return [layer >= first_dense for layer in range(n_layers)]
+
+
+def read_softmax_moe(
+    r: ConfigReader,
+    *,
+    width_key: str,
+    default_top_k: int,
+    norm_topk_prob: bool | None,
+    module: str = "mlp",
+    expert_names: tuple[str, str, str] = SWIGLU_NAMES,
+) -> MoEArgs:
+    """Softmax routing without groups, shared experts or scaling (Qwen3-MoE, Mixtral,
+    OLMoE). The expert count is `num_experts` or `num_local_experts` (transformers maps one
+    to the other); `width_key` names the experts' FFN width. ``norm_topk_prob`` None reads
+    the key (default False, as Qwen3-MoE's and OLMoE's configs); a bool fixes it (Mixtral
+    always renormalises its top-k)."""
+    key = "num_experts" if r.config.get("num_experts") is not None else "num_local_experts"
+    experts = r.int(key, hi=MAX_EXPERTS)
+    norm = r.bool("norm_topk_prob", False) if norm_topk_prob is None else norm_topk_prob
+    return MoEArgs(
+        n_routed_experts=experts,
+        num_experts_per_tok=r.int("num_experts_per_tok", default_top_k, hi=experts),
+        moe_intermediate_size=r.int(width_key),
+        n_shared_experts=0,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=norm,
+        routed_scaling_factor=1.0,
+        softmax=True,
+        module=module,
+        expert_names=expert_names,
+    )
+
+
+def require_silu(r: ConfigReader) -> None:
+    """Refuse a `hidden_act` other than SiLU: the expert and MLP kernels compute SwiGLU."""
+    act = r.config.get("hidden_act", "silu")
+    if act not in SILU_NAMES:
+        raise r._fail("hidden_act", f"= {act!r} is not supported (supported: silu)")
+
+
+def read_window(r: ConfigReader, key: str = "sliding_window") -> int | None:
+    """A sliding attention window in keys, or None (the key absent or null)."""
+    return r.optional_int(key, hi=MAX_POSITIONS)

@@ -22,10 +22,18 @@ from colibrid.models.layers.moe import MoE
 from colibrid.models.layers.rope import Rotary
 from colibrid.models.layers.router import Router
 
+# The stored names of an expert's gate, up and down projections in most checkpoints.
+SWIGLU_NAMES = ("gate_proj", "up_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class MoEArgs:
-    """The MoE half of a config (identical across GLM-4.x, GLM-5.x and DeepSeek-V3)."""
+    """The MoE half of a config. The first eight fields are DeepSeek-V3's (shared by
+    GLM-4.x and GLM-5.x); the rest have those families' values as defaults and say what
+    the softmax-routed families (Qwen3-MoE, Mixtral, OLMoE) do differently: ``softmax``
+    router scores, and where the router and experts are stored (``module``: the layer's
+    submodule holding ``gate`` and ``experts``; ``expert_names``: the stored names of
+    gate, up and down)."""
 
     n_routed_experts: int
     num_experts_per_tok: int
@@ -35,6 +43,9 @@ class MoEArgs:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
+    softmax: bool = False
+    module: str = "mlp"
+    expert_names: tuple[str, str, str] = SWIGLU_NAMES
 
 
 class DecoderLayer:
@@ -137,7 +148,7 @@ def load_decoder_layer(
 def load_moe(
     src: WeightSource, ops: Ops, experts: ExpertSource, layer: int, hidden: int, args: MoEArgs
 ) -> MoE:
-    prefix = f"model.layers.{layer}.mlp"
+    prefix = f"model.layers.{layer}.{args.module}"
     n = args.n_routed_experts
     bias_name = f"{prefix}.gate.e_score_correction_bias"
     router = Router(
@@ -148,6 +159,7 @@ def load_moe(
         topk_group=args.topk_group,
         norm_topk_prob=args.norm_topk_prob,
         scaling=args.routed_scaling_factor,
+        softmax=args.softmax,
         ops=ops,
     )
     shared = None

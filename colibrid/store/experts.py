@@ -43,6 +43,9 @@ class ExpertLayout:
     hidden: int
     ffn: int
     name_template: str = DEFAULT_TEMPLATE
+    # What {proj} reads for gate, up and down (PROJECTIONS order) in the stored names:
+    # Mixtral's checkpoints call them w1, w3 and w2.
+    proj_names: tuple[str, str, str] = PROJECTIONS
     # Layers served only for speculative drafts (the MTP layer): streamed and cached like
     # the others, but not part of usage profiles (whose shape is the main model's, as
     # upstream's files are) and never pinned.
@@ -66,12 +69,17 @@ class ExpertLayout:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field} must be a positive int, got {value!r}")
         check_template(self.name_template)
+        object.__setattr__(self, "proj_names", tuple(self.proj_names))
+        if len(self.proj_names) != len(PROJECTIONS) or len(set(self.proj_names)) != 3:
+            raise ValueError(f"proj_names {self.proj_names} must be 3 distinct names")
 
     def shape(self, proj: str) -> tuple[int, int]:
         return (self.hidden, self.ffn) if proj == "down_proj" else (self.ffn, self.hidden)
 
     def tensor_name(self, layer: int, expert: int, proj: str, template: str | None = None) -> str:
-        return (template or self.name_template).format(layer=layer, expert=expert, proj=proj)
+        """The stored name of projection ``proj`` (one of PROJECTIONS) of an expert."""
+        stored = self.proj_names[PROJECTIONS.index(proj)]
+        return (template or self.name_template).format(layer=layer, expert=expert, proj=stored)
 
 
 @dataclass(frozen=True)

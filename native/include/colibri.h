@@ -95,33 +95,39 @@ int colibri_add_rms_norm(const float *h, const float *delta, int S, int D, const
 int colibri_rope_half(const float *x, int S, int H, int d, const float *cos, const float *sin,
                       int half, float *out);
 
-/* The sigmoid MoE router (GLM-4.x/5.x, DeepSeek-V3) for S rows of h [S, D] with router
- * weights w [E, D] f32 and an optional selection bias [E]: ids [S, n] the n best experts
- * by selection score (group-limited when topk_group < n_group), best first, ties to the
- * lowest index; gates [S, K] the sigmoid scores of the first K, normalised when norm,
- * times scaling. n >= K. */
+/* The MoE router for S rows of h [S, D] with router weights w [E, D] f32 and an optional
+ * selection bias [E]. Scores are sigmoid(logit) per expert (GLM-4.x/5.x, DeepSeek-V3), or
+ * with softmax set the softmax of the row's E logits (Qwen3-MoE, Mixtral, OLMoE: max
+ * subtracted, expf, summed in expert order, each divided by the sum). ids [S, n] the n best
+ * experts by selection score (score + bias; group-limited when topk_group < n_group), best
+ * first, ties to the lowest index; gates [S, K] the scores of the first K, normalised when
+ * norm, times scaling. n >= K. */
 int colibri_route(const float *h, int S, int D, const float *w, const float *bias, int E,
-                  int n_group, int topk_group, int n, int K, int norm, float scaling,
-                  int32_t *ids, float *gates);
+                  int n_group, int topk_group, int n, int K, int softmax, int norm,
+                  float scaling, int32_t *ids, float *gates);
 
 /* Causal grouped-query attention, float32: q [S, H, d] (rows at positions start..start+S-1)
  * over keys and values [T, G, d] (a sequence's cache, T >= start + S); query head h reads
- * KV head h / (H / G); out [S, H, d]. Each (row, head) is computed alone, in a fixed order. */
+ * KV head h / (H / G); out [S, H, d]. window > 0 limits the row at position p to the keys
+ * t > p - window (a sliding window of `window` keys, its own included); 0 means all causal
+ * keys. Each (row, head) is computed alone, in a fixed order. */
 int colibri_attend_gqa(const float *q, int S, int H, int d, const float *k, const float *v, int T,
-                       int G, float scale, int start, float *out);
+                       int G, float scale, int start, int window, float *out);
 
-/* A GQA attention block: q = x Wq^T (+bq), k, v likewise (one dispatch); per-head RMSNorm of
- * q and k when q_norm/k_norm are given (both or neither); rotate_half RoPE of q and k by
- * cos/sin [S, half]; k and v written to rows [start, start + S) of the caches [*, G, d];
- * attention of q over rows [0, start + S); out [S, O] = attn Wo^T. Bit-identical to those
- * calls made one by one. */
+/* A GQA attention block: q = x Wq^T (+bq), k, v likewise (one dispatch); RMSNorm of q and k
+ * when q_norm/k_norm are given (both or neither): per head over d, or with norm_whole over
+ * each row's whole projection (H * d for q, G * d for k, weights of those lengths);
+ * rotate_half RoPE of q and k by cos/sin [S, half]; k and v written to rows
+ * [start, start + S) of the caches [*, G, d]; attention of q over rows [0, start + S)
+ * (within `window` keys when > 0, as colibri_attend_gqa); out [S, O] = attn Wo^T.
+ * Bit-identical to those calls made one by one. */
 int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
                           const colibri_weight *wv, const colibri_weight *wo, int family,
                           const float *bq, const float *bk, const float *bv,
-                          const float *q_norm, const float *k_norm, float eps,
+                          const float *q_norm, const float *k_norm, int norm_whole, float eps,
                           const float *cos, const float *sin, int half, const float *x, int S,
                           int H, int G, int d, float *kcache, float *vcache, int start,
-                          float scale, float *out);
+                          int window, float scale, float *out);
 
 /* Best read bandwidth in GB/s over `repeats` passes of a buffer of nbytes. */
 double colibri_membw_probe(size_t nbytes, int threads, int repeats);

@@ -7,7 +7,8 @@
  * on S, on the thread split or on the other rows: score_t = (q . k_t) * scale (eight
  * partial sums, reduced pairwise), the row's max subtracted, exp (exp_shifted), the sum
  * over t (eight partial sums), each weight divided by the sum, then out = sum_t p_t v_t
- * in t order. A job is one (row, head). */
+ * in t order. A job is one (row, head). With a sliding window the row's keys simply start
+ * later: the same arithmetic over the keys it may see. */
 #include "attention.h"
 
 #include <stdlib.h>
@@ -28,11 +29,11 @@ float *colibri_scores_buffer(size_t n) {
 #include "attention_body.h"
 
 int colibri_attend_gqa(const float *q, int S, int H, int d, const float *k, const float *v, int T,
-                       int G, float scale, int start, float *out) {
+                       int G, float scale, int start, int window, float *out) {
     if (!q || !k || !v || !out || S < 1 || H < 1 || d < 1 || T < 1 || G < 1 || H % G ||
-        start < 0 || start + S > T)
+        start < 0 || start + S > T || window < 0)
         return -1;
-    attn_ctx c = {q, k, v, out, S, H, G, d, T, start, scale, 0};
+    attn_ctx c = {q, k, v, out, S, H, G, d, T, start, window, scale, 0};
     const double work = (double)S * H * T * d;
     chunk_fn one = colibri_attend_one_v4;
 #if defined(__x86_64__) || defined(_M_X64)

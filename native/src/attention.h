@@ -12,6 +12,7 @@ typedef struct {
     const float *v; /* [T, G, d] */
     float *out;     /* [S, H, d] */
     int S, H, G, d, T, start;
+    int window; /* > 0: the row at position p sees keys t > p - window only */
     float scale;
     _Atomic int rc;
 } attn_ctx;

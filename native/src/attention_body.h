@@ -154,11 +154,13 @@ static void weighted_sum(float *out, const float *p, const float *v, size_t stri
 void ATTEND_ONE(void *ctx, int job) {
     attn_ctx *c = ctx;
     const int s = job / c->H, h = job % c->H, g = h / (c->H / c->G), d = c->d;
-    const int visible = c->start + s + 1 < c->T ? c->start + s + 1 : c->T;
+    const int end = c->start + s + 1 < c->T ? c->start + s + 1 : c->T;
+    const int first = c->window > 0 && end > c->window ? end - c->window : 0;
+    const int visible = end - first; /* keys [first, end) */
     const size_t kstride = (size_t)c->G * d;
     const float *q = c->q + ((size_t)s * c->H + h) * d;
-    const float *k = c->k + (size_t)g * d;
-    const float *v = c->v + (size_t)g * d;
+    const float *k = c->k + (size_t)first * kstride + (size_t)g * d;
+    const float *v = c->v + (size_t)first * kstride + (size_t)g * d;
     float *out = c->out + ((size_t)s * c->H + h) * d;
     float *p = colibri_scores_buffer((size_t)visible);
     if (p == NULL) {

@@ -1,5 +1,5 @@
 /* A grouped-query attention block in one call: q/k/v projections (one dispatch), biases,
- * per-head qk RMSNorm, rotate_half RoPE, the cache update, attention and the output
+ * qk RMSNorm (per head, or over the whole projection), rotate_half RoPE, the cache update, attention and the output
  * projection.
  *
  * Why: at decode each of these is microseconds of arithmetic, and composing them from
@@ -18,13 +18,13 @@ static size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
                           const colibri_weight *wv, const colibri_weight *wo, int family,
                           const float *bq, const float *bk, const float *bv,
-                          const float *q_norm, const float *k_norm, float eps,
+                          const float *q_norm, const float *k_norm, int norm_whole, float eps,
                           const float *cos, const float *sin, int half, const float *x, int S,
                           int H, int G, int d, float *kcache, float *vcache, int start,
-                          float scale, float *out) {
+                          int window, float scale, float *out) {
     if (!wq || !wk || !wv || !wo || !x || !kcache || !vcache || !out || !cos || !sin || S < 1 ||
         H < 1 || G < 1 || d < 1 || H % G || start < 0 || half < 1 || 2 * half > d ||
-        (!q_norm) != (!k_norm))
+        (!q_norm) != (!k_norm) || window < 0)
         return -1;
     const int D = wq->I;
     if (wq->O != H * d || wk->O != G * d || wv->O != G * d || wk->I != D || wv->I != D ||
@@ -46,7 +46,10 @@ int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
         for (int s = 0; s < S; s++)
             for (int o = 0; o < O; o++) y3[m][(size_t)s * O + o] += bias[m][o];
     }
-    if (q_norm) {
+    if (q_norm && norm_whole) { /* OLMoE: over each row's whole projection */
+        if ((rc = colibri_rms_norm(q, S, H * d, q_norm, eps, q))) return rc;
+        if ((rc = colibri_rms_norm(k, S, G * d, k_norm, eps, k))) return rc;
+    } else if (q_norm) { /* per head */
         if ((rc = colibri_rms_norm(q, S * H, d, q_norm, eps, q))) return rc;
         if ((rc = colibri_rms_norm(k, S * G, d, k_norm, eps, k))) return rc;
     }
@@ -54,7 +57,8 @@ int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
     if ((rc = colibri_rope_half(q, S, H, d, cos, sin, half, q))) return rc;
     if ((rc = colibri_rope_half(k, S, G, d, cos, sin, half, krows))) return rc;
     memcpy(vrows, v, nk * sizeof(float));
-    rc = colibri_attend_gqa(q, S, H, d, kcache, vcache, start + S, G, scale, start, attn);
+    rc = colibri_attend_gqa(q, S, H, d, kcache, vcache, start + S, G, scale, start, window,
+                            attn);
     if (rc) return rc;
     return colibri_matmul(wo, family, attn, S, out);
 }

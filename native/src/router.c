@@ -1,10 +1,13 @@
-/* The sigmoid MoE router of GLM-4.x, GLM-5.x and DeepSeek-V3 (docs/architecture.md, step 1).
+/* The MoE router: sigmoid scores (GLM-4.x, GLM-5.x, DeepSeek-V3; docs/architecture.md,
+ * step 1) or softmax scores (Qwen3-MoE, Mixtral, OLMoE).
  *
  * Why native: routing a decode row is 16..256 dot products and a top-k, a few
  * microseconds of arithmetic, but numpy spent ~40 us a layer on its dozen dispatches.
  *
  * Per row, in a fixed order (so S rows equal S one-row calls): logit_e = h . w_e (eight
- * partial sums reduced pairwise), score = 1 / (1 + expf(-logit)), choice = score + bias;
+ * partial sums reduced pairwise); score = 1 / (1 + expf(-logit)), or with softmax
+ * p_e = expf(logit_e - max) summed in expert order and score = p_e / sum;
+ * choice = score + bias;
  * with groups, a group's score is the sum of its two best choices and only the best
  * topk_group groups compete; the n best choices are taken best first, ties to the lowest
  * index (losing groups' experts last, in index order); gates are the scores of the first
@@ -24,11 +27,27 @@ static int best_untaken(const float *v, const unsigned char *taken, int n) {
     return best;
 }
 
+/* score[e] = softmax of the E logits x . w_e: the maximum subtracted, expf, the sum taken in
+ * expert order, each divided by it. */
+static void softmax_scores(const float *x, const float *w, int D, int E, float *score) {
+    float top = -INFINITY;
+    for (int e = 0; e < E; e++) {
+        score[e] = colibri_dot8(x, w + (size_t)e * D, D);
+        top = score[e] > top ? score[e] : top;
+    }
+    float sum = 0.0f;
+    for (int e = 0; e < E; e++) {
+        score[e] = expf(score[e] - top);
+        sum += score[e];
+    }
+    for (int e = 0; e < E; e++) score[e] /= sum;
+}
+
 static _Thread_local struct { void *p; size_t n; } tl_route;
 
 int colibri_route(const float *h, int S, int D, const float *w, const float *bias, int E,
-                  int n_group, int topk_group, int n, int K, int norm, float scaling,
-                  int32_t *ids, float *gates) {
+                  int n_group, int topk_group, int n, int K, int softmax, int norm,
+                  float scaling, int32_t *ids, float *gates) {
     if (!h || !w || !ids || !gates || S < 1 || D < 1 || E < 1 || n < K || K < 1 || n > E ||
         n_group < 1 || E % n_group || topk_group < 1 || topk_group > n_group)
         return -1;
@@ -44,10 +63,12 @@ int colibri_route(const float *h, int S, int D, const float *w, const float *bia
     const int per = E / n_group;
     for (int s = 0; s < S; s++) {
         const float *x = h + (size_t)s * D;
-        for (int e = 0; e < E; e++) {
-            score[e] = 1.0f / (1.0f + expf(-colibri_dot8(x, w + (size_t)e * D, D)));
-            choice[e] = bias ? score[e] + bias[e] : score[e];
-        }
+        if (softmax)
+            softmax_scores(x, w, D, E, score);
+        else
+            for (int e = 0; e < E; e++)
+                score[e] = 1.0f / (1.0f + expf(-colibri_dot8(x, w + (size_t)e * D, D)));
+        for (int e = 0; e < E; e++) choice[e] = bias ? score[e] + bias[e] : score[e];
         if (n_group > 1 && topk_group < n_group) {
             for (int g = 0; g < n_group; g++) { /* sum of the group's two best choices */
                 const float *c = choice + (size_t)g * per;

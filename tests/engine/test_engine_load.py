@@ -12,6 +12,7 @@ import pytest
 
 from colibrid.engine.engine import Engine
 from colibrid.errors import ColibriError
+from colibrid.models import SUPPORTED, family
 
 
 @pytest.fixture
@@ -82,8 +83,18 @@ def test_cli_missing_model_dir(tmp_path: Path) -> None:
 
 
 def test_cli_unknown_architecture(model_copy: Path) -> None:
-    edit_config(model_copy, model_type="mixtral")
-    assert_one_line_error(cli_generate(model_copy), "mixtral")
+    """One line naming the refused model_type and every supported one."""
+    edit_config(model_copy, model_type="qwen2_moe")
+    assert_one_line_error(cli_generate(model_copy), "'qwen2_moe'", *SUPPORTED)
+
+
+def test_unknown_architecture_lists_the_new_families() -> None:
+    with pytest.raises(ColibriError) as info:
+        family("llama4")
+    message = str(info.value)
+    assert "\n" not in message and "'llama4'" in message
+    for arch in ("glm_moe_dsa", "glm4_moe", "deepseek_v3", "qwen3_moe", "mixtral", "olmoe"):
+        assert arch in SUPPORTED and arch in message
 
 
 def test_cli_truncated_weights(model_copy: Path) -> None:

@@ -79,7 +79,13 @@ class NumpyOps:
         return rms_norm(x, weight, eps)
 
     def attend_gqa(
-        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+        self,
+        q: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        scale: float,
+        start: int,
+        window: int | None = None,
     ) -> np.ndarray:
         """Grouped-query attention in numpy: the KV heads' query heads stacked as rows of
         one batched matmul (the engine's own path before the native kernel)."""
@@ -89,7 +95,7 @@ class NumpyOps:
         q_g = q.transpose(1, 0, 2).reshape(kv_heads, group * rows, d)
         scores = np.matmul(q_g, keys.transpose(1, 2, 0)) * np.float32(scale)
         scores = scores.reshape(heads, rows, keys.shape[0])
-        probs = masked_softmax(scores, causal_mask(start, rows, keys.shape[0]))
+        probs = masked_softmax(scores, causal_mask(start, rows, keys.shape[0], window))
         out = np.matmul(probs.reshape(kv_heads, group * rows, -1), values.transpose(1, 0, 2))
         return np.ascontiguousarray(out.reshape(heads, rows, d).transpose(1, 0, 2)).reshape(
             rows, heads * d

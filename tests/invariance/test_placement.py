@@ -57,7 +57,12 @@ def run(ref: tiny_models.OracleReference, opts: StoreOptions | None) -> tuple[by
 
 
 def n_experts(ref: tiny_models.OracleReference) -> int:
-    return int(json.loads((ref.out_dir / "config.json").read_text())["n_routed_experts"])
+    """Routed experts per layer, under whichever key the architecture's config uses."""
+    config = json.loads((ref.out_dir / "config.json").read_text())
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        if config.get(key) is not None:
+            return int(config[key])
+    raise KeyError("no expert count in config.json")
 
 
 def check_all(ref: tiny_models.OracleReference, n_experts: int) -> None:

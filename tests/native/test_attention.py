@@ -27,15 +27,16 @@ def _inputs(s: int, h: int, g: int, d: int, t: int, seed: int = 0):
     return q, cache[:t], values[:t]
 
 
-def _reference(q, keys, values, scale: float, start: int) -> np.ndarray:
+def _reference(q, keys, values, scale: float, start: int, window: int | None = None):
     s, h, d = q.shape
     group = h // keys.shape[1]
     out = np.zeros((s, h, d))
     for row in range(s):
         visible = start + row + 1
+        first = 0 if window is None else max(0, visible - window)
         for head in range(h):
-            k = keys[:visible, head // group].astype(np.float64)
-            v = values[:visible, head // group].astype(np.float64)
+            k = keys[first:visible, head // group].astype(np.float64)
+            v = values[first:visible, head // group].astype(np.float64)
             scores = k @ q[row, head].astype(np.float64) * scale
             p = np.exp(scores - scores.max())
             out[row, head] = (p / p.sum()) @ v
@@ -78,6 +79,39 @@ def test_a_row_never_sees_a_later_key() -> None:
     after = native.attend_gqa(q, keys2, values2, 0.5, 6)
     assert np.array_equal(before[:2], after[:2])
     assert not np.allclose(before[2:], after[2:])
+
+
+@pytest.mark.parametrize("window", [1, 3, 8, 14, 40])
+def test_a_sliding_window_is_attention_over_the_last_keys_only(window: int) -> None:
+    """With a window W the row at position p sees keys p - W < t <= p: close to the float64
+    reference, and bit for bit the unwindowed kernel run on just those keys."""
+    s, h, g, d, t = 6, 4, 2, 16, 20
+    q, keys, values = _inputs(s, h, g, d, t, seed=4)
+    start = t - s
+    got = native.attend_gqa(q, keys, values, 0.25, start, window)
+    np.testing.assert_allclose(got, _reference(q, keys, values, 0.25, start, window), atol=2e-6)
+    for row in range(s):
+        end = start + row + 1
+        first = max(0, end - window)
+        alone = native.attend_gqa(
+            q[row : row + 1], keys[first:end], values[first:end], 0.25, end - first - 1
+        )
+        assert np.array_equal(got[row : row + 1], alone)
+    if window >= t:
+        assert np.array_equal(got, native.attend_gqa(q, keys, values, 0.25, start))
+    else:
+        assert not np.allclose(got, native.attend_gqa(q, keys, values, 0.25, start))
+    for isa in native.available_isas():
+        with native.use_isa(isa):
+            again = native.attend_gqa(q, keys, values, 0.25, start, window)
+        assert np.array_equal(again.view(np.uint32), got.view(np.uint32)), isa
+
+
+@pytest.mark.parametrize("window", [0, -2, 2.5, True])
+def test_a_window_must_be_a_positive_count(window) -> None:
+    q, keys, values = _inputs(1, 2, 1, 8, 4)
+    with pytest.raises(ValueError, match="window"):
+        native.attend_gqa(q, keys, values, 1.0, 3, window)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """The one-call GQA attention block equals the same ops called one by one
 (`gqa_attention_each` over CpuOps), bit for bit: output and the cache rows it writes,
-with and without biases and qk-norm, partial RoPE, one row and several, an empty and a
-filled cache; bad shapes are refused before C runs."""
+with and without biases and qk-norm (per head, or over the whole projection as OLMoE),
+partial RoPE, a sliding window, one row and several, an empty and a filled cache; bad
+shapes are refused before C runs."""
 
 from __future__ import annotations
 
@@ -84,6 +85,61 @@ def test_block_equals_the_ops_one_by_one(
     assert np.array_equal(values.view(np.uint32), v_ref.view(np.uint32))
     assert not np.array_equal(keys[start : start + rows], history[start : start + rows])
     assert np.array_equal(keys[:start], history[:start])  # earlier rows untouched
+
+
+@pytest.mark.parametrize("family", [KernelFamily.F32, KernelFamily.I8])
+@pytest.mark.parametrize(
+    "rows,start,whole,window",
+    [
+        (1, 17, True, None),
+        (5, 3, True, 4),
+        (7, 30, False, 6),
+        (1, 30, False, 1),
+        (3, 0, True, 40),
+    ],
+)
+def test_whole_projection_norms_and_a_window_equal_the_ops_one_by_one(
+    kit, family, rows, start, whole, window
+) -> None:
+    weights, biases, _, rope, x, keys, values = _case(
+        kit, WeightFormat.Q8, rows, start, True, False, 8
+    )
+    rng = np.random.default_rng(7)
+    spans = (H * D_HEAD, G * D_HEAD) if whole else (D_HEAD, D_HEAD)
+    norms = tuple(rng.uniform(0.5, 1.5, n).astype(np.float32) for n in spans)
+
+    def block() -> GQAWeights:
+        return GQAWeights(*weights, biases, norms, 1e-5, qk_norm_whole=whole, window=window)
+
+    k_ref, v_ref = keys.copy(), values.copy()
+    want = gqa_attention_each(CpuOps(), block(), rope, x, (k_ref, v_ref), start, 0.2, family)
+    got = native.gqa_attention(block(), rope, x, (keys, values), start, 0.2, family)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(keys.view(np.uint32), k_ref.view(np.uint32))
+    plain = GQAWeights(*weights, biases, norms, 1e-5, qk_norm_whole=whole)
+    unlimited = native.gqa_attention(
+        plain, rope, x, (keys.copy(), values.copy()), start, 0.2, family
+    )
+    assert np.array_equal(got, unlimited) == (window is None or window >= start + rows)
+
+
+def test_norm_weights_must_span_what_they_normalise(kit) -> None:
+    weights, _, _, rope, x, keys, values = _case(kit, WeightFormat.Q8, 1, 0, False, False, 8)
+    per_head = tuple(np.ones(D_HEAD, dtype=np.float32) for _ in range(2))
+    with pytest.raises(ValueError, match="qk_norm"):
+        native.gqa_attention(
+            GQAWeights(*weights, None, per_head, 1e-6, qk_norm_whole=True),
+            rope,
+            x,
+            (keys, values),
+            0,
+            0.1,
+            KernelFamily.F32,
+        )
+    with pytest.raises(ValueError, match="window"):
+        native.gqa_attention(
+            GQAWeights(*weights, window=0), rope, x, (keys, values), 0, 0.1, KernelFamily.F32
+        )
 
 
 def test_rows_outside_the_cache_and_bad_shapes_are_refused(kit) -> None:

@@ -74,6 +74,9 @@ def draw_case(arch: str, index: int) -> SweepCase:
     seeded from a string, which does not depend on PYTHONHASHSEED)."""
     rng = random.Random(f"colibri-sweep/{arch}/{index}")
     prompt_len = rng.randint(3, 24)
+    if arch in tiny_models.SOFTMAX_ARCHS:
+        overrides = _draw_softmax_family(rng, arch, prompt_len + GEN_LEN)
+        return SweepCase(arch, rng.randint(1, 10_000), prompt_len, overrides)
     overrides = _draw_trunk(rng)
     drop: tuple[str, ...] = ()
     if arch == "glm_moe_dsa":
@@ -93,7 +96,8 @@ def draw_case(arch: str, index: int) -> SweepCase:
 
 
 def _draw_trunk(rng: random.Random) -> dict[str, Any]:
-    """Sizes, dense/MoE layer split and group-limited routing, shared by the three families."""
+    """Sizes, dense/MoE layer split and group-limited routing, shared by the three
+    sigmoid-routed families."""
     layers = rng.randint(1, 4)
     n_group = rng.choice([1, 1, 2, 4])
     per_group = rng.randint(2, 6)
@@ -194,6 +198,85 @@ def _draw_gqa(rng: random.Random, rope: dict[str, Any]) -> dict[str, Any]:
         attention_bias=rng.random() < 0.5,
         rope_parameters=rope,
     )
+
+
+def _draw_softmax_family(rng: random.Random, arch: str, context: int) -> dict[str, Any]:
+    """A Qwen3-MoE, Mixtral or OLMoE config: sizes, experts and top-k (softmax routing,
+    no groups or shared experts), GQA heads and the family's own options: Qwen3-MoE's dense
+    layers, per-head qk-norm width, bias and windowing; Mixtral's sliding window (none, or
+    from one key to past the context) and implicit head_dim; OLMoE's whole-projection
+    qk-norm (head_dim = hidden / heads), bias and norm_topk_prob."""
+    layers = rng.randint(1, 4)
+    hidden = rng.choice([32, 48, 64, 96, 128])
+    experts = rng.randint(2, 16)
+    theta = rng.choice([10_000.0, 50_000.0, 1_000_000.0])
+    implicit = {"qwen3_moe": 0.0, "mixtral": 0.6, "olmoe": 1.0}[arch]
+    heads, kv_heads, head_dim = _draw_heads(rng, hidden, implicit)
+    out: dict[str, Any] = dict(
+        vocab_size=rng.choice([96, 160, 256]),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_experts_per_tok=rng.randint(1, min(8, experts)),
+        rms_norm_eps=rng.choice([1e-5, 1e-6]),
+        tie_word_embeddings=rng.random() < 0.2,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_parameters=_draw_rope(rng, theta),
+    )
+    width = rng.choice([16, 32, 48, 64, 96, 160])
+    # from 2 keys: at 1, transformers' cached generate contradicts its own full forward
+    # (its sliding cache keeps every key), see NUMERICS.md
+    window = rng.randint(2, context + 4)
+    if arch == "qwen3_moe":
+        step = rng.randint(1, min(3, layers))
+        keep = rng.choice([i for i in range(layers) if (i + 1) % step == 0])  # one MoE layer
+        out.update(
+            head_dim=head_dim,
+            num_experts=experts,
+            moe_intermediate_size=width,
+            intermediate_size=rng.choice([32, 64, 96, 160]),
+            decoder_sparse_step=step,
+            mlp_only_layers=[i for i in range(layers) if i != keep and rng.random() < 0.3],
+            norm_topk_prob=rng.random() < 0.7,
+            attention_bias=rng.random() < 0.3,
+            use_sliding_window=rng.random() < 0.3,
+            sliding_window=window,
+        )
+    elif arch == "mixtral":
+        if head_dim is None and out["rope_parameters"]["rope_type"] == "yarn":
+            # transformers' YaRN reads a null head_dim as is and fails: spell it out
+            head_dim = hidden // heads
+        out.update(
+            head_dim=head_dim,  # None: hidden / heads
+            num_local_experts=experts,
+            intermediate_size=width,
+            sliding_window=window if rng.random() < 0.6 else None,
+        )
+    elif arch == "olmoe":
+        out.update(
+            num_experts=experts,
+            intermediate_size=width,
+            norm_topk_prob=rng.random() < 0.3,
+            attention_bias=rng.random() < 0.3,
+        )
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    return out
+
+
+def _draw_heads(rng: random.Random, hidden: int, implicit: float) -> tuple[int, int, int | None]:
+    """(heads, KV heads dividing them, head_dim). With probability ``implicit`` head_dim is
+    None, meaning hidden / heads, and the heads are drawn so that it is exact and even (for
+    RoPE); otherwise it is drawn on its own."""
+    if rng.random() < implicit:
+        heads = rng.choice([h for h in range(1, 9) if hidden % h == 0 and hidden // h % 2 == 0])
+        head_dim = None
+    else:
+        heads = rng.randint(1, 8)
+        head_dim = rng.choice([8, 16, 24, 32, 48, 64])
+    kv_heads = rng.choice([d for d in range(1, heads + 1) if heads % d == 0])
+    return heads, kv_heads, head_dim
 
 
 # ----------------------------------------------------------------------------- checking

@@ -1,10 +1,12 @@
 """The engine reproduces transformers token for token on tiny random checkpoints.
 
-Per architecture: 32/32 teacher-forced argmax (one batched prefill) and 20/20 greedy
-tokens (prefill + decode with the KV cache), at f32, from bf16 and FP8 checkpoints
-(against the reference on the rounded / dequantised weights), and with routed experts
-quantised in-process to int8 and int4-g64 colibri container tensors (against the
-reference on the dequantised expert weights).
+Per architecture (the three sigmoid-routed DeepSeek-style families and the three
+softmax-routed ones: Qwen3-MoE, Mixtral with a sliding window, OLMoE): 32/32
+teacher-forced argmax (one batched prefill) and 20/20 greedy tokens (prefill + decode
+with the KV cache), at f32, from bf16 and FP8 checkpoints (against the reference on the
+rounded / dequantised weights), and with routed experts quantised in-process to int8 and
+int4-g64 colibri container tensors (against the reference on the dequantised expert
+weights).
 """
 
 from __future__ import annotations
@@ -77,6 +79,19 @@ def test_glm5_indexer_really_selects(oracle_checkpoint) -> None:
     try:
         assert engine.args.indexer.topk < len(ref.tf_ids)
         assert "shared" in engine.args.indexer_types
+    finally:
+        engine.close()
+
+
+def test_mixtral_window_really_cuts(oracle_checkpoint) -> None:
+    """The Mixtral fixture's sliding window is shorter than the prompt, so the engine's
+    windowed attention is exercised by prefill and decode alike."""
+    ref = oracle_checkpoint("mixtral")
+    engine = Engine.load(ref.out_dir)
+    try:
+        window = engine.args.attention.window
+        assert window is not None and window < len(ref.prompt_ids) < len(ref.tf_ids)
+        assert all(layer.attention.block.window == window for layer in engine.model.layers)
     finally:
         engine.close()
 

@@ -73,10 +73,10 @@ def test_routing_is_nontrivial(oracle_checkpoint, arch):
     ref = oracle_checkpoint(arch)
     cfg = tm.tiny_config(arch)
     d = ref.diagnostics
-    assert d["moe_layers"] == list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
+    assert d["moe_layers"] == tm.moe_layer_indices(cfg)
     for layer in d["moe_layers"]:
         assert d["distinct_expert_sets_tf"][str(layer)] >= 10
-        assert d["experts_used_tf"][str(layer)] >= cfg.n_routed_experts // 2
+        assert d["experts_used_tf"][str(layer)] >= tm.n_experts(cfg) // 2
     if arch in ("glm_moe_dsa", "deepseek_v3"):
         assert 1 < cfg.topk_group < cfg.n_group
 
@@ -120,10 +120,14 @@ def test_fp8_files_hold_fp8_blocks(oracle_checkpoint):
         ref = oracle_checkpoint(arch, "fp8")
         cfg = json.loads((ref.out_dir / "config.json").read_text())
         assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
-        table = {name: (dt, shape) for name, dt, shape, _ in tm.tensor_table(ref.out_dir)}
+        rows = tm.tensor_table(ref.out_dir)
+        table = {name: (dt, shape) for name, dt, shape, _ in rows}
+        files = {name: f for name, _, _, f in rows}
         fp8 = [n for n, (dt, _) in table.items() if dt == "F8_E4M3"]
-        assert any(".mlp.experts.3.down_proj.weight" in n for n in fp8)
-        assert any(".mlp.shared_experts.gate_proj.weight" in n for n in fp8)
+        layer = tm.moe_layer_indices(tm.tiny_config(arch))[0]
+        assert tm.expert_names(arch, layer, 3)[2] in fp8
+        if arch in tm.SIGMOID_ARCHS:
+            assert any(".mlp.shared_experts.gate_proj.weight" in n for n in fp8)
         assert any(".self_attn.o_proj.weight" in n for n in fp8)
         for n in fp8:
             o, i = table[n][1]
@@ -136,6 +140,7 @@ def test_fp8_files_hold_fp8_blocks(oracle_checkpoint):
                     "embed_tokens.weight",
                     "lm_head.weight",
                     "mlp.gate.weight",
+                    "block_sparse_moe.gate.weight",
                     "norm.weight",
                     ".bias",
                     "e_score_correction_bias",
@@ -143,14 +148,13 @@ def test_fp8_files_hold_fp8_blocks(oracle_checkpoint):
             ):
                 assert dt == "F32", (arch, n, dt)
         # scales are small and non-trivial
-        with safe_open(str(ref.out_dir / tm.MAIN_SHARD), framework="pt") as fh:
-            s = fh.get_tensor(fp8[0] + "_scale_inv") if fp8[0] in fh.keys() else None
-        if s is not None:
-            assert 0 < float(s.min()) and float(s.max()) < 0.1
+        with safe_open(str(ref.out_dir / files[fp8[0]]), framework="pt") as fh:
+            s = fh.get_tensor(fp8[0] + "_scale_inv")
+        assert 0 < float(s.min()) and float(s.max()) < 0.1
 
 
 def test_saved_layout_per_expert(oracle_checkpoint):
-    for arch in tm.ARCHS:
+    for arch in tm.SIGMOID_ARCHS:
         ref = oracle_checkpoint(arch)
         cfg = tm.tiny_config(arch)
         table = {name: shape for name, _, shape, _ in tm.tensor_table(ref.out_dir)}
@@ -169,7 +173,53 @@ def test_saved_layout_per_expert(oracle_checkpoint):
         assert table["model.layers.0.mlp.gate_proj.weight"] == (cfg.intermediate_size, h)
 
 
-@pytest.mark.parametrize("arch", tm.ARCHS)
+@pytest.mark.parametrize("arch", tm.SOFTMAX_ARCHS)
+def test_saved_layout_softmax_archs(oracle_checkpoint, arch):
+    """Per-expert names as the real checkpoints have them (Mixtral's block_sparse_moe
+    w1/w3/w2), one file, no shared expert, no correction bias, no MTP layer."""
+    ref = oracle_checkpoint(arch)
+    cfg = tm.tiny_config(arch)
+    rows = tm.tensor_table(ref.out_dir)
+    table = {name: shape for name, _, shape, _ in rows}
+    assert {f for _, _, _, f in rows} == {"model.safetensors"}
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in table)
+    assert not any("shared_expert" in n or "correction_bias" in n for n in table)
+    assert not any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in table)
+    h, i, n = cfg.hidden_size, tm.expert_width(cfg), tm.n_experts(cfg)
+    moe = tm.moe_layer_indices(cfg)
+    for layer in moe:
+        for e in range(n):
+            gate, up, down = tm.expert_names(arch, layer, e)
+            assert table[gate] == table[up] == (i, h) and table[down] == (h, i)
+        assert table[tm.router_name(arch, layer)] == (n, h)
+    experts = [name for name in table if tm.is_routed_expert(name)]
+    assert len(experts) == 3 * n * len(moe)
+    for layer in set(range(cfg.num_hidden_layers)) - set(moe):  # Qwen3-MoE's dense layers
+        assert table[f"model.layers.{layer}.mlp.gate_proj.weight"] == (cfg.intermediate_size, h)
+    if arch == "olmoe":  # qk-norm over the whole projections
+        d = h // cfg.num_attention_heads
+        assert table["model.layers.0.self_attn.q_norm.weight"] == (h,)
+        assert table["model.layers.0.self_attn.k_norm.weight"] == (cfg.num_key_value_heads * d,)
+    if arch == "qwen3_moe":  # qk-norm per head
+        assert table["model.layers.0.self_attn.q_norm.weight"] == (cfg.head_dim,)
+
+
+def test_mixtral_window_drops_keys(oracle_checkpoint):
+    """The Mixtral fixture's sliding window is shorter than the prompt: the first `window`
+    positions are unaffected, later ones lose keys (and predictions change)."""
+    ref = oracle_checkpoint("mixtral")
+    cfg = tm.tiny_config("mixtral")
+    window = cfg.sliding_window
+    assert window < tm.PROMPT_LEN < tm.TF_LEN
+    windowed = _tf_logits(tm.load_reference_model(ref.out_dir), ref.tf_ids)
+    full_cfg = tm.tiny_config("mixtral", sliding_window=None)
+    full = _tf_logits(tm.load_reference_model(ref.out_dir, config=full_cfg), ref.tf_ids)
+    torch.testing.assert_close(windowed[:window], full[:window], atol=1e-5, rtol=0)
+    assert (windowed[window:] - full[window:]).abs().max() > 1e-2
+    assert windowed.argmax(-1).tolist() != full.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", tm.MTP_ARCHS)
 def test_mtp_shard(oracle_checkpoint, arch):
     ref = oracle_checkpoint(arch)
     n = ref.num_hidden_layers

@@ -1,12 +1,15 @@
 """Config sweep oracle (issue 13): every architecture token-exact on drawn configs, not only on
 the one tiny config of ``test_oracle.py``.
 
-* ``test_sweep``: a fixed, seeded set of ``CI_CASES`` configs per architecture (``sweep.py``
-  draws them across the valid space); teacher-forced argmax over prompt + continuation, greedy
+* ``test_sweep``: a fixed, seeded set of configs per architecture (``CI_CASES``, half as many
+  for the softmax-routed Qwen3-MoE, Mixtral and OLMoE; ``sweep.py`` draws them across the
+  valid space); teacher-forced argmax over prompt + continuation, greedy
   20/20, and decode == prefill, at f32.
 * more drawn configs on demand: ``COLIBRI_SWEEP_COUNT=200 pytest -m sweep tests/oracle``
   (``COLIBRI_SWEEP_START`` moves the window; indices below 1000 are the CI set's).
 * ``REGRESSIONS``: configs that failed once, pasted as printed by a failing case.
+* Mixtral at sliding_window 1, where transformers' cached generate contradicts its own full
+  forward: the engine follows the full forward.
 * GLM-5 DSA: the issue's config, edge configs of the indexer, the tie rule of the reference, a
   context growing hundreds of tokens past ``index_topk`` during decode, and the indexer key cache
   through a forked prompt cache and a saved and restored session (``kv/``).
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 import sweep
 import tiny_models
+import torch
 
 from colibrid.backends.base import KernelFamily
 from colibrid.engine import kv_files
@@ -32,6 +36,13 @@ from colibrid.formats.quant import container_tensors, dequantize, quantize
 from colibrid.formats.weights import WeightFormat
 
 CI_CASES = 24
+# The softmax-routed families have fewer moving parts (no groups, shared experts, MTP or
+# DSA) and run half as many; COLIBRI_SWEEP_COUNT draws more of every architecture.
+CI_CASES_OF = {
+    arch: CI_CASES // 2 if arch in tiny_models.SOFTMAX_ARCHS else CI_CASES
+    for arch in tiny_models.ARCHS
+}
+CI_PAIRS = [(arch, index) for arch in tiny_models.ARCHS for index in range(CI_CASES_OF[arch])]
 EXTRA_CASES = int(os.environ.get("COLIBRI_SWEEP_COUNT", "0") or 0)
 EXTRA_START = int(os.environ.get("COLIBRI_SWEEP_START", "1000") or 1000)
 
@@ -45,8 +56,7 @@ def _assert_exact(outcome: sweep.CaseOutcome) -> None:
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("index", range(CI_CASES))
-@pytest.mark.parametrize("arch", tiny_models.ARCHS)
+@pytest.mark.parametrize(("arch", "index"), CI_PAIRS, ids=[f"{a}-{i}" for a, i in CI_PAIRS])
 def test_sweep(arch: str, index: int, tmp_path: Path) -> None:
     _assert_exact(sweep.check_case(sweep.draw_case(arch, index), tmp_path))
 
@@ -80,6 +90,47 @@ REGRESSIONS = [
 @pytest.mark.parametrize("text", REGRESSIONS, ids=lambda t: sweep.SweepCase.from_json(t).arch)
 def test_regression(text: str, tmp_path: Path) -> None:
     _assert_exact(sweep.check_case(sweep.SweepCase.from_json(text), tmp_path))
+
+
+# ----------------------------------------------------------------------------- Mixtral window
+
+# sliding_window 1: every row sees only its own key. transformers' sliding cache keeps the last
+# `window - 1` keys with a [-0:] slice, i.e. all of them, so its cached generate drifts from its
+# own full forward after two tokens; the engine applies the mask of the full forward.
+WINDOW_ONE = sweep.SweepCase(
+    arch="mixtral",
+    seed=7476,
+    prompt_len=13,
+    overrides=dict(
+        head_dim=None,
+        hidden_size=128,
+        intermediate_size=16,
+        num_attention_heads=4,
+        num_experts_per_tok=1,
+        num_hidden_layers=1,
+        num_key_value_heads=2,
+        num_local_experts=5,
+        rms_norm_eps=1e-06,
+        rope_parameters={"rope_theta": 50000.0, "rope_type": "default"},
+        sliding_window=1,
+        vocab_size=96,
+    ),
+)
+
+
+def test_mixtral_window_of_one_follows_the_full_forward(tmp_path: Path) -> None:
+    """Where transformers' cached generate contradicts its full forward (window 1), the
+    engine equals the full forward and an uncached greedy, and decodes as it prefills."""
+    outcome = sweep.check_case(WINDOW_ONE, tmp_path)
+    assert [p.split(":")[0] for p in outcome.problems] == ["reference itself", "greedy 2/20"]
+    assert outcome.tf == outcome.ref.tf_pred
+    model = tiny_models.load_reference_model(outcome.ref.out_dir)
+    ids = list(outcome.ref.prompt_ids)
+    with torch.no_grad():
+        for _ in outcome.greedy:
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    assert outcome.greedy == ids[len(outcome.ref.prompt_ids) :]
 
 
 # ----------------------------------------------------------------------------- GLM-5 DSA
@@ -218,13 +269,12 @@ def _index_keys(engine: Engine) -> list[tuple[int, str]]:
 # ----------------------------------------------------------------------------- quantised
 
 QUANT_FORMATS = {"int8": (WeightFormat.Q8, 0), "int4-g64": (WeightFormat.Q4, 64)}
-QUANT_CASES = range(0, CI_CASES, 2)
+QUANT_PAIRS = [(arch, index) for arch, index in CI_PAIRS if index % 2 == 0]
 
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("fmt", sorted(QUANT_FORMATS))
-@pytest.mark.parametrize("index", QUANT_CASES)
-@pytest.mark.parametrize("arch", tiny_models.ARCHS)
+@pytest.mark.parametrize(("arch", "index"), QUANT_PAIRS, ids=[f"{a}-{i}" for a, i in QUANT_PAIRS])
 def test_sweep_quantised_experts(arch: str, index: int, fmt: str, tmp_path: Path) -> None:
     weight_format, group_size = QUANT_FORMATS[fmt]
 

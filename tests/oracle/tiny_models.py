@@ -53,6 +53,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -65,7 +66,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
-ARCHS = ("glm_moe_dsa", "glm4_moe", "deepseek_v3")
+# DeepSeek-style MoE (sigmoid router, groups, shared experts, an MTP layer) and softmax-routed
+# MoE without shared experts or MTP.
+SIGMOID_ARCHS = ("glm_moe_dsa", "glm4_moe", "deepseek_v3")
+SOFTMAX_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+ARCHS = SIGMOID_ARCHS + SOFTMAX_ARCHS
+MTP_ARCHS = SIGMOID_ARCHS
 DTYPES = ("f32", "bf16", "fp8")
 
 PROMPT_LEN = 12
@@ -81,7 +87,14 @@ INDEX_FILE = "model.safetensors.index.json"
 # the three dtypes (top1-top2 logit gaps, router k-th vs (k+1)-th, group selection, DSA top-k):
 # some seeds give EXACT ties in the DSA index scores (e.g. glm_moe_dsa seeds 6, 7, 8), where the
 # selection is implementation-defined.
-DEFAULT_SEEDS = {"glm_moe_dsa": 9, "glm4_moe": 3, "deepseek_v3": 12}
+DEFAULT_SEEDS = {
+    "glm_moe_dsa": 9,
+    "glm4_moe": 3,
+    "deepseek_v3": 12,
+    "qwen3_moe": 4,
+    "mixtral": 2,
+    "olmoe": 5,
+}
 
 # Exact ties in the DSA index scores are common on tiny models: a key every index head scores
 # below zero gets exactly 0 after the ReLU, so with few index heads several keys tie at 0. Which
@@ -99,27 +112,35 @@ _CLASSES = {
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
 }
 
-# Shared by the three architectures. eos_token_id is None so generation always yields 20 tokens.
-_COMMON = dict(
+# Shared by every architecture. eos_token_id is None so generation always yields 20 tokens.
+_TRUNK = dict(
     vocab_size=384,
     hidden_size=128,
     intermediate_size=192,  # dense MLP (layer 0); 192 = 1.5 fp8 blocks -> partial block
-    moe_intermediate_size=64,
     num_hidden_layers=3,  # layer 0 dense, layers 1..2 MoE
     num_attention_heads=4,
-    n_routed_experts=16,
-    num_experts_per_tok=4,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
     hidden_act="silu",
     max_position_embeddings=256,
     tie_word_embeddings=False,
     bos_token_id=0,
     eos_token_id=None,
     pad_token_id=None,
+)
+
+# Shared by the three sigmoid-routed architectures.
+_COMMON = dict(
+    _TRUNK,
+    moe_intermediate_size=64,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
     num_nextn_predict_layers=1,
 )
 
@@ -178,11 +199,56 @@ _ARCH_CONFIG = {
 }
 
 
+# The softmax-routed architectures: 8 experts, top-2, no shared expert, no MTP layer.
+_SOFTMAX_CONFIG = {
+    "qwen3_moe": dict(
+        _TRUNK,
+        num_hidden_layers=4,
+        mlp_only_layers=[2],  # layers 0, 1, 3 MoE; layer 2 a dense MLP of intermediate_size
+        decoder_sparse_step=1,
+        num_key_value_heads=2,
+        head_dim=48,  # explicit, != hidden/heads (Qwen3-30B-A3B: 2048/32 with head_dim 128)
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        attention_bias=False,
+    ),
+    "mixtral": dict(
+        _TRUNK,
+        intermediate_size=192,  # the experts' width (no dense MLP): 1.5 fp8 blocks
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        sliding_window=8,  # < 12-token prompt, < 32-token TF sequence: the window really cuts
+    ),
+    "olmoe": dict(
+        _TRUNK,
+        intermediate_size=160,  # the experts' width (no dense MLP): ragged int4-g64 groups
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False,
+        clip_qkv=None,
+    ),
+}
+
+
 def tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
     """The tiny config of ``arch``; keyword overrides replace single fields."""
     if arch not in _CLASSES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    kwargs = {**_COMMON, **_ARCH_CONFIG[arch], **overrides}
+    if arch in SOFTMAX_ARCHS:
+        kwargs = {**_SOFTMAX_CONFIG[arch], **overrides}
+    else:
+        kwargs = {**_COMMON, **_ARCH_CONFIG[arch], **overrides}
     if arch == "glm_moe_dsa" and kwargs.get("indexer_types") is not None:
         n = kwargs["num_hidden_layers"]
         kwargs["indexer_types"] = list(kwargs["indexer_types"])[:n] + ["full"] * max(
@@ -297,8 +363,55 @@ def _mtp_tensors(main: dict, config, gen: torch.Generator) -> dict:
 # ----------------------------------------------------------------------------- storage encodings
 
 
+_ROUTED_EXPERT = re.compile(
+    r"\.(mlp\.experts\.\d+\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$"
+)
+
+
 def is_routed_expert(name: str) -> bool:
-    return ".mlp.experts." in name and name.endswith("_proj.weight")
+    """A routed expert matrix: ``mlp.experts.E.{gate,up,down}_proj`` or Mixtral's
+    ``block_sparse_moe.experts.E.w{1,2,3}``."""
+    return _ROUTED_EXPERT.search(name) is not None
+
+
+def router_name(arch: str, layer: int) -> str:
+    """The stored router weight of a MoE layer."""
+    module = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{module}.gate.weight"
+
+
+def expert_names(arch: str, layer: int, expert: int) -> tuple[str, str, str]:
+    """The stored (gate, up, down) names of a routed expert."""
+    if arch == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+
+def n_experts(config) -> int:
+    """Routed experts per MoE layer of a transformers config of any architecture."""
+    if config.model_type in SOFTMAX_ARCHS:
+        return config.num_local_experts if config.model_type == "mixtral" else config.num_experts
+    return config.n_routed_experts
+
+
+def expert_width(config) -> int:
+    """A routed expert's FFN width (Mixtral and OLMoE call it intermediate_size)."""
+    if config.model_type in ("mixtral", "olmoe"):
+        return config.intermediate_size
+    return config.moe_intermediate_size
+
+
+def moe_layer_indices(config) -> list[int]:
+    """The MoE layers of a transformers config, as its decoder layers decide them."""
+    n = config.num_hidden_layers
+    if config.model_type == "qwen3_moe":
+        step = config.decoder_sparse_step
+        return [i for i in range(n) if i not in config.mlp_only_layers and (i + 1) % step == 0]
+    if config.model_type in SOFTMAX_ARCHS:
+        return list(range(n))
+    return list(range(config.first_k_dense_replace, n))
 
 
 def _fp8_eligible(name: str, t: torch.Tensor) -> bool:
@@ -308,6 +421,7 @@ def _fp8_eligible(name: str, t: torch.Tensor) -> bool:
         "embed_tokens.weight",
         "lm_head.weight",
         "mlp.gate.weight",
+        "block_sparse_moe.gate.weight",
         "weights_proj.weight",
         "eh_proj.weight",
         "shared_head.head.weight",
@@ -500,10 +614,11 @@ class _Probe:
         self.dsa_margin = math.inf
         self.dsa_rows_selecting = 0
         cfg = model.config
+        hook = self._softmax_router_hook if cfg.model_type in SOFTMAX_ARCHS else self._router_hook
         for i, layer in enumerate(model.model.layers):
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
-                self.handles.append(gate.register_forward_hook(self._router_hook(i, gate)))
+                self.handles.append(gate.register_forward_hook(hook(i, gate)))
             idx = getattr(layer.self_attn, "indexer", None)
             if idx is not None:
                 self.handles.append(
@@ -513,6 +628,23 @@ class _Probe:
     def close(self):
         for h in self.handles:
             h.remove()
+
+    def _softmax_router_hook(self, layer_idx, gate):
+        # margin between the k-th chosen and the best unchosen softmax probability
+        def hook(mod, args, out):
+            _, _, topk_idx = out
+            x = args[0].reshape(-1, mod.hidden_dim).float()
+            probs = torch.softmax(x @ mod.weight.float().T, dim=-1)
+            sel = torch.zeros_like(probs, dtype=torch.bool).scatter(1, topk_idx, True)
+            kth = probs.masked_fill(~sel, math.inf).min(-1).values
+            nxt = probs.masked_fill(sel, -math.inf).max(-1).values
+            if probs.shape[-1] > topk_idx.shape[-1]:
+                self.router_margin = min(self.router_margin, float((kth - nxt).min()))
+            self.routing.setdefault(layer_idx, []).extend(
+                tuple(sorted(r)) for r in topk_idx.tolist()
+            )
+
+        return hook
 
     def _router_hook(self, layer_idx, gate):
         def hook(mod, args, out):
@@ -661,7 +793,8 @@ def build_checkpoint(
 ) -> OracleReference:
     """Build the tiny ``arch`` checkpoint into ``out_dir`` and compute its float32 reference.
 
-    ``seed=None`` uses ``DEFAULT_SEEDS[arch]``. ``config_overrides`` go to ``tiny_config``.
+    ``seed=None`` uses ``DEFAULT_SEEDS[arch]``. ``with_mtp`` only adds an MTP layer to the
+    architectures that have one (``MTP_ARCHS``). ``config_overrides`` go to ``tiny_config``.
     ``tf_len=None`` teacher-forces the prompt plus the greedy continuation (the config sweep)
     instead of a separate random sequence. ``pin_ties`` pins the DSA top-k tie rule (see the
     note at DEFAULT_SEEDS); ``False`` is transformers exactly as shipped.
@@ -672,8 +805,10 @@ def build_checkpoint(
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    with_mtp = with_mtp and arch in MTP_ARCHS
     overrides = dict(config_overrides or {})
-    overrides.setdefault("num_nextn_predict_layers", 1 if with_mtp else 0)
+    if arch in MTP_ARCHS:
+        overrides.setdefault("num_nextn_predict_layers", 1 if with_mtp else 0)
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
     cls = getattr(transformers, _CLASSES[arch][1])

@@ -137,3 +137,19 @@ def test_layout_validation():
     lay = ExpertLayout(moe_layers=(3,), n_experts=2, hidden=5, ffn=7)
     assert lay.shape("gate_proj") == (7, 5) and lay.shape("down_proj") == (5, 7)
     assert lay.tensor_name(3, 1, "up_proj") == "model.layers.3.mlp.experts.1.up_proj.weight"
+
+
+def test_layout_names_projections_as_the_checkpoint_does():
+    """Mixtral stores gate, up and down as w1, w3 and w2 under block_sparse_moe."""
+    lay = ExpertLayout(
+        moe_layers=(0,),
+        n_experts=2,
+        hidden=5,
+        ffn=7,
+        name_template="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}.weight",
+        proj_names=("w1", "w3", "w2"),
+    )
+    assert lay.tensor_name(0, 1, "up_proj") == "model.layers.0.block_sparse_moe.experts.1.w3.weight"
+    assert lay.tensor_name(0, 0, "down_proj").endswith("experts.0.w2.weight")
+    with pytest.raises(ValueError, match="proj_names"):
+        ExpertLayout(moe_layers=(0,), n_experts=2, hidden=5, ffn=7, proj_names=("a", "a", "b"))

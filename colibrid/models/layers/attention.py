@@ -8,9 +8,15 @@ from __future__ import annotations
 import numpy as np
 
 
-def causal_mask(start: int, rows: int, keys: int) -> np.ndarray:
-    """bool [S, T]: row i may see key t iff t <= start + i."""
-    return np.arange(keys)[None, :] <= (start + np.arange(rows))[:, None]
+def causal_mask(start: int, rows: int, keys: int, window: int | None = None) -> np.ndarray:
+    """bool [S, T]: row i may see key t iff t <= start + i (and, with a sliding window,
+    t > start + i - window)."""
+    t = np.arange(keys)[None, :]
+    position = (start + np.arange(rows))[:, None]
+    allowed = t <= position
+    if window is not None:
+        allowed &= t > position - window
+    return allowed
 
 
 # What a key outside the mask scores: exp(EXCLUDED - max) underflows to exactly 0, as

@@ -1,5 +1,6 @@
-"""Grouped-query attention (GLM-4.x): q/k/v projections with optional bias, optional per-head
-qk RMSNorm, partial rotate_half RoPE, KV cached per KV head.
+"""Grouped-query attention (GLM-4.x, Qwen3-MoE, Mixtral, OLMoE): q/k/v projections with
+optional bias, optional qk RMSNorm (per head, or over the whole projection as OLMoE has
+it), partial rotate_half RoPE, an optional sliding window, KV cached per KV head.
 
 Shape legend: S new rows, T cached keys, H query heads, G KV heads, d head dim.
 """
@@ -16,6 +17,12 @@ from colibrid.models.base import Linear, Ops, Step, WeightSource
 
 @dataclass(frozen=True)
 class GQAShape:
+    """A GQA block's shape and options. ``bias``: q/k/v biases; ``o_bias``: an o_proj bias
+    too (Qwen3-MoE and OLMoE put one on every projection, GLM-4.x never on o_proj);
+    ``qk_norm_whole``: the qk norms span the whole projection (OLMoE) rather than a head;
+    ``window``: a sliding window of keys (Mixtral; Qwen3-MoE with `use_sliding_window`),
+    None for every causal key."""
+
     hidden: int
     heads: int
     kv_heads: int
@@ -23,6 +30,9 @@ class GQAShape:
     bias: bool
     qk_norm: bool
     eps: float
+    o_bias: bool = False
+    qk_norm_whole: bool = False
+    window: int | None = None
 
 
 class GQAAttention:
@@ -39,11 +49,15 @@ class GQAAttention:
         self.v_proj = Linear.load(
             src, ops, f"{prefix}.v_proj", s.kv_heads * s.head_dim, s.hidden, bias=s.bias
         )
-        self.o_proj = Linear.load(src, ops, f"{prefix}.o_proj", s.hidden, s.heads * s.head_dim)
+        self.o_proj = Linear.load(
+            src, ops, f"{prefix}.o_proj", s.hidden, s.heads * s.head_dim, bias=s.o_bias
+        )
         self.q_norm = self.k_norm = None
         if s.qk_norm:
-            self.q_norm = src.vector(f"{prefix}.q_norm.weight", (s.head_dim,))
-            self.k_norm = src.vector(f"{prefix}.k_norm.weight", (s.head_dim,))
+            q_span = s.heads * s.head_dim if s.qk_norm_whole else s.head_dim
+            k_span = s.kv_heads * s.head_dim if s.qk_norm_whole else s.head_dim
+            self.q_norm = src.vector(f"{prefix}.q_norm.weight", (q_span,))
+            self.k_norm = src.vector(f"{prefix}.k_norm.weight", (k_span,))
         self.scale = np.float32(s.head_dim**-0.5)
         projections = (self.q_proj, self.k_proj, self.v_proj)
         self.block = GQAWeights(
@@ -54,6 +68,8 @@ class GQAAttention:
             biases=tuple(p.bias for p in projections) if s.bias else None,
             qk_norm=(self.q_norm, self.k_norm) if self.q_norm is not None else None,
             eps=s.eps,
+            qk_norm_whole=s.qk_norm_whole,
+            window=s.window,
         )
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
@@ -82,6 +98,8 @@ class GQAAttention:
             float(self.scale),
             step.family,
         )
+        if self.o_proj.bias is not None:  # outside the block: added to its output as is
+            out += self.o_proj.bias
         return out, None
 
 
@@ -102,10 +120,13 @@ def gqa_attention_each(
     if block.biases is not None:
         for y, b in zip((q, k, v), block.biases, strict=True):
             y += b
+    if block.qk_norm is not None and block.qk_norm_whole:  # each row's whole projection
+        q = ops.rms_norm(q, block.qk_norm[0], block.eps)
+        k = ops.rms_norm(k, block.qk_norm[1], block.eps)
     q = q.reshape(rows, -1, head_dim)
     k = k.reshape(rows, kv_heads, head_dim)
     v = v.reshape(rows, kv_heads, head_dim)
-    if block.qk_norm is not None:
+    if block.qk_norm is not None and not block.qk_norm_whole:  # each head
         q = ops.rms_norm(q, block.qk_norm[0], block.eps)
         k = ops.rms_norm(k, block.qk_norm[1], block.eps)
     cos, sin = rope
@@ -113,5 +134,5 @@ def gqa_attention_each(
     keys[start : start + rows] = ops.rope_half(k, cos, sin)
     values[start : start + rows] = v
     end = start + rows
-    out = ops.attend_gqa(q, keys[:end], values[:end], scale, start)  # [S, H * d]
+    out = ops.attend_gqa(q, keys[:end], values[:end], scale, start, block.window)  # [S, H * d]
     return ops.matmul(block.o, out, family)

@@ -1,11 +1,14 @@
-"""The MoE router shared by GLM-4.x, GLM-5.x and DeepSeek-V3 (docs/architecture.md, step 1).
+"""The MoE router shared by every family (docs/architecture.md, step 1).
 
-Sigmoid scores in float32; `scores + e_score_correction_bias` is used for selection only;
-group-limited top-k (a group's score is the sum of its two best experts; only the best
-`topk_group` groups compete); gates are the plain sigmoid of the chosen experts,
-normalised to sum 1 when `norm_topk_prob`, then multiplied by `routed_scaling_factor`.
-Ties go to the lowest expert index (a stable sort), so routing is deterministic. The
-backend computes it (`Ops.route`); `route_reference` is the rule in numpy.
+Scores in float32: a sigmoid per expert (GLM-4.x, GLM-5.x, DeepSeek-V3) or the softmax over
+all experts (Qwen3-MoE, Mixtral, OLMoE; taken before the top-k, as transformers does, so
+the gates are probabilities of the whole row); `scores + e_score_correction_bias` is used
+for selection only; group-limited top-k (a group's score is the sum of its two best
+experts; only the best `topk_group` groups compete); gates are the plain scores of the
+chosen experts, normalised to sum 1 when `norm_topk_prob`, then multiplied by
+`routed_scaling_factor`. Ties go to the lowest expert index (a stable sort), so routing is
+deterministic. The backend computes it (`Ops.route`); `route_reference` is the rule in
+numpy.
 
 Shape legend: S rows, D hidden, E experts, K experts per token, G groups.
 """
@@ -44,11 +47,14 @@ class Router:
         topk_group: int,
         norm_topk_prob: bool,
         scaling: float,
+        softmax: bool = False,
         ops: Ops,
     ) -> None:
         self.weight = weight  # f32 [E, D]
         self.bias = bias  # f32 [E] or None
-        self.rule = RouteRule(top_k, n_group, topk_group, norm_topk_prob, float(scaling))
+        self.rule = RouteRule(
+            top_k, n_group, topk_group, norm_topk_prob, float(scaling), softmax=softmax
+        )
         self.ops = ops
 
     @property
@@ -77,7 +83,11 @@ def route_reference(
     to float rounding): ids int64 [S, n] best first, gates float32 [S, top_k]."""
     n_group, topk_group = rule.n_group, rule.topk_group
     logits = h.astype(np.float32, copy=False) @ weight.T  # [S, E]
-    scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    if rule.softmax:
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True)).astype(np.float32)
+        scores = shifted / shifted.sum(axis=1, keepdims=True, dtype=np.float32)
+    else:
+        scores = (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
     choice = scores + bias if bias is not None else scores.copy()
     if n_group > 1 and topk_group < n_group:
         rows = choice.shape[0]
