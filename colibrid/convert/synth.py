@@ -143,6 +143,28 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=320,
     ),
 }
+# Qwen3-235B-A22B's per-layer shapes: GQA 64/4 heads of 128 with qk-norm, 128 experts of
+# FFN 1536 (~10.6 MB each at int4-g64), top-8, softmax routing, no shared expert, every
+# layer MoE (the real model has 94)
+SHAPES["qwen3-235b"] = dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=4096,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rms_norm_eps=1e-6,
+    max_position_embeddings=16384,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    attention_bias=False,
+    vocab_size=8192,
+)
 # GLM-4.5-Air's structure at toy sizes: for tests
 SHAPES["glm4-tiny"] = dict(
     SHAPES["glm4-air"],
@@ -167,11 +189,16 @@ def synth_config(shape: str, layers: int, experts: int, mtp: bool = False) -> di
     if mtp and SHAPES[shape]["model_type"] != "glm_moe_dsa":
         raise ConvertError(f"--mtp: only GLM-5-shaped models carry an MTP layer, not {shape!r}")
     cfg = dict(SHAPES[shape])
+    if cfg["model_type"] == "qwen3_moe":  # experts counted as `num_experts`; no dense first
+        cfg.update(num_experts=experts)
+    else:
+        cfg.update(
+            n_routed_experts=experts,
+            first_k_dense_replace=min(1, layers - 1),
+            num_nextn_predict_layers=1 if mtp else 0,
+        )
     cfg.update(
         num_hidden_layers=layers,
-        n_routed_experts=experts,
-        first_k_dense_replace=min(1, layers - 1),
-        num_nextn_predict_layers=1 if mtp else 0,
         num_experts_per_tok=min(cfg["num_experts_per_tok"], experts),
         tie_word_embeddings=False,
         bos_token_id=None,

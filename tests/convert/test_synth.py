@@ -52,6 +52,20 @@ def test_glm4_air_shape_plans() -> None:
     assert total > expert * 4
 
 
+def test_qwen3_235b_shape_plans_its_real_expert() -> None:
+    total, expert = planned_bytes("qwen3-235b", 2, 8)
+    # gate/up [1536, 4096]: 1536*2048 B + 1536*64 scales; down [4096, 1536]: 4096*768 + 4096*24
+    assert expert == 2 * (1536 * 2048 + 1536 * 64 * 4) + 4096 * 768 + 4096 * 24 * 4
+    assert abs(expert - 10.62e6) < 0.01e6
+    cfg = synth_config("qwen3-235b", 2, 8)
+    assert (cfg["model_type"], cfg["num_experts"], cfg["num_key_value_heads"]) == (
+        "qwen3_moe",
+        8,
+        4,
+    )
+    assert total > expert * 16
+
+
 def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
