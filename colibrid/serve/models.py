@@ -73,11 +73,13 @@ def parse_keep_alive(value: object) -> float:
 
 def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
     """The engine and its text codec (None when the checkpoint has no tokenizer)."""
+    from colibrid.engine.backend import make_ops
     from colibrid.engine.engine import Engine
     from colibrid.engine.tokenizer import TextCodec
 
     engine = Engine.load(
         model_dir,
+        ops=make_ops(settings.backend),
         max_context=settings.max_context,
         store=store_options(settings),
         mtp=settings.speculate in ("mtp", "auto"),
