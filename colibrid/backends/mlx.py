@@ -90,6 +90,7 @@ class MlxOps:
     """Implements models.base.Ops on MLX; weights convert lazily at their first use."""
 
     name = "mlx"
+    families = frozenset({KernelFamily.F32})
 
     def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
         """Nothing to tune: MLX picks its own kernels."""

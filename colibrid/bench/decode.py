@@ -63,6 +63,7 @@ class CountingOps:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.name = inner.name
+        self.families = inner.families
         self.bytes = 0
         self.elements = 0
         self.by_shape: Counter[Shape] = Counter()  # bytes per kind of matrix

@@ -20,7 +20,7 @@ from colibrid.engine import batch
 from colibrid.engine.kv import KVCache, bytes_per_position
 from colibrid.engine.mtp_draft import MTPState
 from colibrid.engine.validate import validate
-from colibrid.errors import Cancelled, RequestError
+from colibrid.errors import BackendError, Cancelled, RequestError
 from colibrid.models import family as model_family
 from colibrid.models.base import PassClock, Segment, Step
 from colibrid.models.mtp import MTPLayer
@@ -89,6 +89,12 @@ class Engine:
             from colibrid.backends.cpu import CpuOps
 
             ops = CpuOps()
+        if family not in ops.families:
+            raise BackendError(
+                f"the {ops.name} backend computes the "
+                f"{', '.join(sorted(f.value for f in ops.families))} kernel family only, not "
+                f"{family.value}"
+            )
         started = time.perf_counter()
         checkpoint = Checkpoint.open(model_dir)
         try:

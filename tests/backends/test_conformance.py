@@ -252,10 +252,14 @@ def test_placement_never_changes_tokens(oracle_checkpoint, backend: str, arch: s
     assert tokens[0][1] == ref.greedy_ids
 
 
-def test_mlx_refuses_the_i8_family() -> None:
+def test_mlx_refuses_the_i8_family(oracle_checkpoint) -> None:
+    """I8 is the CPU kernels' bit-exact integer contract: MLX says so at load, and at an op."""
     ops = _mlx_ops()
+    assert ops.families == frozenset({F32})
     with pytest.raises(BackendError, match="f32 kernel family only"):
         ops.matmul(_weight("int8", 8, 64), _x(1, 64), KernelFamily.I8)
+    with pytest.raises(BackendError, match="mlx backend computes the f32 kernel family only"):
+        Engine.load(oracle_checkpoint("glm4_moe").out_dir, family=KernelFamily.I8, ops=ops)
 
 
 @pytest.mark.slow
