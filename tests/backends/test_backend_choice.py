@@ -4,6 +4,7 @@ traceback, from every command that loads a model."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +120,18 @@ def test_generate_on_mlx_matches_transformers(oracle_checkpoint) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert [int(t) for t in result.stdout.strip().split(",")][:20] == ref.greedy_ids
+
+
+@pytest.mark.skipif(not mlx_installed(), reason="mlx is not installed")
+def test_bench_kernels_on_mlx() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "bench", "kernels", "--backend", "mlx"]
+        + ["--seconds", "0.01", "--working-set", "4", "--format", "q4g64", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["isa"], r["family"], r["fmt"]) for r in rows] == [("mlx", "f32", "q4g64")] * 2
+    assert all(r["gbs"] > 0 for r in rows)
