@@ -211,7 +211,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     model = resolve_model(Paths.from_env(None), args.model)
     from colibrid.engine.backend import make_ops
 
-    ops = make_ops(args.backend or "auto")  # a backend this machine lacks: one line, exit 1
+    family = KernelFamily(args.kernel_family)
+    ops = make_ops(args.backend or "auto", family)  # one line, exit 1, when it cannot run
     codec, stops = _text_side(args, model, params)
     prompt, mode = _prompt_ids(args, text, codec)
 
@@ -220,7 +221,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     spec = SpecSettings(args.speculate or "auto", args.draft_max or DEFAULT_MAX_DEPTH)
     engine = Engine.load(
         model,
-        family=KernelFamily(args.kernel_family),
+        family=family,
         ops=ops,
         store=store_options(args),
         mtp=spec.mode in ("mtp", "auto"),

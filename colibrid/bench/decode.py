@@ -205,7 +205,7 @@ def measure(
     from colibrid.engine.kv import bytes_per_position
     from colibrid.store.options import StoreOptions
 
-    ops = CountingOps(make_ops(backend))
+    ops = CountingOps(make_ops(backend, family))
     engine = Engine.load(model_dir, family=family, ops=ops, store=StoreOptions(mode="resident"))
     try:
         needed = prompt_tokens + warmup + tokens + COUNTED_STEPS

@@ -13,6 +13,7 @@ import platform
 import sys
 from typing import TYPE_CHECKING
 
+from colibrid.backends.base import KernelFamily
 from colibrid.errors import BackendError, first_line
 
 if TYPE_CHECKING:  # backends may not import models; the engine joins the two
@@ -38,18 +39,21 @@ def mlx_installed() -> bool:
     return True
 
 
-def resolve(name: str) -> str:
-    """The concrete backend `name` means on this machine (auto picks one)."""
+def resolve(name: str, family: KernelFamily = KernelFamily.F32) -> str:
+    """The concrete backend `name` means on this machine for `family` (auto picks one:
+    MLX computes only f32, so auto keeps i8 on the CPU kernels)."""
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     if name != "auto":
         return name
-    return "mlx" if apple_silicon() and mlx_installed() else "cpu"
+    mlx = family is KernelFamily.F32 and apple_silicon() and mlx_installed()
+    return "mlx" if mlx else "cpu"
 
 
-def make_ops(name: str = "auto") -> Ops:
-    """The ops object of backend `name`; BackendError (one line) when it cannot run here."""
-    chosen = resolve(name)
+def make_ops(name: str = "auto", family: KernelFamily = KernelFamily.F32) -> Ops:
+    """The ops object of backend `name` (for kernel family `family`, which only steers
+    auto); BackendError (one line) when it cannot run here."""
+    chosen = resolve(name, family)
     if chosen == "mlx":
         if not mlx_installed():
             raise BackendError(

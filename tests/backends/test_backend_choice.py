@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tiny_models
 
+from colibrid.backends.base import KernelFamily
 from colibrid.backends.cpu import CpuOps
 from colibrid.config import load_settings
 from colibrid.engine import backend
@@ -35,6 +36,7 @@ def test_auto_is_mlx_on_apple_silicon_when_installed(monkeypatch) -> None:
     monkeypatch.setattr(backend, "apple_silicon", lambda: True)
     monkeypatch.setattr(backend, "mlx_installed", lambda: True)
     assert resolve("auto") == "mlx"
+    assert resolve("auto", KernelFamily.I8) == "cpu"  # MLX computes f32 only
     monkeypatch.setattr(backend, "mlx_installed", lambda: False)
     assert resolve("auto") == "cpu"
 
