@@ -65,6 +65,7 @@ class Engine:
         # sessions may hold between requests (engine.sessions.SessionPool).
         self.kv_budget_bytes = kv_budget_bytes
         self.mtp_on = False  # the MTP layer drafts (Engine.load(mtp=True) on a model with one)
+        self.backend = "cpu"  # the name of the backend whose ops compute (Engine.load sets it)
 
     @property
     def vocab_size(self) -> int:
@@ -131,6 +132,7 @@ class Engine:
         )
         engine = cls(checkpoint, model, args, experts, family, context, info, kv)
         engine.mtp_on = mtp_on and getattr(model, "mtp", None) is not None
+        engine.backend = ops.name
         return engine
 
     def new_session(self) -> Session:

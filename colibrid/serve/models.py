@@ -213,7 +213,13 @@ class ModelSlot:
         # forever), with a grace for the request that asked for it to arrive.
         keep = self.keep_alive_s
         self.unload_at = time.monotonic() + max(keep, LOAD_GRACE_S) if keep >= 0 else None
-        log.info("loaded %s from %s in %.1f s", path.name, path, time.perf_counter() - started)
+        log.info(
+            "loaded %s from %s on the %s backend in %.1f s",
+            path.name,
+            path,
+            self.current.engine.backend,
+            time.perf_counter() - started,
+        )
 
     def _load_here(self, path: Path) -> Loaded:
         engine, codec = load_model(path, self.settings)
