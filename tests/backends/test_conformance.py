@@ -262,12 +262,12 @@ def test_mlx_refuses_the_i8_family(oracle_checkpoint) -> None:
         Engine.load(oracle_checkpoint("glm4_moe").out_dir, family=KernelFamily.I8, ops=ops)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", tiny_models.ARCHS)
-def test_quantised_experts_match_dequantised_reference(
-    oracle_checkpoint, backend: str, arch: str
-) -> None:
-    """Routed experts as int4-g64 container tensors (MLX: its quantised matmul)."""
+@pytest.fixture(scope="module")
+def int4_checkpoint(oracle_checkpoint):  # noqa: ANN001, ANN201
+    """``int4_checkpoint(arch)``: the tiny checkpoint with its routed experts as int4-g64
+    container tensors and the reference on their dequantised values; built once per
+    architecture for every backend."""
+    built: dict[str, tiny_models.OracleReference] = {}
 
     def roundtrip(name: str, w: np.ndarray) -> np.ndarray:
         return dequantize(quantize(w, WeightFormat.Q4, 64))
@@ -275,7 +275,23 @@ def test_quantised_experts_match_dequantised_reference(
     def as_container(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
         return container_tensors(name, quantize(w, WeightFormat.Q4, 64))
 
-    ref = oracle_checkpoint(arch, expert_transform=roundtrip, expert_container=as_container)
+    def get(arch: str) -> tiny_models.OracleReference:
+        if arch not in built:
+            built[arch] = oracle_checkpoint(
+                arch, expert_transform=roundtrip, expert_container=as_container
+            )
+        return built[arch]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", tiny_models.ARCHS)
+def test_quantised_experts_match_dequantised_reference(
+    int4_checkpoint, backend: str, arch: str
+) -> None:
+    """Routed experts as int4-g64 container tensors (MLX: its quantised matmul)."""
+    ref = int4_checkpoint(arch)
     engine = _load(ref, backend)
     try:
         layer = engine.experts.layout.moe_layers[0]
