@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from colibrid import __version__, control
-from colibrid.config import PILOT_HELP, add_speculate_flags, resolve_model
+from colibrid.config import PILOT_HELP, add_backend_flag, add_speculate_flags, resolve_model
 from colibrid.errors import ColibriError, RequestError
 from colibrid.paths import Paths
 
@@ -94,6 +94,7 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
         default="f32",
         help="kernel arithmetic (i8 is lossy, opt-in)",
     )
+    add_backend_flag(p)
     add_speculate_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="more statistics on stderr")
     add_store_arguments(p)
@@ -208,6 +209,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     if text is None and args.ids is None:
         text = _read_stdin()
     model = resolve_model(Paths.from_env(None), args.model)
+    from colibrid.engine.backend import make_ops
+
+    family = KernelFamily(args.kernel_family)
+    ops = make_ops(args.backend or "auto", family)  # one line, exit 1, when it cannot run
     codec, stops = _text_side(args, model, params)
     prompt, mode = _prompt_ids(args, text, codec)
 
@@ -216,7 +221,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     spec = SpecSettings(args.speculate or "auto", args.draft_max or DEFAULT_MAX_DEPTH)
     engine = Engine.load(
         model,
-        family=KernelFamily(args.kernel_family),
+        family=family,
+        ops=ops,
         store=store_options(args),
         mtp=spec.mode in ("mtp", "auto"),
     )

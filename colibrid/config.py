@@ -11,8 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from colibrid.engine.backend import BACKEND_HELP, BACKENDS
 from colibrid.errors import ConfigError
 from colibrid.paths import Paths
+
+
+def add_backend_flag(p: Any, *, config_key: bool = False) -> None:
+    """--backend, as every command that loads a model takes it."""
+    tail = " (config.toml key `backend`, default auto)" if config_key else " (default auto)"
+    p.add_argument("--backend", choices=BACKENDS, help=BACKEND_HELP + tail)
+
 
 # The --pilot help of every command that places experts (kept here: help must not import
 # the store).
@@ -88,6 +96,12 @@ class Settings:
     )
     socket: str | None = setting(
         None, "the SERVE socket's path (unset: $COLIBRI_HOME/run/colibrid.sock)"
+    )
+    backend: str = setting(
+        "auto",
+        "what computes: cpu (native SIMD kernels) | mlx (MLX: Apple silicon, or mlx[cpu] on "
+        "Linux) | cuda (NVIDIA GPU via pycuda) | auto (mlx on Apple silicon when installed, "
+        "else cpu)",
     )
     max_queue: int = setting(16, "requests waiting beyond the active ones; more answer BUSY")
     max_active: int = setting(
@@ -178,6 +192,11 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
         if value is not None and not _type_ok(value, str(want)):
             raise ConfigError(f"{paths.config}: {name} has the wrong type ({value!r})")
     speculation(settings)  # a bad mode or depth is refused now, not at the first request
+    if settings.backend not in BACKENDS:
+        raise ConfigError(
+            f"{paths.config}: backend must be one of {', '.join(BACKENDS)}, "
+            f"not {settings.backend!r}"
+        )
     return settings
 
 

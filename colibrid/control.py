@@ -22,7 +22,13 @@ import subprocess
 import sys
 import time
 
-from colibrid.config import PILOT_HELP, add_speculate_flags, load_settings, resolve_model
+from colibrid.config import (
+    PILOT_HELP,
+    add_backend_flag,
+    add_speculate_flags,
+    load_settings,
+    resolve_model,
+)
 from colibrid.errors import ColibriError
 from colibrid.paths import Paths, atomic_write, persisting
 from colibrid.serve import socket_server
@@ -59,6 +65,7 @@ def configure_daemon(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     p.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
     add_speculate_flags(p)
+    add_backend_flag(p, config_key=True)
     p.add_argument(
         "--socket", metavar="PATH", help="socket path (default $COLIBRI_HOME/run/colibrid.sock)"
     )
@@ -117,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from colibrid import daemon
+    from colibrid.engine.backend import make_ops
 
     ready_fd = args.ready_fd
     try:
@@ -134,7 +142,9 @@ def run(args: argparse.Namespace) -> int:
             direct=None if args.direct is None else args.direct == "on",
             speculate=args.speculate,
             draft_max=args.draft_max,
+            backend=args.backend,
         )
+        make_ops(settings.backend)  # a backend this machine lacks fails before the socket
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
     except ColibriError as exc:
@@ -215,6 +225,7 @@ def start(args: argparse.Namespace) -> int:
         ("--http", args.http),
         ("--speculate", args.speculate),
         ("--draft-max", args.draft_max),
+        ("--backend", args.backend),
     ):
         if value is not None:
             cmd += [flag, str(value)]

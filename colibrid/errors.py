@@ -51,6 +51,13 @@ class NativeBuildError(ColibriError):
     code = "NATIVE_BUILD"
 
 
+class BackendError(ColibriError):
+    """The chosen compute backend is not installed, has no device here, or cannot compute
+    what was asked (e.g. the i8 kernel family on MLX)."""
+
+    code = "BACKEND"
+
+
 class RequestError(ColibriError):
     """A generation request is invalid (empty prompt, bad sampling parameters...)."""
 

@@ -21,6 +21,7 @@ class CpuOps:
     """Implements models.base.Ops; stateless, the kernels keep their own thread pool."""
 
     name = "cpu"
+    families = frozenset(KernelFamily)
 
     def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
         calibrate.tune(layouts)

@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from colibrid.bench.replay import add_store_flags, store_options
+from colibrid.bench.replay import add_store_flags, engine_ops, store_options
 from colibrid.bench.workload import QUESTIONS, flush_cache, new_batcher, prompt_ids, run_together
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     from colibrid.store.tiered import TieredStore
 
     model = resolve_model(Paths.from_env(None), args.model)
-    engine = Engine.load(model, store=store_options(args))
+    engine = Engine.load(model, ops=engine_ops(args), store=store_options(args))
     store = engine.experts
     streams = isinstance(store, TieredStore)
     prompts = prompt_ids(Path(model), engine.vocab_size, QUESTIONS[: max(levels)])

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
+from colibrid.config import add_backend_flag
 from colibrid.errors import ConfigError
 from colibrid.formats.weights import QuantWeight
 
@@ -45,7 +46,7 @@ Shape = tuple[str, int, int, int]  # (format, Q4 group size, O, I): one kind of 
 
 
 class CountingOps:
-    """The CPU backend, counting the weight bytes (data + scales) and weight elements
+    """A backend (any), counting the weight bytes (data + scales) and weight elements
     (multiply-adds per row) it is handed while `counting` is on. Off, its methods are the
     backend's own bound methods, so timing runs pay nothing for it."""
 
@@ -62,6 +63,7 @@ class CountingOps:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.name = inner.name
+        self.families = inner.families
         self.bytes = 0
         self.elements = 0
         self.by_shape: Counter[Shape] = Counter()  # bytes per kind of matrix
@@ -144,6 +146,7 @@ class Result:
     ratio: float
     kernel_floor_tok_s: float
     floor_ratio: float
+    backend: str = "cpu"
 
 
 def random_prompt(vocab: int, tokens: int) -> list[int]:
@@ -186,15 +189,23 @@ def kernel_floor_s(ops: CountingOps, steps: int, family: KernelFamily) -> float:
 
 
 def measure(
-    model_dir: Path, *, prompt_tokens: int, tokens: int, warmup: int, family: KernelFamily
+    model_dir: Path,
+    *,
+    prompt_tokens: int,
+    tokens: int,
+    warmup: int,
+    family: KernelFamily,
+    backend: str = "cpu",
 ) -> Result:
+    """The kernel floor is the CPU kernels' whatever the backend: the one speed this
+    bench can time per matrix."""
     from colibrid.backends import native
-    from colibrid.backends.cpu import CpuOps
+    from colibrid.engine.backend import make_ops
     from colibrid.engine.engine import Engine
     from colibrid.engine.kv import bytes_per_position
     from colibrid.store.options import StoreOptions
 
-    ops = CountingOps(CpuOps())
+    ops = CountingOps(make_ops(backend, family))
     engine = Engine.load(model_dir, family=family, ops=ops, store=StoreOptions(mode="resident"))
     try:
         needed = prompt_tokens + warmup + tokens + COUNTED_STEPS
@@ -245,6 +256,7 @@ def measure(
         ratio=decode_tok_s / roofline,
         kernel_floor_tok_s=floor_tok_s,
         floor_ratio=decode_tok_s / floor_tok_s,
+        backend=ops.name,
     )
 
 
@@ -257,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--family", choices=[f.value for f in KernelFamily], default="f32", help="kernel family"
     )
+    add_backend_flag(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -275,11 +288,12 @@ def main(argv: list[str]) -> int:
         tokens=args.tokens,
         warmup=args.warmup,
         family=KernelFamily(args.family),
+        backend=args.backend or "auto",
     )
     if args.json:
         print(json.dumps(asdict(r)))
         return 0
-    print(f"model: {r.model} ({r.threads} threads, experts resident)")
+    print(f"model: {r.model} ({r.backend} backend, {r.threads} threads, experts resident)")
     print(f"memory read probe: {r.membw_gbs:.1f} GB/s (best of before and after decoding)")
     print(
         f"prefill: {r.prefill_tok_s:.1f} tok/s over {r.prompt_tokens} tokens "

@@ -1,4 +1,5 @@
-"""`colibri bench kernels`: effective weight bandwidth of the native matmul kernels.
+"""`colibri bench kernels`: effective weight bandwidth of the native matmul kernels
+(or, with --backend mlx, of MLX's matmul on the same matrices).
 
 Decode (S=1) through an expert-shaped matrix is a pure weight stream, so the honest
 figure is weight bytes (data + scales) read per second, printed next to the machine's
@@ -132,6 +133,58 @@ def run(
     return rows
 
 
+def _time_ops(ops, copies, x: np.ndarray, seconds: float) -> float:  # noqa: ANN001
+    """`_time_case` through a backend's Ops.matmul (F32): what a model's decode pays per
+    matrix on that backend, its numpy round trip included. The warm-up pass converts
+    each copy once, as a loaded model's first token does."""
+    for w in copies:
+        ops.matmul(w, x, KernelFamily.F32)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds or best == float("inf"):
+        t0 = time.perf_counter()
+        for w in copies:
+            ops.matmul(w, x, KernelFamily.F32)
+        best = min(best, (time.perf_counter() - t0) / len(copies))
+    return best
+
+
+def run_backend(
+    backend: str, threads: int, seconds: float, working_set_mb: int, formats: list[str]
+) -> list[Row]:
+    """The decode cases on a non-CPU backend (f32 family, one row per format and shape),
+    beside the same memory probe as the native rows."""
+    from colibrid.backends import native
+    from colibrid.engine.backend import make_ops
+
+    ops = make_ops(backend)
+    membw = native.membw_probe(max(working_set_mb, 256) << 20, threads=threads, repeats=10)
+    rng = np.random.default_rng(0)
+    rows = []
+    for fname in formats:
+        fmt, gs = FORMATS[fname]
+        for o, i in SHAPES:
+            copies = _copies(_weight(fmt, o, i, gs, rng), working_set_mb << 20)
+            x = rng.standard_normal((1, i), dtype=np.float32)
+            dt = _time_ops(ops, copies, x, seconds)
+            gbs = copies[0].nbytes / dt / 1e9
+            rows.append(
+                Row(
+                    fname,
+                    f"{o}x{i}",
+                    ops.name,
+                    KernelFamily.F32.value,
+                    threads,
+                    gbs,
+                    2.0 * o * i / dt / 1e9,
+                    membw,
+                    gbs / membw,
+                    dt * 1e6,
+                )
+            )
+            del copies
+    return rows
+
+
 def _table(rows: list[Row]) -> str:
     head = [
         "format",
@@ -210,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(FORMATS),
         help="weight format (repeatable; default: all)",
     )
+    p.add_argument(
+        "--backend",
+        choices=("cpu", "mlx"),
+        default="cpu",
+        help="cpu: the native kernels per ISA and family (default); mlx: MLX's matmul "
+        "(f32 family) on the same matrices, through the backend's Ops",
+    )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     return p
 
@@ -218,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from colibrid.backends import native
 
+    if args.backend != "cpu":
+        if args.isa:
+            print("error: --isa measures the native kernels; it cannot go with --backend")
+            return 2
+        threads = args.threads or native.threads()
+        formats = args.format or list(FORMATS)
+        rows = run_backend(args.backend, threads, args.seconds, args.working_set, formats)
+        print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else _table(rows))
+        return 0
     isas = args.isa or [*native.available_isas(), "auto"]
     bad = [n for n in isas if n not in native.available_isas() and n != "auto"]
     if bad:

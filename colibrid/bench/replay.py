@@ -26,9 +26,19 @@ def take_pass(store) -> list[tuple[int, list[int]]]:  # noqa: ANN001
 
 
 def add_store_flags(p: argparse.ArgumentParser) -> None:
+    """The placement flags of `colibrid generate`, and --backend."""
     from colibrid.cli import add_store_arguments
+    from colibrid.config import add_backend_flag
 
     add_store_arguments(p)
+    add_backend_flag(p)
+
+
+def engine_ops(args: argparse.Namespace):  # noqa: ANN201
+    """The ops of the --backend asked for (BackendError, one line, when it cannot run)."""
+    from colibrid.engine.backend import make_ops
+
+    return make_ops(args.backend or "auto")
 
 
 def store_options(args: argparse.Namespace):  # noqa: ANN201
@@ -116,7 +126,7 @@ def replay(doc: dict, model: Path, args: argparse.Namespace) -> dict:
     profiles are saved and REPIN runs as in a real session)."""
     from colibrid.engine.engine import Engine
 
-    engine = Engine.load(model, store=store_options(args))
+    engine = Engine.load(model, ops=engine_ops(args), store=store_options(args))
     try:
         base = engine.experts.stats.copy()
         agree = n = passes = 0

@@ -21,7 +21,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from colibrid.bench.replay import add_store_flags, store_options
+from colibrid.bench.replay import add_store_flags, engine_ops, store_options
 from colibrid.bench.workload import (
     PROSE,
     REWRITE,
@@ -78,7 +78,9 @@ def main(argv: list[str]) -> int:
     from colibrid.store.tiered import TieredStore
 
     model = Path(resolve_model(Paths.from_env(None), args.model))
-    engine = Engine.load(model, store=store_options(args), mtp="mtp" in drafters)
+    engine = Engine.load(
+        model, ops=engine_ops(args), store=store_options(args), mtp="mtp" in drafters
+    )
     store = engine.experts
     streams = isinstance(store, TieredStore)
     gbs = probe(store, args.probe_reads, store.pool.threads or 1)[0] if streams else None

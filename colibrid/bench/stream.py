@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.bench.replay import add_store_flags, store_options
+from colibrid.bench.replay import add_store_flags, engine_ops, store_options
 
 
 def probe(store, n_reads: int, threads: int, seed: int = 0) -> tuple[float, int]:  # noqa: ANN001
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     from colibrid.engine.engine import Engine
     from colibrid.store.tiered import TieredStore
 
-    engine = Engine.load(args.model, store=store_options(args))
+    engine = Engine.load(args.model, ops=engine_ops(args), store=store_options(args))
     store = engine.experts
     if not isinstance(store, TieredStore):
         print("bench stream: experts are resident for this model; nothing streams")

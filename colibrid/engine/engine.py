@@ -20,7 +20,7 @@ from colibrid.engine import batch
 from colibrid.engine.kv import KVCache, bytes_per_position
 from colibrid.engine.mtp_draft import MTPState
 from colibrid.engine.validate import validate
-from colibrid.errors import Cancelled, RequestError
+from colibrid.errors import BackendError, Cancelled, RequestError
 from colibrid.models import family as model_family
 from colibrid.models.base import PassClock, Segment, Step
 from colibrid.models.mtp import MTPLayer
@@ -65,6 +65,7 @@ class Engine:
         # sessions may hold between requests (engine.sessions.SessionPool).
         self.kv_budget_bytes = kv_budget_bytes
         self.mtp_on = False  # the MTP layer drafts (Engine.load(mtp=True) on a model with one)
+        self.backend = "cpu"  # the name of the backend whose ops compute (Engine.load sets it)
 
     @property
     def vocab_size(self) -> int:
@@ -89,6 +90,12 @@ class Engine:
             from colibrid.backends.cpu import CpuOps
 
             ops = CpuOps()
+        if family not in ops.families:
+            raise BackendError(
+                f"the {ops.name} backend computes the "
+                f"{', '.join(sorted(f.value for f in ops.families))} kernel family only, not "
+                f"{family.value}"
+            )
         started = time.perf_counter()
         checkpoint = Checkpoint.open(model_dir)
         try:
@@ -125,6 +132,7 @@ class Engine:
         )
         engine = cls(checkpoint, model, args, experts, family, context, info, kv)
         engine.mtp_on = mtp_on and getattr(model, "mtp", None) is not None
+        engine.backend = ops.name
         return engine
 
     def new_session(self) -> Session:

@@ -78,6 +78,13 @@ def rank_sum_each(parts: np.ndarray) -> np.ndarray:
 class Ops(Protocol):
     """The compute a model may call; every quantised op takes the kernel family explicitly."""
 
+    name: str
+    """The backend's name as `--backend` spells it (cpu, mlx, ...)."""
+
+    families: frozenset[KernelFamily]
+    """The kernel families this backend computes: Engine.load refuses any other before it
+    maps a weight, rather than at the first token."""
+
     def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
         """Before the first compute: the weight layouts the model holds, each with its
         largest row count, so the backend can fix its kernels for them (the CPU backend

@@ -73,11 +73,13 @@ def parse_keep_alive(value: object) -> float:
 
 def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
     """The engine and its text codec (None when the checkpoint has no tokenizer)."""
+    from colibrid.engine.backend import make_ops
     from colibrid.engine.engine import Engine
     from colibrid.engine.tokenizer import TextCodec
 
     engine = Engine.load(
         model_dir,
+        ops=make_ops(settings.backend),
         max_context=settings.max_context,
         store=store_options(settings),
         mtp=settings.speculate in ("mtp", "auto"),
@@ -211,7 +213,13 @@ class ModelSlot:
         # forever), with a grace for the request that asked for it to arrive.
         keep = self.keep_alive_s
         self.unload_at = time.monotonic() + max(keep, LOAD_GRACE_S) if keep >= 0 else None
-        log.info("loaded %s from %s in %.1f s", path.name, path, time.perf_counter() - started)
+        log.info(
+            "loaded %s from %s on the %s backend in %.1f s",
+            path.name,
+            path,
+            self.current.engine.backend,
+            time.perf_counter() - started,
+        )
 
     def _load_here(self, path: Path) -> Loaded:
         engine, codec = load_model(path, self.settings)

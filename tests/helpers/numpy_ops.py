@@ -22,6 +22,7 @@ from colibrid.models.layers.router import route_reference
 
 class NumpyOps:
     name = "numpy"
+    families = frozenset(KernelFamily)  # it computes f32 whatever is asked (a reference)
 
     def __init__(self) -> None:
         self._cache: dict[int, np.ndarray] = {}

@@ -1,0 +1,234 @@
+"""The MLX backend: the model's ops computed by MLX (Apple silicon, or mlx[cpu] on Linux).
+
+numpy arrays in and out at the seam, as every backend: models and the store never see
+an mx array. Inside an op the arithmetic is one lazy MLX graph evaluated once (`_run`),
+so a MoE layer's experts or an attention block cost one synchronisation, not one per
+expert or per projection. Weights are converted once per weight object
+(backends.mlx_weights). Results equal the numpy reference to float tolerance (MLX sums
+in its own order), which the whole-model oracle checks token for token.
+
+Only the F32 kernel family is computed: I8 (int8 activations, bit-exact integer dot
+products) is a CPU-kernel contract MLX has no matching arithmetic for, so it is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
+from colibrid.backends.mlx_weights import mlx_weight
+from colibrid.errors import BackendError
+from colibrid.formats.quant import dequantize_rows
+from colibrid.formats.weights import QuantWeight, WeightLayout
+
+EXCLUDED = np.float32(-1e30)
+"""What a key outside the causal mask scores (as models.layers.attention.EXCLUDED, which
+the backends may not import): exp of it minus the row's maximum is exactly 0."""
+
+
+def _family(family: KernelFamily) -> None:
+    if family is not KernelFamily.F32:
+        raise BackendError(
+            f"the mlx backend computes the f32 kernel family only, not {family.value} "
+            "(use --kernel-family f32, or --backend cpu for i8)"
+        )
+
+
+def _in(a: np.ndarray) -> mx.array:
+    return mx.array(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def _run(*outs: mx.array) -> list[np.ndarray]:
+    """Evaluate the op's graph once and bring the results back as writable numpy arrays."""
+    mx.eval(*outs)
+    return [np.array(o, copy=True) for o in outs]
+
+
+def _rms(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """weight * x / sqrt(mean(x^2) + eps) over the last axis, in float32."""
+    variance = mx.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)
+    return weight * (x * (1.0 / mx.sqrt(variance)))
+
+
+def _rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """rotate_half RoPE (layers.rope.apply_half): x [S, H, d], cos/sin [S, half]."""
+    half = cos.shape[-1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    return mx.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half :]], axis=-1)
+
+
+def _attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, start: int) -> mx.array:
+    """Causal GQA attention (NumpyOps.attend_gqa's layout): q [S, H, d] at positions
+    start.., keys/values [T, G, d]; returns [S, H * d]. Masked keys score EXCLUDED, as in
+    layers.attention, so a fully visible row takes no special path."""
+    rows, heads, d = q.shape
+    t, kv_heads = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    q_g = q.transpose(1, 0, 2).reshape(kv_heads, group * rows, d)
+    scores = (q_g @ keys.transpose(1, 2, 0)) * np.float32(scale)
+    scores = scores.reshape(heads, rows, t)
+    visible = mx.arange(t)[None, :] <= (start + mx.arange(rows))[:, None]
+    scores = mx.where(visible[None], scores, EXCLUDED)
+    scores = scores - mx.max(scores, axis=-1, keepdims=True)
+    probs = mx.exp(scores)
+    probs = probs / mx.sum(probs, axis=-1, keepdims=True)
+    out = probs.reshape(kv_heads, group * rows, t) @ values.transpose(1, 0, 2)
+    return out.reshape(heads, rows, d).transpose(1, 0, 2).reshape(rows, heads * d)
+
+
+def _swiglu(gate: QuantWeight, up: QuantWeight, down: QuantWeight, x: mx.array) -> mx.array:
+    g = mlx_weight(gate).matmul(x)
+    u = mlx_weight(up).matmul(x)
+    return mlx_weight(down).matmul((g / (1.0 + mx.exp(-g))) * u)
+
+
+class MlxOps:
+    """Implements models.base.Ops on MLX; weights convert lazily at their first use."""
+
+    name = "mlx"
+    families = frozenset({KernelFamily.F32})
+
+    def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
+        """Nothing to tune: MLX picks its own kernels."""
+
+    def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        _family(family)
+        return _run(mlx_weight(w).matmul(_in(x)))[0]
+
+    def matmul_many(
+        self, weights: Sequence[QuantWeight], x: np.ndarray, family: KernelFamily
+    ) -> list[np.ndarray]:
+        _family(family)
+        xs = _in(x)
+        return _run(*(mlx_weight(w).matmul(xs) for w in weights))
+
+    def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        _family(family)
+        xs = _in(x)
+        blocks = xs.shape[-2]
+        width = w.shape[0] // blocks
+        if width * blocks != w.shape[0]:
+            raise ValueError(f"{w.shape[0]} output rows do not split into {blocks} equal blocks")
+        mw = mlx_weight(w)
+        parts = [mw.rows(b * width, (b + 1) * width).matmul(xs[..., b, :]) for b in range(blocks)]
+        return _run(mx.concatenate(parts, axis=-1))[0]
+
+    def expert_swiglu(
+        self,
+        gate: QuantWeight,
+        up: QuantWeight,
+        down: QuantWeight,
+        x: np.ndarray,
+        family: KernelFamily,
+    ) -> np.ndarray:
+        _family(family)
+        return _run(_swiglu(gate, up, down, _in(x)))[0]
+
+    def apply_experts(
+        self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
+    ) -> None:
+        """Every expert's rows in one graph, one evaluation, then one scatter into out."""
+        _family(family)
+        xs = _in(x)
+        parts: list[mx.array] = []
+        for e, w in enumerate(batch.weights):
+            lo, hi = batch.start[e], batch.start[e + 1]
+            if lo == hi:
+                continue
+            rows = xs[mx.array(batch.rows[lo:hi])]
+            gates = mx.array(np.asarray(batch.gates[lo:hi], dtype=np.float32))[:, None]
+            parts.append(_swiglu(w.gate, w.up, w.down, rows) * gates)
+        if not parts:
+            return
+        (ys,) = _run(mx.concatenate(parts, axis=0))
+        out[np.asarray(batch.dest, dtype=np.int64)] = ys
+
+    def rank_sum(self, parts: np.ndarray) -> np.ndarray:
+        p = _in(parts)
+        total = mx.zeros((p.shape[0], p.shape[2]), dtype=mx.float32)
+        for r in range(p.shape[1]):
+            total = total + p[:, r]
+        return _run(total)[0]
+
+    def route(
+        self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """layers.router.route_reference in MLX; argsort of MLX is stable, so ties go to the
+        lowest expert index as the rule says."""
+        scores = mx.sigmoid(_in(h) @ _in(weight).T)  # [S, E]
+        choice = scores + _in(bias) if bias is not None else scores
+        if rule.n_group > 1 and rule.topk_group < rule.n_group:
+            rows = choice.shape[0]
+            grouped = choice.reshape(rows, rule.n_group, -1)
+            best_two = mx.sort(grouped, axis=-1)[..., -2:]
+            group_scores = best_two[..., 1] + best_two[..., 0]
+            keep = mx.argsort(-group_scores, axis=1)[:, : rule.topk_group]  # [S, k]
+            mask = mx.any(mx.arange(rule.n_group)[None, None, :] == keep[:, :, None], axis=1)
+            choice = mx.where(mask[:, :, None], grouped, -np.inf).reshape(rows, -1)
+        experts = mx.argsort(-choice, axis=1)[:, :n].astype(mx.int64)
+        gates = mx.take_along_axis(scores, experts[:, : rule.top_k], axis=1)
+        if rule.norm:
+            gates = gates / (mx.sum(gates, axis=1, keepdims=True) + np.float32(1e-20))
+        ids, g = _run(experts, gates * np.float32(rule.scaling))
+        return ids, g
+
+    def gqa_attention(
+        self,
+        block: GQAWeights,
+        rope: tuple[np.ndarray, np.ndarray],
+        x: np.ndarray,
+        caches: tuple[np.ndarray, np.ndarray],
+        start: int,
+        scale: float,
+        family: KernelFamily,
+    ) -> np.ndarray:
+        """layers.gqa.gqa_attention_each as one graph: the new keys and values join the
+        cached ones inside it and are written back to the numpy caches afterwards."""
+        _family(family)
+        keys, values = caches
+        rows, kv_heads, d = x.shape[0], keys.shape[1], keys.shape[2]
+        xs = _in(x)
+        q, k, v = (mlx_weight(w).matmul(xs) for w in (block.q, block.k, block.v))
+        if block.biases is not None:
+            q, k, v = (y + _in(b) for y, b in zip((q, k, v), block.biases, strict=True))
+        q = q.reshape(rows, -1, d)
+        k = k.reshape(rows, kv_heads, d)
+        v = v.reshape(rows, kv_heads, d)
+        if block.qk_norm is not None:
+            q = _rms(q, _in(block.qk_norm[0]), block.eps)
+            k = _rms(k, _in(block.qk_norm[1]), block.eps)
+        cos, sin = _in(rope[0]), _in(rope[1])
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        all_k = mx.concatenate([_in(keys[:start]), k]) if start else k
+        all_v = mx.concatenate([_in(values[:start]), v]) if start else v
+        out = mlx_weight(block.o).matmul(_attend(q, all_k, all_v, scale, start))
+        y, new_k, new_v = _run(out, k, v)
+        keys[start : start + rows] = new_k
+        values[start : start + rows] = new_v
+        return y
+
+    def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        return _run(_rope(_in(x), _in(cos), _in(sin)))[0]
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return _run(_rms(_in(x), _in(weight), eps))[0]
+
+    def add_rms_norm(
+        self, h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        total = _in(h) + _in(delta)
+        t, n = _run(total, _rms(total, _in(weight), eps))
+        return t, n
+
+    def attend_gqa(
+        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+    ) -> np.ndarray:
+        return _run(_attend(_in(q), _in(keys), _in(values), scale, start))[0]
+
+    def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
+        """A row lookup, no arithmetic worth a device: done on the host."""
+        return dequantize_rows(table, np.asarray(ids, dtype=np.int64))

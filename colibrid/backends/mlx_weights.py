@@ -1,0 +1,126 @@
+"""colibri weights as MLX arrays, converted once per weight object (docs/formats.md).
+
+Why most formats map without dequantising: MLX's affine quantisation stores unsigned
+codes u with one scale s and one bias b per group, value = s * u + b, packed low bits
+first into uint32 words. colibri's grouped int4 stores u = q + 8 (even element in the low
+nibble of a byte), value = q * s, so with b = -8 s the codes are the same and
+little-endian uint32 words over our bytes are MLX's packing exactly: no repacking. Per-row
+int8 maps the same way with 8 bits: u = q + 128 (the int8 byte with its top bit flipped),
+b = -128 s, the row's scale repeated over every group of 64 inputs. Anything that does
+not fit MLX's groups (per-row int4, an I not divisible by the group) is dequantised to
+float32 once, as are bf16 and f32 weights.
+
+MLX computes s * u + b where colibri computes (u - 8) * s: the two round differently in
+the last bit, so MLX results equal the reference to float tolerance, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from colibrid.formats.quant import dequantize
+from colibrid.formats.weights import QuantWeight, WeightFormat
+
+MLX_GROUPS = (32, 64, 128)
+"""Group sizes MLX's affine quantisation supports."""
+
+Q8_GROUP = 64
+"""The group a per-row int8 scale is repeated over (any of MLX_GROUPS dividing I works)."""
+
+
+@dataclass(frozen=True)
+class MlxWeight:
+    """One weight on the MLX side: quantised (``packed`` codes with per-group scales and
+    biases, ``bits`` wide) or dense float32 [O, I] in ``dense``."""
+
+    shape: tuple[int, int]
+    dense: mx.array | None = None
+    packed: mx.array | None = None
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    group_size: int = 0
+    bits: int = 0
+
+    def rows(self, lo: int, hi: int) -> MlxWeight:
+        """Rows [lo, hi) as a weight of their own (a lazy slice, no copy until used)."""
+        shape = (hi - lo, self.shape[1])
+        if self.dense is not None:
+            return MlxWeight(shape, dense=self.dense[lo:hi])
+        assert self.packed is not None and self.scales is not None and self.biases is not None
+        return MlxWeight(
+            shape,
+            packed=self.packed[lo:hi],
+            scales=self.scales[lo:hi],
+            biases=self.biases[lo:hi],
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """x [..., I] @ W^T -> [..., O], lazily."""
+        if x.ndim == 1:
+            return self.matmul(x[None])[0]
+        if self.dense is not None:
+            return x @ self.dense.T
+        return mx.quantized_matmul(
+            x,
+            self.packed,
+            self.scales,
+            self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+        )
+
+
+def convert(w: QuantWeight) -> MlxWeight:
+    """``w`` on the MLX side (a fresh conversion; `mlx_weight` keeps it)."""
+    o, i = w.shape
+    if w.fmt is WeightFormat.Q4 and w.group_size in MLX_GROUPS and i % w.group_size == 0:
+        assert w.scales is not None
+        scales = np.ascontiguousarray(w.scales, dtype=np.float32).reshape(o, i // w.group_size)
+        words = np.ascontiguousarray(w.data).view(np.uint8).reshape(o, i // 2).view("<u4")
+        return _quantised(w.shape, words, scales, 8, w.group_size, 4)
+    if w.fmt is WeightFormat.Q8 and i % Q8_GROUP == 0:
+        assert w.scales is not None
+        codes = np.ascontiguousarray(w.data).view(np.uint8) ^ np.uint8(0x80)  # q + 128
+        per_row = np.ascontiguousarray(w.scales, dtype=np.float32).reshape(o, 1)
+        scales = np.repeat(per_row, i // Q8_GROUP, axis=1)
+        return _quantised(w.shape, codes.view("<u4"), scales, 128, Q8_GROUP, 8)
+    return MlxWeight(w.shape, dense=mx.array(dequantize(w)))
+
+
+def _quantised(
+    shape: tuple[int, int],
+    words: np.ndarray,
+    scales: np.ndarray,
+    zero: int,
+    group_size: int,
+    bits: int,
+) -> MlxWeight:
+    """MLX affine arrays for codes ``words`` whose value is (code - zero) * scale."""
+    biases = (scales * np.float32(-zero)).astype(np.float32)
+    return MlxWeight(
+        shape,
+        packed=mx.array(words),
+        scales=mx.array(scales),
+        biases=mx.array(biases),
+        group_size=group_size,
+        bits=bits,
+    )
+
+
+def mlx_weight(w: QuantWeight) -> MlxWeight:
+    """``w`` converted once and kept on the weight object, so it lives exactly as long as
+    the weight: resident weights convert at their first use, a streamed expert's view
+    converts once per fill of its slot and is dropped with the view."""
+    cached = w.__dict__.get("_mlx_weight")
+    if cached is None:
+        if not isinstance(w, QuantWeight):
+            raise ValueError("the mlx backend computes on QuantWeight weights")
+        cached = convert(w)
+        object.__setattr__(w, "_mlx_weight", cached)  # frozen dataclass: a private cache
+    return cached

@@ -1,0 +1,139 @@
+"""`--backend cpu|mlx|cuda|auto` and the `backend` config key: the name becomes the
+engine's ops, and a backend this machine lacks is one error line (exit 1), never a
+traceback, from every command that loads a model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny_models
+
+from colibrid.backends.base import KernelFamily
+from colibrid.backends.cpu import CpuOps
+from colibrid.config import load_settings
+from colibrid.engine import backend
+from colibrid.engine.backend import make_ops, mlx_installed, resolve
+from colibrid.errors import BackendError, ConfigError
+from colibrid.paths import Paths
+
+CUDA_HERE = not backend.cuda_problem().startswith(
+    ("the cuda backend needs", "the cuda backend found")
+)
+
+
+def test_cpu_and_auto_on_linux_are_the_native_kernels(monkeypatch) -> None:
+    monkeypatch.setattr(backend, "apple_silicon", lambda: False)
+    assert resolve("auto") == "cpu"
+    assert isinstance(make_ops("cpu"), CpuOps) and isinstance(make_ops("auto"), CpuOps)
+
+
+def test_auto_is_mlx_on_apple_silicon_when_installed(monkeypatch) -> None:
+    monkeypatch.setattr(backend, "apple_silicon", lambda: True)
+    monkeypatch.setattr(backend, "mlx_installed", lambda: True)
+    assert resolve("auto") == "mlx"
+    assert resolve("auto", KernelFamily.I8) == "cpu"  # MLX computes f32 only
+    monkeypatch.setattr(backend, "mlx_installed", lambda: False)
+    assert resolve("auto") == "cpu"
+
+
+def test_unknown_name_and_missing_mlx_are_backend_errors(monkeypatch) -> None:
+    with pytest.raises(BackendError, match="unknown backend"):
+        make_ops("tpu")
+    monkeypatch.setattr(backend, "mlx_installed", lambda: False)
+    with pytest.raises(BackendError, match=r"pip install 'colibri\[mlx\]'"):
+        make_ops("mlx")
+
+
+@pytest.mark.skipif(not mlx_installed(), reason="mlx is not installed")
+def test_mlx_by_name() -> None:
+    assert make_ops("mlx").name == "mlx"
+
+
+def test_config_key(tmp_path: Path) -> None:
+    paths = Paths(tmp_path, tmp_path / "s.sock")
+    paths.config.parent.mkdir(parents=True, exist_ok=True)
+    assert load_settings(paths).backend == "auto"
+    paths.config.write_text('backend = "cpu"\n')
+    assert load_settings(paths).backend == "cpu"
+    assert load_settings(paths, backend="mlx").backend == "mlx"  # the flag wins
+    paths.config.write_text('backend = "tpu"\n')
+    with pytest.raises(ConfigError, match="backend must be one of auto, cpu, mlx, cuda"):
+        load_settings(paths)
+
+
+def _colibrid(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "colibrid", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
+def _one_line(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("colibrid: error:") and "Traceback" not in result.stderr
+    for word in words:
+        assert word in result.stderr
+
+
+@pytest.mark.skipif(CUDA_HERE, reason="pycuda and an NVIDIA GPU are present")
+def test_cuda_without_a_gpu_is_one_line(oracle_checkpoint, tmp_path: Path) -> None:
+    model = str(oracle_checkpoint("glm4_moe").out_dir)
+    ids = ["--ids", "1,2", "--ids-out", "--max-tokens", "1"]
+    _one_line(_colibrid("generate", "--model", model, *ids, "--backend", "cuda"), "cuda", "GPU")
+    env = {**os.environ, "COLIBRI_HOME": str(tmp_path)}
+    _one_line(_colibrid("run", "--model", model, "--backend", "cuda", env=env), "cuda")
+
+
+def test_mlx_not_installed_is_one_line_naming_the_extra(oracle_checkpoint, tmp_path: Path) -> None:
+    shadow = tmp_path / "shadow" / "mlx"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no mlx here')\n")
+    env = {**os.environ, "PYTHONPATH": str(shadow.parent)}
+    model = str(oracle_checkpoint("glm4_moe").out_dir)
+    ids = ["--ids", "1,2", "--ids-out", "--max-tokens", "1"]
+    result = _colibrid("generate", "--model", model, *ids, "--backend", "mlx", env=env)
+    _one_line(result, "pip install 'colibri[mlx]'")
+
+
+@pytest.mark.skipif(not mlx_installed(), reason="mlx is not installed")
+def test_generate_on_mlx_matches_transformers(oracle_checkpoint) -> None:
+    ref = oracle_checkpoint(tiny_models.ARCHS[0])
+    ids = ",".join(map(str, ref.prompt_ids))
+    result = _colibrid(
+        "generate",
+        "--model",
+        str(ref.out_dir),
+        "--ids",
+        ids,
+        "--ids-out",
+        "--max-tokens",
+        "20",
+        "--backend",
+        "mlx",
+    )
+    assert result.returncode == 0, result.stderr
+    assert [int(t) for t in result.stdout.strip().split(",")][:20] == ref.greedy_ids
+
+
+@pytest.mark.skipif(not mlx_installed(), reason="mlx is not installed")
+def test_bench_kernels_on_mlx() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "bench", "kernels", "--backend", "mlx"]
+        + ["--seconds", "0.01", "--working-set", "4", "--format", "q4g64", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["isa"], r["family"], r["fmt"]) for r in rows] == [("mlx", "f32", "q4g64")] * 2
+    assert all(r["gbs"] > 0 for r in rows)

@@ -1,0 +1,66 @@
+"""colibri weights on the MLX side: int4-g64 and int8 map onto MLX's affine quantisation
+without repacking (the codes are the same bytes), and MLX's quantised matmul then equals
+numpy's dequantise-and-multiply to float tolerance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibrid.formats.quant import dequantize, quantize
+from colibrid.formats.weights import QuantWeight, WeightFormat
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'colibri[mlx]')")
+from colibrid.backends.mlx_weights import convert, mlx_weight  # noqa: E402
+
+
+def _w(o: int, i: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((o, i), dtype=np.float32)
+
+
+@pytest.mark.parametrize(
+    "fmt,gs,bits", [(WeightFormat.Q4, 64, 4), (WeightFormat.Q4, 128, 4), (WeightFormat.Q8, 0, 8)]
+)
+def test_quantised_codes_map_without_repacking(fmt: WeightFormat, gs: int, bits: int) -> None:
+    w = quantize(_w(48, 256), fmt, gs)
+    m = convert(w)
+    assert m.packed is not None and m.bits == bits and m.dense is None
+    unpacked = mx.dequantize(m.packed, m.scales, m.biases, group_size=m.group_size, bits=bits)
+    np.testing.assert_allclose(np.array(unpacked), dequantize(w), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fmt,gs", [(WeightFormat.Q4, 64), (WeightFormat.Q8, 0)])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_quantized_matmul_equals_dequantise_and_matmul(
+    fmt: WeightFormat, gs: int, rows: int
+) -> None:
+    w = quantize(_w(96, 320, seed=rows), fmt, gs)
+    x = np.random.default_rng(1).standard_normal((rows, 320), dtype=np.float32)
+    got = np.array(mlx_weight(w).matmul(mx.array(x)))
+    want = (x.astype(np.float64) @ dequantize(w).astype(np.float64).T).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "w",
+    [
+        quantize(_w(8, 64), WeightFormat.Q4, 0),  # per-row int4: no MLX group fits
+        quantize(_w(8, 96), WeightFormat.Q4, 64),  # a partial last group
+        quantize(_w(8, 40), WeightFormat.Q8, 0),  # I not a multiple of 64
+        QuantWeight(
+            WeightFormat.BF16, (8, 64), (_w(8, 64).view(np.uint32) >> 16).astype(np.uint16)
+        ),
+    ],
+    ids=["int4-row", "int4-partial-group", "int8-short-row", "bf16"],
+)
+def test_other_layouts_are_dequantised_once(w: QuantWeight) -> None:
+    m = convert(w)
+    assert m.packed is None and m.dense is not None
+    np.testing.assert_array_equal(np.array(m.dense), dequantize(w))
+
+
+def test_a_weight_converts_once() -> None:
+    w = quantize(_w(16, 128), WeightFormat.Q4, 64)
+    assert mlx_weight(w) is mlx_weight(w)
+    twin = QuantWeight(w.fmt, w.shape, w.data, w.scales, w.group_size)
+    assert mlx_weight(twin) is not mlx_weight(w)  # kept per object, dropped with it
