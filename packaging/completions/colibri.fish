@@ -171,7 +171,7 @@ complete -c colibri -n '_shtab_colibri_using config' -l toml -d 'a commented exa
 complete -c colibri -n '_shtab_colibri_using config' -l markdown -d 'the table of docs/configuration.md'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a synth -d 'write a synthetic container with real per-layer shapes for benchmarks'
 complete -c colibri -n '_shtab_colibri_using synth' -s h -l help -d 'show this help message and exit'
-complete -c colibri -n '_shtab_colibri_using synth' -l shape -xka "glm4-air glm4-tiny glm5 tiny" -d shape
+complete -c colibri -n '_shtab_colibri_using synth' -l shape -xka "glm4-air glm4-tiny glm5 qwen3-235b tiny" -d shape
 complete -c colibri -n '_shtab_colibri_using synth' -l layers -x -d layers
 complete -c colibri -n '_shtab_colibri_using synth' -l experts -x -d experts
 complete -c colibri -n '_shtab_colibri_using synth' -l seed -x -d seed
