@@ -53,8 +53,13 @@ def markdown() -> str:
         "| key | type | default | meaning |",
         "|---|---|---|---|",
     ]
-    lines += [f"| `{k}` | {t} | `{d}` | {m} |" for k, t, d, m in rows()]
+    lines += [f"| `{k}` | {cell(t)} | `{cell(d)}` | {cell(m)} |" for k, t, d, m in rows()]
     return "\n".join(lines) + "\n"
+
+
+def cell(text: str) -> str:
+    """Text inside a Markdown table cell: a `|` (as in `cpu|mlx`) would end the cell."""
+    return text.replace("|", "\\|")
 
 
 def toml_example() -> str:

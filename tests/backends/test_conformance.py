@@ -218,6 +218,14 @@ def test_route_ties_go_to_the_lowest_expert(ops) -> None:
 
 
 # ---- the whole model -----------------------------------------------------------------------
+MLX_NOT_YET = {"qwen3_moe", "mixtral", "olmoe"}  # softmax routing, windows: CPU kernels only
+
+
+def _supported(backend: str, arch: str) -> None:
+    if backend == "mlx" and arch in MLX_NOT_YET:
+        pytest.skip(f"the MLX backend does not compute {arch}'s softmax router/window yet")
+
+
 def _load(ref: tiny_models.OracleReference, backend: str, store: StoreOptions | None = None):  # noqa: ANN202
     return Engine.load(ref.out_dir, family=F32, ops=make_ops(backend), store=store)
 
@@ -225,6 +233,7 @@ def _load(ref: tiny_models.OracleReference, backend: str, store: StoreOptions | 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)
 def test_model_matches_transformers(oracle_checkpoint, backend: str, arch: str) -> None:
+    _supported(backend, arch)
     ref = oracle_checkpoint(arch)
     engine = _load(ref, backend)
     try:
@@ -238,6 +247,7 @@ def test_model_matches_transformers(oracle_checkpoint, backend: str, arch: str) 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)
 def test_placement_never_changes_tokens(oracle_checkpoint, backend: str, arch: str) -> None:
+    _supported(backend, arch)
     ref = oracle_checkpoint(arch)
     tokens = []
     for store in (StoreOptions(mode="resident"), StoreOptions(mode="tiered", cache=1, pin="off")):
@@ -291,6 +301,7 @@ def test_quantised_experts_match_dequantised_reference(
     int4_checkpoint, backend: str, arch: str
 ) -> None:
     """Routed experts as int4-g64 container tensors (MLX: its quantised matmul)."""
+    _supported(backend, arch)
     ref = int4_checkpoint(arch)
     engine = _load(ref, backend)
     try:
