@@ -108,18 +108,21 @@ def _run_all(commands: list[list[str]]) -> str | None:
     return None
 
 
-def _service_active(kind: ServiceKind) -> bool:
+def _service_state(kind: ServiceKind) -> tuple[bool, str]:
+    """Whether the service manager runs colibrid, and its first line about it."""
     try:
-        return subprocess.run(kind.state_command(), capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        done = subprocess.run(kind.state_command(), capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"unknown ({exc})"
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return done.returncode == 0, lines[0] if lines else "unknown"
 
 
 def _hand_started_daemon(kind: ServiceKind) -> bool:
     """A daemon answers on the socket, and the service manager did not start it."""
     from colibri_cli.client import daemon_status
 
-    return daemon_status(timeout_s=5.0) is not None and not _service_active(kind)
+    return daemon_status(timeout_s=5.0) is not None and not _service_state(kind)[0]
 
 
 def install(args: argparse.Namespace) -> int:
@@ -175,16 +178,7 @@ def status(args: argparse.Namespace) -> int:
     if not kind.target.exists():
         print(f"colibri service: not installed (`colibri service install` writes {kind.target})")
         return 3
-    try:
-        done = subprocess.run(kind.state_command(), capture_output=True, text=True, timeout=30)
-        state = (
-            (done.stdout.strip().splitlines() or ["unknown"])[0]
-            if done.returncode == 0
-            else ((done.stdout or done.stderr).strip().splitlines() or ["not running"])[0]
-        )
-        running = done.returncode == 0
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        state, running = f"unknown ({exc})", False
+    running, state = _service_state(kind)
     print(f"colibri service: installed at {kind.target}; {kind.name}: {state}")
     return 0 if running else 3
 

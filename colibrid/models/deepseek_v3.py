@@ -10,11 +10,11 @@ from colibrid.models.base import MAX_HEADS, ConfigReader, ExpertSource, Ops, Wei
 from colibrid.models.common import TrunkArgs, moe_layers, read_moe, read_trunk
 from colibrid.models.layers.dsa import Indexer
 from colibrid.models.layers.mla import MLAAttention, MLAShape, softmax_scale
-from colibrid.models.layers.rope import Rotary
 from colibrid.models.mtp import MTPLayer
 from colibrid.models.transformer import (
     MoEArgs,
     Transformer,
+    build_transformer,
     load_decoder_layer,
 )
 
@@ -81,32 +81,7 @@ def read_mla_fields(
 
 def build(args: Any, src: WeightSource, experts: ExpertSource, ops: Ops) -> Transformer:
     """Shared by deepseek_v3 and glm_moe_dsa (whose args add the DSA indexer)."""
-    t = args.trunk
-    layers = [
-        load_decoder_layer(
-            src,
-            ops,
-            experts,
-            layer,
-            args.attention_at(src, ops, layer),
-            hidden=t.hidden_size,
-            eps=t.rms_norm_eps,
-            moe=args.moe if args.is_moe[layer] else None,
-            dense_width=t.intermediate_size,
-        )
-        for layer in range(t.num_hidden_layers)
-    ]
-    rotary = Rotary(args.attention.rope, args.rope, max_positions=t.max_position_embeddings)
-    model = Transformer(
-        src,
-        ops,
-        vocab=t.vocab_size,
-        hidden=t.hidden_size,
-        eps=t.rms_norm_eps,
-        layers=layers,
-        rotary=rotary,
-        tie_embeddings=t.tie_word_embeddings,
-    )
+    model = build_transformer(args, src, experts, ops, args.attention.rope)
     model.mtp = load_mtp(args, src, experts, ops)
     return model
 

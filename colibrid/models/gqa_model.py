@@ -11,8 +11,7 @@ from typing import Any
 from colibrid.models.base import MAX_HEADS, ConfigReader, ExpertSource, Ops, WeightSource
 from colibrid.models.common import TrunkArgs
 from colibrid.models.layers.gqa import GQAAttention, GQAShape
-from colibrid.models.layers.rope import Rotary
-from colibrid.models.transformer import MoEArgs, Transformer, load_decoder_layer
+from colibrid.models.transformer import MoEArgs, Transformer, build_transformer
 
 
 @dataclass(frozen=True)
@@ -53,29 +52,4 @@ def read_heads(r: ConfigReader, hidden: int, *, kv_default: int | None = None) -
 
 
 def build(args: GQAModelArgs, src: WeightSource, experts: ExpertSource, ops: Ops) -> Transformer:
-    t = args.trunk
-    layers = [
-        load_decoder_layer(
-            src,
-            ops,
-            experts,
-            layer,
-            args.attention_at(src, ops, layer),
-            hidden=t.hidden_size,
-            eps=t.rms_norm_eps,
-            moe=args.moe if args.is_moe[layer] else None,
-            dense_width=t.intermediate_size,
-        )
-        for layer in range(t.num_hidden_layers)
-    ]
-    rotary = Rotary(args.rotary_dim, args.rope, max_positions=t.max_position_embeddings)
-    return Transformer(
-        src,
-        ops,
-        vocab=t.vocab_size,
-        hidden=t.hidden_size,
-        eps=t.rms_norm_eps,
-        layers=layers,
-        rotary=rotary,
-        tie_embeddings=t.tie_word_embeddings,
-    )
+    return build_transformer(args, src, experts, ops, args.rotary_dim)

@@ -223,3 +223,35 @@ class Transformer:
 
     def logits(self, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:
         return self.ops.matmul(self.lm_head, np.ascontiguousarray(hidden), family)  # [S, V]
+
+
+def build_transformer(
+    args: Any, src: WeightSource, experts: ExpertSource, ops: Ops, rotary_dim: int
+) -> Transformer:
+    """Every family's trunk: a decoder layer per config layer (MoE where `args.is_moe` says,
+    else the dense MLP), RoPE over `rotary_dim` dimensions, embedding and head."""
+    t = args.trunk
+    layers = [
+        load_decoder_layer(
+            src,
+            ops,
+            experts,
+            layer,
+            args.attention_at(src, ops, layer),
+            hidden=t.hidden_size,
+            eps=t.rms_norm_eps,
+            moe=args.moe if args.is_moe[layer] else None,
+            dense_width=t.intermediate_size,
+        )
+        for layer in range(t.num_hidden_layers)
+    ]
+    return Transformer(
+        src,
+        ops,
+        vocab=t.vocab_size,
+        hidden=t.hidden_size,
+        eps=t.rms_norm_eps,
+        layers=layers,
+        rotary=Rotary(rotary_dim, args.rope, max_positions=t.max_position_embeddings),
+        tie_embeddings=t.tie_word_embeddings,
+    )
