@@ -213,8 +213,25 @@ class FakeEngine:
         return out
 
 
+def byte_tokenizer_json() -> str:
+    """A `tokenizers` tokenizer whose token i is the byte i (GPT-2's byte-level alphabet,
+    no merges): what the grammar engine reads to know each fake token's bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = iter(range(256, 512))
+    alphabet = {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
 class FakeCodec:
     stop_token_ids = frozenset({0})
+
+    def tokenizer_json(self) -> str:
+        return byte_tokenizer_json()
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(text.encode("utf-8"))
