@@ -153,11 +153,19 @@ class Constraint:
     what keeps speculative decoding lossless: a verified row is masked with the state
     plain decoding would have had (`drafts` drops drafts the grammar refuses anyway)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, kind: str) -> None:
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        kind: str,
+        *,
+        fast_forward: bool = True,
+    ) -> None:
         self._matcher = matcher
         self._n = vocab_size
         self._bits = np.full((vocab_size + 31) // 32, -1, dtype="<i4")
         self.kind = kind
+        self.fast_forward = fast_forward
         self.tokens = 0
         self.seconds = 0.0
 
@@ -190,6 +198,17 @@ class Constraint:
     def complete(self) -> bool:
         """Nothing but a stop token may follow: the answer is whole."""
         return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (none unless `fast_forward`):
+        drafts the next pass verifies with the model, so that the fixed text of a JSON
+        object costs one pass, not one a token."""
+        if not self.fast_forward or limit <= 0:
+            return []
+        t0 = time.perf_counter()
+        tokens = self._matcher.compute_ff_tokens()[:limit]
+        self.seconds += time.perf_counter() - t0
+        return [int(t) for t in tokens]
 
     def drafts(self, tokens: Sequence[int]) -> list[int]:
         """The leading `tokens` the grammar accepts from here (speculative drafts past
@@ -226,10 +245,11 @@ class Vocabulary:
             ) from None
         self.vocab_size = vocab_size
 
-    def constraint(self, grammar: Grammar) -> Constraint:
+    def constraint(self, grammar: Grammar, *, fast_forward: bool = True) -> Constraint:
         """A fresh matcher for `grammar` (RequestError when it does not fit this model's
-        tokens, e.g. a special token the tokenizer lacks)."""
+        tokens, e.g. a special token the tokenizer lacks); `fast_forward`: verify the
+        tokens it forces as drafts (the tests switch it off to compare)."""
         matcher = llguidance.LLMatcher(self._tok, grammar.source, log_level=0)
         if matcher.is_error():
             raise RequestError(f"invalid {grammar.kind} grammar: {_one_line(matcher.get_error())}")
-        return Constraint(matcher, self.vocab_size, grammar.kind)
+        return Constraint(matcher, self.vocab_size, grammar.kind, fast_forward=fast_forward)

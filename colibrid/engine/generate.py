@@ -402,6 +402,7 @@ def _run(
         spec.feed(ids)
     rows = [logits]  # logits to sample from in turn: the pass's rows whose input holds
     drafts: list[int] = []  # the tokens the pass assumed follow rows[0], rows[1], ...
+    booked = spec  # whose drafts the pass verified (None: the grammar's forced tokens)
     seconds = 0.0  # the pass's time (0 for the prompt's: not a decode step)
     while True:
         held = session.length  # rows held after the pass (its first input included)
@@ -425,7 +426,7 @@ def _run(
             going_on = matched and not (hit or last)
             if not going_on:  # rows past this token's input assumed other tokens
                 session.truncate(held - len(rows) + k + 1)
-                _account(spec, drafts, k + matched, k + 1, seconds)
+                _account(booked, drafts, k + matched, k + 1, seconds)
             yield TokenEvent(token, text)
             if hit or is_stop_token or complete:
                 yield done("stop")
@@ -436,14 +437,12 @@ def _run(
             if cancel is not None and cancel.is_set():
                 if going_on:
                     session.truncate(held - len(rows) + k + 1)
-                    _account(spec, drafts, k + 1, k + 1, seconds)
+                    _account(booked, drafts, k + 1, k + 1, seconds)
                 yield done("cancelled")
                 return
             if not going_on:
                 break
-        drafts = spec.plan(budget - generated - 1) if spec is not None else []
-        if drafts and constraint is not None:
-            drafts = constraint.drafts(drafts)  # one the grammar refuses is never kept
+        drafts, booked = _drafts(spec, constraint, budget - generated - 1)
         t0 = time.perf_counter()
         mode = LOGITS_ALL if drafts else LOGITS_LAST
         try:
@@ -454,6 +453,23 @@ def _run(
         seconds = time.perf_counter() - t0
         decode_s += seconds
         rows = list(out) if drafts else [out]
+
+
+def _drafts(
+    spec: Speculation | None, constraint: Constraint | None, limit: int
+) -> tuple[list[int], Speculation | None]:
+    """The tokens the next pass verifies after the last one, and who proposed them. The
+    grammar's forced tokens first (the `"name": "` of a JSON object: a pass checks them
+    all, and they are kept unless the model would split the text into other tokens),
+    else the drafter's, less any the grammar refuses. Verifying changes no token."""
+    if constraint is not None:
+        forced = constraint.forced(limit)
+        if forced:
+            return forced, None
+    drafts = spec.plan(limit) if spec is not None else []
+    if drafts and constraint is not None:
+        drafts = constraint.drafts(drafts)  # one the grammar refuses is never kept
+    return drafts, spec
 
 
 def _rows(ids: Sequence[int]) -> np.ndarray:

@@ -11,6 +11,7 @@ import json
 import jsonschema
 import numpy as np
 import pytest
+from structured_cases import SCHEMAS
 
 from colibrid.engine import generate as gen_module
 from colibrid.engine.batcher import Batcher, Member
@@ -21,120 +22,6 @@ from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
 from colibrid.errors import RequestError
-
-
-def text(n: int) -> dict:
-    return {"type": "string", "maxLength": n}
-
-
-def closed(properties: dict) -> dict:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
-
-
-# name -> (schema, max_tokens, prompts): bounded so that each can finish within max_tokens
-SCHEMAS: dict[str, tuple[dict, int, list[str]]] = {
-    "object": (
-        closed({"name": text(16), "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
-        48,
-        [f"Describe {who}." for who in ("a doctor", "a child", "a painter", "a pilot", "a chef")]
-        + [f"Describe {who}." for who in ("a teacher", "a fisherman", "a student", "a singer")]
-        + ["Describe your neighbour."],
-    ),
-    "array": (
-        {"type": "array", "items": text(12), "minItems": 1, "maxItems": 4},
-        64,
-        [
-            f"Tags for {what}."
-            for what in (
-                "a post about cats",
-                "a cooking blog",
-                "a photo of Paris",
-                "a physics lecture",
-                "a song about rain",
-                "a gardening guide",
-                "a video about cars",
-                "a history book",
-                "a soup recipe",
-                "a football match",
-            )
-        ],
-    ),
-    "enum": (
-        closed(
-            {
-                "sentiment": {"enum": ["positive", "negative", "neutral"]},
-                "confidence": {"enum": ["low", "medium", "high"]},
-            }
-        ),
-        48,
-        [
-            "I love this phone!",
-            "The food was cold and late.",
-            "It is a chair.",
-            "Best holiday ever.",
-            "I will never come back.",
-            "The meeting is at noon.",
-            "What a wonderful surprise!",
-            "The train was cancelled again.",
-            "The sky is grey today.",
-            "Thank you so much for your help!",
-        ],
-    ),
-    "nested": (
-        closed(
-            {
-                "city": closed({"name": text(16), "country": text(16)}),
-                "sights": {"type": "array", "items": text(16), "maxItems": 2},
-            }
-        ),
-        96,
-        [
-            f"Tell me about {city}."
-            for city in (
-                "Paris",
-                "Tokyo",
-                "Rome",
-                "London",
-                "Berlin",
-                "Madrid",
-                "Cairo",
-                "Sydney",
-                "New York",
-                "Moscow",
-            )
-        ],
-    ),
-    "numbers": (
-        closed(
-            {
-                "temperature_c": {"type": "number", "minimum": -50, "maximum": 60},
-                "humidity_pct": {"type": "integer", "minimum": 0, "maximum": 100},
-                "wind_kmh": {"type": "integer", "exclusiveMinimum": 0, "maximum": 300},
-            }
-        ),
-        64,
-        [
-            f"The weather {where}, as JSON."
-            for where in (
-                "in Paris today",
-                "in the Sahara at noon",
-                "on a mountain top",
-                "in London in winter",
-                "in a storm at sea",
-                "in Moscow in January",
-                "in Singapore",
-                "on a desert night",
-                "on a spring morning",
-                "in a hurricane",
-            )
-        ],
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +46,9 @@ class Record:
 
 
 class Listener:
+    def __init__(self) -> None:
+        self.passes = 0
+
     def token(self, member: Member, event: TokenEvent) -> None:
         member.tag.tokens.append(event.token_id)
         member.tag.pieces.append(event.text)
@@ -170,14 +60,14 @@ class Listener:
         member.tag.failed = (code, message)
 
     def passed(self, members) -> None:  # noqa: ANN001
-        pass
+        self.passes += 1
 
 
 def chat(codec: TextCodec, prompt: str) -> list[int]:
     return codec.encode_chat([{"role": "user", "content": prompt}])
 
 
-def add(batch: Batcher, demo, ids, params, grammar=None, spec=OFF, session=None) -> Record:  # noqa: ANN001
+def add(batch: Batcher, demo, ids, params, grammar=None, spec=OFF, session=None, ff=True):  # noqa: ANN001
     engine, codec, vocab = demo
     record = Record()
     steps = generation(
@@ -189,7 +79,7 @@ def add(batch: Batcher, demo, ids, params, grammar=None, spec=OFF, session=None)
         costs=batch.costs,
         speculate=spec,
         session=session,
-        constraint=vocab.constraint(grammar) if grammar is not None else None,
+        constraint=vocab.constraint(grammar, fast_forward=ff) if grammar is not None else None,
     )
     batch.add(Member(steps, tag=record))
     return record
@@ -200,10 +90,12 @@ def run(batch: Batcher) -> None:
         batch.step()
 
 
-def alone(demo, ids, params, grammar=None, spec=OFF) -> Record:  # noqa: ANN001
-    batch = Batcher(demo[0], Listener())
-    record = add(batch, demo, ids, params, grammar, spec)
+def alone(demo, ids, params, grammar=None, spec=OFF, ff=True) -> Record:  # noqa: ANN001
+    listener = Listener()
+    batch = Batcher(demo[0], listener)
+    record = add(batch, demo, ids, params, grammar, spec, ff=ff)
     run(batch)
+    record.passes = listener.passes
     return record
 
 
@@ -326,6 +218,21 @@ def test_speculation_under_a_grammar_changes_no_token(demo, monkeypatch, tempera
     assert fast.tokens == plain.tokens and fast.done.finish_reason == "stop"
     spec = fast.done.spec
     assert spec is not None and spec.drafted > spec.accepted > 0, spec
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_forced_tokens_ride_one_pass_and_change_no_token(demo, temperature) -> None:  # noqa: ANN001
+    """The grammar's forced text (`{"city": {"name": "`) is verified as drafts: the same
+    tokens as one pass a token, in fewer passes."""
+    _, codec, _ = demo
+    grammar = Grammar.json_schema(SCHEMAS["nested"][0])
+    ids = chat(codec, "Tell me about Tokyo.")
+    params = SamplingParams(max_tokens=64, temperature=temperature, seed=4)
+    slow = alone(demo, ids, params, grammar, ff=False)
+    fast = alone(demo, ids, params, grammar)
+    assert fast.tokens == slow.tokens and fast.done.finish_reason == "stop"
+    assert slow.passes == len(slow.tokens), "one pass a token (the prompt's gives the first)"
+    assert fast.passes < slow.passes - 5, (fast.passes, slow.passes)
 
 
 def test_an_answer_cut_short_ends_length_not_stop(demo) -> None:
