@@ -1,7 +1,8 @@
 """The schemas and prompts structured-output tests share (tests/engine/test_constraint.py
 in-process, tests/http/test_structured.py through the daemon): five shapes, ten prompts
 each, every schema bounded (string lengths, item counts, number ranges) so that an answer
-can always finish within its max_tokens."""
+can always finish within its max_tokens. And a byte-level tokenizer (token i is byte i)
+for grammar tests without a model (the fake engine's codec uses it too)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,17 @@ SCHEMAS: dict[str, tuple[dict, int, list[str]]] = {
         ],
     ),
 }
+
+
+def byte_tokenizer_json() -> str:
+    """A `tokenizers` tokenizer whose token i is the byte i (GPT-2's byte-level alphabet,
+    no merges): what the grammar engine reads to know each fake token's bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = iter(range(256, 512))
+    alphabet = {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()

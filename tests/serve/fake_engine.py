@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
+from structured_cases import byte_tokenizer_json
 
 from colibrid.config import Settings
 from colibrid.engine.batch import LOGITS_ALL, LOGITS_NONE, Forward
@@ -211,20 +212,6 @@ class FakeEngine:
                 else rows[-1]
             )
         return out
-
-
-def byte_tokenizer_json() -> str:
-    """A `tokenizers` tokenizer whose token i is the byte i (GPT-2's byte-level alphabet,
-    no merges): what the grammar engine reads to know each fake token's bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    shifted = iter(range(256, 512))
-    alphabet = {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok.to_str()
 
 
 class FakeCodec:
