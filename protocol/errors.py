@@ -13,7 +13,8 @@ CODES: dict[str, str] = {
     "payload not followed by LF",
     "LINE_TOO_LONG": "a header line longer than the limit; the rest of the line is skipped",
     "UNKNOWN_VERB": "a request verb the daemon does not know",
-    "BAD_REQUEST": "a well-formed request with invalid content (sampling values, JSON, options)",
+    "BAD_REQUEST": "a well-formed request with invalid content (sampling values, JSON, options, "
+    "a schema or grammar that does not compile)",
     "EMPTY_PROMPT": "a SUBMIT whose prompt renders to no tokens",
     "DUPLICATE_ID": "a SUBMIT reusing the id of a request still in flight on this connection",
     "NOT_FOUND": "STOP or CANCEL for an id that is not in flight; an unknown profile or model",

@@ -25,6 +25,7 @@ from colibri_protocol.codec import (
     positional,
 )
 from colibri_protocol.errors import ProtocolError
+from colibri_protocol.grammar import FORMATS, encode_grammar, format_grammar, parse_grammar
 
 # ---- requests (client -> daemon) ----------------------------------------------------------
 
@@ -54,6 +55,8 @@ class Submit:
     speculate: str | None = None  # off | ngram | mtp | auto (None: the daemon's setting)
     draft_max: int | None = None  # the deepest speculative draft (None: the daemon's)
     keep_alive: float | None = None  # seconds the model stays loaded when idle after this
+    # the answer's shape: {"json_schema": {...}} | {"lark": "..."} | {"regex": "..."}
+    grammar: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class Quit:
 
 Request = Hello | Submit | Stop | Cancel | Query | ProfileCommand | Load | Unload | Ping | Quit
 
-_INT_OPTS = {"max_tokens", "top_k", "seed", "draft_max"}
+_INT_OPTS = {"max_tokens", "top_k", "seed", "draft_max", "gbytes"}
 _SECONDS_OPTS = {"keep_alive"}  # seconds, or a duration: 30s, 5m, 1h (negative: forever)
 _FLOAT_OPTS = {"temperature", "top_p"}
 _STR_OPTS = {"conv", "profile", "model", "speculate"}
@@ -134,6 +137,10 @@ def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
                 if value not in ("0", "1"):
                     raise ValueError(value)
                 opts["chat"] = value == "1"
+            elif key == "format":
+                if value not in FORMATS:
+                    raise ValueError(value)
+                opts["format"] = value
             elif key in _STR_OPTS:
                 if not is_valid_id(value):
                     raise ValueError(value)
@@ -215,6 +222,7 @@ def _parse_submit(frame: Frame) -> Submit:
         raise ProtocolError("BAD_FRAME", f"bad request id {rid[:40]!r} (1-63 of A-Za-z0-9_.:-)")
     pos = positional(args)
     opts = _options(args[len(pos) :], rid)
+    gbytes = opts.pop("gbytes", 0)
     if len(pos) >= 6:  # upstream mux form: slot, bytes, max_tokens, temperature, top_p
         try:
             opts.setdefault("max_tokens", int(pos[3]))
@@ -224,9 +232,22 @@ def _parse_submit(frame: Frame) -> Submit:
             raise ProtocolError("BAD_REQUEST", "bad number in SUBMIT", rid) from None
         if pos[1] not in ("0", "-"):
             opts.setdefault("conv", f"slot{pos[1]}")
-        if len(pos) >= 7 and pos[6] != "0":
-            raise ProtocolError("BAD_REQUEST", "grammars are not supported", rid)
-        payload = payload[: int(pos[2])]
+        if gbytes:
+            raise ProtocolError("BAD_REQUEST", "gbytes= is the native form's; use <gbytes>", rid)
+        # the grammar's bytes follow the prompt's (the codec read both)
+        gbytes = int(pos[6]) if len(pos) >= 7 else 0
+        payload = payload[: int(pos[2]) + gbytes]
+    if not 0 <= gbytes <= len(payload):
+        raise ProtocolError(
+            "BAD_REQUEST", f"gbytes={gbytes} but the payload has {len(payload)} bytes", rid
+        )
+    payload, grammar_bytes = payload[: len(payload) - gbytes], payload[len(payload) - gbytes :]
+    grammar = parse_grammar(grammar_bytes, rid) if gbytes else None
+    form = opts.pop("format", None)
+    if form is not None:
+        if grammar is not None:
+            raise ProtocolError("BAD_REQUEST", "give format= or a grammar payload, not both", rid)
+        grammar = format_grammar(form)
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError:
@@ -234,8 +255,8 @@ def _parse_submit(frame: Frame) -> Submit:
     chat = opts.pop("chat", False)
     stop = tuple(opts.pop("stop"))
     if chat:
-        return Submit(rid, messages=_messages(text, rid), stop=stop, **opts)
-    return Submit(rid, prompt=text, stop=stop, **opts)
+        return Submit(rid, messages=_messages(text, rid), stop=stop, grammar=grammar, **opts)
+    return Submit(rid, prompt=text, stop=stop, grammar=grammar, **opts)
 
 
 def parse_request(frame: Frame) -> Request:
@@ -311,6 +332,10 @@ def encode_submit(req: Submit) -> bytes:
         payload = json.dumps(list(req.messages), ensure_ascii=False).encode("utf-8")
     else:
         payload = (req.prompt or "").encode("utf-8")
+    if req.grammar is not None:  # after the prompt, inside the payload's byte count
+        grammar = encode_grammar(req.grammar)
+        opts.append(f"gbytes={len(grammar)}")
+        payload += grammar
     return encode_framed("SUBMIT", req.id, payload=payload, options=opts)
 
 

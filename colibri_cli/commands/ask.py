@@ -5,6 +5,11 @@ The prompt is the arguments, then a blank line, then standard input when it is p
 user message (after `--system`) rendered by the daemon with the model's chat template.
 While a long prompt is read, a progress line shows on stderr (a terminal only).
 Ctrl-C cancels the request on the daemon and exits 130; a daemon error exits 1.
+
+`--json-schema FILE`, `--grammar FILE`, `--regex RE` and `--format json` constrain the
+answer: every token is masked to what the schema or grammar allows, so the output parses
+(an answer cut by --max-tokens ends with finish=length, never looking complete). A bad
+schema or grammar is refused with the reason before any token is generated.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from colibri_protocol.grammar import format_grammar
 from colibri_protocol.messages import Accept, Data, Done, Submit
 
 from colibri_cli.client import ClientError, ensure_daemon, model_name
@@ -22,7 +28,11 @@ from colibri_cli.render import ProgressLine, prefill_rate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="colibri ask", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="colibri ask",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n")[2],  # what the constraint flags do
+    )
     p.add_argument("prompt", nargs="*", help="prompt text (stdin is appended when piped)")
     add_answer_options(p, max_tokens=256, temperature=0.0)
     p.add_argument("--raw", action="store_true", help="send the text as-is, no chat template")
@@ -61,6 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
         "drafts are accepted; default: the daemon's `speculate`)",
     )
     p.add_argument("--draft-max", type=int, metavar="N", help="deepest speculative draft, 1-32")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="answer with JSON that validates against the JSON schema in FILE",
+    )
+    shape.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="answer in the Lark grammar in FILE (llguidance's dialect: rules, /regex/ "
+        "terminals, %%json{schema} inside)",
+    )
+    shape.add_argument("--regex", metavar="RE", help="answer with text the regex matches whole")
+    shape.add_argument(
+        "--format", choices=("json",), help="answer with a JSON object (Ollama's format=json)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="statistics on stderr")
     return p
 
@@ -102,7 +128,32 @@ def announce_stdin_wait(stdin, stderr) -> None:  # noqa: ANN001
         )
 
 
-def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
+def read_grammar(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict | None:
+    """The grammar payload the constraint flags ask for (None: free text)."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.format == "json":
+        return format_grammar("json")
+    path = args.json_schema or args.grammar
+    if path is None:
+        return None
+    flag = "--json-schema" if args.json_schema else "--grammar"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"{flag} {path}: {exc}")
+    if args.grammar:
+        return {"lark": text}
+    try:
+        return {"json_schema": json.loads(text)}
+    except ValueError as exc:
+        parser.error(f"--json-schema {path} is not JSON: {exc}")
+
+
+def make_submit(
+    args: argparse.Namespace, rid: str, text: str, grammar: dict | None = None
+) -> Submit:
     common = dict(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -115,6 +166,7 @@ def make_submit(args: argparse.Namespace, rid: str, text: str) -> Submit:
         speculate=args.speculate,
         draft_max=args.draft_max,
         keep_alive=args.keep_alive,
+        grammar=grammar,
     )
     if args.raw:
         return Submit(rid, prompt=text, **common)
@@ -131,8 +183,17 @@ def stats_line(done: Done) -> str:
         f"decode {done.tok_s:.1f} tok/s, hit rate {done.hit_pct:.1f}%, "
         f"finish={done.finish}"
     )
-    spec = speculation_line(x)
-    return line if spec is None else f"{line}\ncolibri: {spec}"
+    for extra in (speculation_line(x), grammar_line(x)):
+        if extra is not None:
+            line += f"\ncolibri: {extra}"
+    return line
+
+
+def grammar_line(x: dict[str, str]) -> str | None:
+    """What the grammar's masks cost, from DONE's extras (None without a grammar)."""
+    if "grammar" not in x:
+        return None
+    return f"grammar {x['grammar']}: {x.get('mask_us', '?')} µs a token for its masks"
 
 
 def speculation_line(x: dict[str, str]) -> str | None:
@@ -177,6 +238,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.raw and args.system:
         parser.error("--system needs the chat template; it cannot go with --raw")
+    grammar = read_grammar(args, parser)
     text = read_prompt(args, parser)
     out = sys.stdout
     try:
@@ -185,7 +247,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"colibri ask: {exc}", file=sys.stderr)
         return 1
     rid = client.next_id()
-    submit = make_submit(args, rid, text)
+    submit = make_submit(args, rid, text, grammar)
     status = ProgressLine(sys.stderr)
     try:
         for event in status.around(client.generate(submit)):

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from colibrid.engine.batch import LOGITS_ALL, LOGITS_LAST, Forward
+from colibrid.engine.constraint import Constraint, ConstraintStats
 from colibrid.engine.mtp_draft import MTPDrafter
 from colibrid.engine.sampling import Sampler, SamplingParams
 from colibrid.engine.speculate import (
@@ -117,12 +118,14 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class DoneEvent:
-    """The end: finish_reason is "stop", "length" or "cancelled"."""
+    """The end: finish_reason is "stop", "length" or "cancelled". With a grammar,
+    "stop" means the grammar accepts the text; "length" means it was cut short."""
 
     finish_reason: str
     stats: GenStats
     stop_string: str | None = None  # the stop string that ended the answer, if one did
     spec: SpecStats | None = None  # what speculation did, when it was on
+    constraint: ConstraintStats | None = None  # what the grammar's masks cost, when one ran
 
 
 GenEvent = TokenEvent | DoneEvent
@@ -190,6 +193,7 @@ def generate(
     session: SessionLike | None = None,
     progress: Callable[[int, int], None] | None = None,
     speculate: SpecSettings = OFF,
+    constraint: Constraint | None = None,
 ) -> Iterator[GenEvent]:
     """Yield a TokenEvent per generated token, then one DoneEvent.
 
@@ -204,8 +208,9 @@ def generate(
     text held back at that moment (part of a character or a possible stop-string start)
     is dropped. `progress(layers_done, layers)` follows the prompt's prefill (see
     Session.prefill). `speculate` drafts tokens and verifies them several at a time
-    (engine.speculate): the same tokens, sooner. Bad requests raise RequestError from this
-    call itself, before any engine work.
+    (engine.speculate): the same tokens, sooner. `constraint` masks every token to a
+    grammar (engine.constraint): the answer ends "stop" once the grammar is complete.
+    Bad requests raise RequestError from this call itself, before any engine work.
 
     This drives `generation` alone, one pass at a time; the daemon drives many together.
     """
@@ -218,6 +223,7 @@ def generate(
         cancel=cancel,
         session=session,
         speculate=speculate,
+        constraint=constraint,
     )
     return _drive_alone(engine, steps, cancel, progress)
 
@@ -294,12 +300,14 @@ def generation(
     session: SessionLike | None = None,
     speculate: SpecSettings = OFF,
     costs: PassCosts | None = None,
+    constraint: Constraint | None = None,
 ) -> Generation:
     """`generate` as a coroutine that does not run the model itself: it yields a `Forward`
     (engine.batch) whenever it needs a pass, and is sent that pass's logits back (or is
     thrown `Cancelled` when the pass was abandoned), so a driver can run the passes of
     many requests as one. Yields the same events, in the same order, as `generate`.
-    `costs` (engine-wide pass times, which the driver feeds) prices speculation."""
+    `costs` (engine-wide pass times, which the driver feeds) prices speculation;
+    `constraint` (one per request: it holds the grammar's state) masks its tokens."""
     ids = _check_prompt(engine, prompt_ids)
     if params.stop and detokenizer is None:
         raise RequestError("stop strings need a tokenizer to see the text")
@@ -316,6 +324,7 @@ def generation(
         cancel,
         session,
         lambda s: make_speculation(engine, speculate, costs, s),
+        constraint,
     )
     return Generation(gen, costs)
 
@@ -353,6 +362,7 @@ def _run(
     cancel: threading.Event | None,
     session: SessionLike | None,
     speculation: Callable[[SessionLike], Speculation | None],
+    constraint: Constraint | None,
 ) -> Generator[GenEvent | Forward, Any, None]:
     generated, prefill_s, decode_s, reuse = 0, 0.0, 0.0, 0
     spec: Speculation | None = None
@@ -360,7 +370,13 @@ def _run(
     def done(reason: str) -> DoneEvent:
         engine.request_finished()  # the store saves its profile and re-pins
         stats = GenStats.measure(len(ids), generated, prefill_s, decode_s, len(ids) - reuse)
-        return DoneEvent(reason, stats, matcher.matched, spec.stats if spec else None)
+        return DoneEvent(
+            reason,
+            stats,
+            matcher.matched,
+            spec.stats if spec else None,
+            constraint.stats() if constraint else None,
+        )
 
     if cancel is not None and cancel.is_set():
         yield done("cancelled")
@@ -386,14 +402,20 @@ def _run(
         spec.feed(ids)
     rows = [logits]  # logits to sample from in turn: the pass's rows whose input holds
     drafts: list[int] = []  # the tokens the pass assumed follow rows[0], rows[1], ...
+    booked = spec  # whose drafts the pass verified (None: the grammar's forced tokens)
     seconds = 0.0  # the pass's time (0 for the prompt's: not a decode step)
     while True:
         held = session.length  # rows held after the pass (its first input included)
         for k, row in enumerate(rows):
-            token = sampler.sample(row)
+            # each row masked with the grammar's state after the tokens before it
+            token = sampler.sample(row if constraint is None else constraint.apply(row))
             generated += 1
             is_stop_token = token in stop_token_ids
-            last = is_stop_token or generated >= budget
+            complete = False  # the grammar is done: only a stop token could follow
+            if constraint is not None and not is_stop_token:
+                constraint.advance(token)
+                complete = constraint.complete
+            last = is_stop_token or complete or generated >= budget
             piece = "" if detok is None or is_stop_token else detok.push(token)
             if last and detok is not None:
                 piece += detok.flush()
@@ -404,9 +426,9 @@ def _run(
             going_on = matched and not (hit or last)
             if not going_on:  # rows past this token's input assumed other tokens
                 session.truncate(held - len(rows) + k + 1)
-                _account(spec, drafts, k + matched, k + 1, seconds)
+                _account(booked, drafts, k + matched, k + 1, seconds)
             yield TokenEvent(token, text)
-            if hit or is_stop_token:
+            if hit or is_stop_token or complete:
                 yield done("stop")
                 return
             if last:
@@ -415,12 +437,12 @@ def _run(
             if cancel is not None and cancel.is_set():
                 if going_on:
                     session.truncate(held - len(rows) + k + 1)
-                    _account(spec, drafts, k + 1, k + 1, seconds)
+                    _account(booked, drafts, k + 1, k + 1, seconds)
                 yield done("cancelled")
                 return
             if not going_on:
                 break
-        drafts = spec.plan(budget - generated - 1) if spec is not None else []
+        drafts, booked = _drafts(spec, constraint, budget - generated - 1)
         t0 = time.perf_counter()
         mode = LOGITS_ALL if drafts else LOGITS_LAST
         try:
@@ -431,6 +453,23 @@ def _run(
         seconds = time.perf_counter() - t0
         decode_s += seconds
         rows = list(out) if drafts else [out]
+
+
+def _drafts(
+    spec: Speculation | None, constraint: Constraint | None, limit: int
+) -> tuple[list[int], Speculation | None]:
+    """The tokens the next pass verifies after the last one, and who proposed them. The
+    grammar's forced tokens first (the `"name": "` of a JSON object: a pass checks them
+    all, and they are kept unless the model would split the text into other tokens),
+    else the drafter's, less any the grammar refuses. Verifying changes no token."""
+    if constraint is not None:
+        forced = constraint.forced(limit)
+        if forced:
+            return forced, None
+    drafts = spec.plan(limit) if spec is not None else []
+    if drafts and constraint is not None:
+        drafts = constraint.drafts(drafts)  # one the grammar refuses is never kept
+    return drafts, spec
 
 
 def _rows(ids: Sequence[int]) -> np.ndarray:

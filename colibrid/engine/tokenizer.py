@@ -242,6 +242,11 @@ class TextCodec:
         """Size including added tokens (ids run 0..vocab_size-1)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer serialized as `tokenizer.json` (what a grammar engine reads to
+        learn every token's bytes: engine.constraint.Vocabulary)."""
+        return self._tok.to_str()
+
     # ---- chat ---------------------------------------------------------------------------
     @property
     def has_chat_template(self) -> bool:

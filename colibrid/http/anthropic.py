@@ -21,8 +21,11 @@ from colibrid.http.openai import (
     keep_alive,
     new_id,
     sampling,
+    shaped,
+    whole,
 )
 from colibrid.http.parsing import Features, OutputSplitter, ToolCall
+from colibrid.http.structured import ToolChoice
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest
 
@@ -79,14 +82,18 @@ def _convert(role: str, content: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def tool_choice(value: Any) -> str:
+def tool_choice(value: Any) -> ToolChoice:
     """Anthropic's `tool_choice` checked for shape: ``{"type": "auto" | "any" | "none"}``
-    or ``{"type": "tool", "name": str}``; returns the type."""
+    or ``{"type": "tool", "name": str}``; `any` and `tool` force a call."""
     if value is None:
-        return "auto"
+        return ToolChoice()
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind in ("auto", "any", "none") or (kind == "tool" and isinstance(value.get("name"), str)):
-        return kind
+    if kind in ("auto", "none"):
+        return ToolChoice(kind)
+    if kind == "any":
+        return ToolChoice("required")
+    if kind == "tool" and isinstance(value.get("name"), str):
+        return ToolChoice("required", value["name"])
     raise bad_request(
         '`tool_choice` must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": ...}',
         "tool_choice",
@@ -119,17 +126,21 @@ def messages_plan(
     tools = body.get("tools")
     choice = tool_choice(body.get("tool_choice"))
     template_tools = None
-    if tools and choice != "none":
+    if choice.forced and not tools:
+        raise bad_request("`tool_choice` names tools but `tools` is empty", "tool_choice")
+    if tools and choice.mode != "none":
         if not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
         ):
             raise bad_request(
                 "`tools` must be a list of {name, description, input_schema}", "tools"
             )
-        if choice != "auto":
-            raise bad_request("only `tool_choice` auto or none is supported", "tool_choice")
-        if not features.tools:
-            raise bad_request("this model's chat template does not support tools", "tools")
+        if not features.tools and not choice.forced:
+            raise bad_request(
+                "this model's chat template does not support tools (a forced call, "
+                "`tool_choice` any or a named tool, works without)",
+                "tools",
+            )
         template_tools = tuple(
             {
                 "type": "function",
@@ -141,6 +152,9 @@ def messages_plan(
             }
             for t in tools
         )
+    chat, shown_tools, grammar = shaped(
+        tuple(messages), template_tools, choice, None, features, param="tools"
+    )
     params = sampling(
         body,
         max_tokens=max_tokens,
@@ -151,9 +165,10 @@ def messages_plan(
         id=new_id("msg"),
         client=client,
         params=params,
-        messages=tuple(messages),
-        tools=template_tools,
+        messages=chat,
+        tools=shown_tools,
         keep_alive=keep_alive(body),
+        grammar=grammar,
     )
     return Plan(
         request,
@@ -244,7 +259,7 @@ class MessageStream:
         return self._pieces(self.splitter.feed(text))
 
     def finish(self, done: Done) -> list[tuple[str, dict[str, Any]]]:
-        pieces, self.calls = self.splitter.finish()
+        pieces, self.calls = self.splitter.finish(whole=whole(self.plan, done))
         out = self._pieces(pieces) + self._close()
         for call in self.calls:
             block = _tool_block(call)

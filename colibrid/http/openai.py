@@ -13,10 +13,18 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from colibrid.engine.constraint import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.errors import ColibriError, RequestError
 from colibrid.http.errors import ApiError, bad_request
 from colibrid.http.parsing import Features, OutputSplitter, ToolCall
+from colibrid.http.structured import (
+    ToolChoice,
+    callable_tools,
+    describe_tools,
+    output_grammar,
+    response_schema,
+)
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest
 
@@ -217,17 +225,17 @@ def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def tool_choice(value: Any) -> str:
+def tool_choice(value: Any) -> ToolChoice:
     """OpenAI's `tool_choice` checked for shape: "none" | "auto" | "required" or
-    ``{"type": "function", "function": {"name": str}}`` (returned as "function")."""
+    ``{"type": "function", "function": {"name": str}}`` (a call of that one, required)."""
     if value is None:
-        return "auto"
+        return ToolChoice()
     if isinstance(value, str) and value in ("none", "auto", "required"):
-        return value
+        return ToolChoice(value)
     if isinstance(value, dict) and value.get("type") == "function":
         fn = value.get("function")
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            return "function"
+            return ToolChoice("required", fn["name"])
     raise bad_request(
         '`tool_choice` must be "none", "auto", "required" or '
         '{"type": "function", "function": {"name": ...}}',
@@ -235,12 +243,17 @@ def tool_choice(value: Any) -> str:
     )
 
 
-def chat_tools(body: dict[str, Any], features: Features) -> tuple[dict[str, Any], ...] | None:
+def chat_tools(
+    body: dict[str, Any], features: Features
+) -> tuple[tuple[dict[str, Any], ...] | None, ToolChoice]:
+    """The request's tools (None when there are none or they are off) and its choice. A
+    forced call works on any chat template (structured.describe_tools); "auto" needs a
+    template that shows tools, so that the model knows their syntax."""
     tools, choice = body.get("tools"), tool_choice(body.get("tool_choice"))
-    if tools is None or tools == [] or choice == "none":
-        if choice in ("required", "function"):
+    if tools is None or tools == [] or choice.mode == "none":
+        if choice.forced:
             raise bad_request("`tool_choice` names tools but `tools` is empty", "tool_choice")
-        return None
+        return None, choice
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
         and t.get("type") == "function"
@@ -251,15 +264,36 @@ def chat_tools(body: dict[str, Any], features: Features) -> tuple[dict[str, Any]
         raise bad_request(
             "`tools` must be a list of {type: function, function: {name, ...}}", "tools"
         )
-    if choice != "auto":
+    if not features.tools and not choice.forced:
         raise bad_request(
-            'only `tool_choice` "auto" or "none" is supported (the model '
-            "decides whether to call a tool)",
-            "tool_choice",
+            "this model's chat template does not support tools (a forced call, "
+            '`tool_choice` "required" or a named function, works without)',
+            "tools",
         )
-    if not features.tools:
-        raise bad_request("this model's chat template does not support tools", "tools")
-    return tuple(tools)
+    return tuple(tools), choice
+
+
+def shaped(
+    messages: tuple[dict[str, Any], ...],
+    tools: tuple[dict[str, Any], ...] | None,
+    choice: ToolChoice,
+    answer: dict[str, Any] | bool | None,
+    features: Features,
+    *,
+    param: str = "tools",
+) -> tuple[tuple[dict[str, Any], ...], tuple[dict[str, Any], ...] | None, Grammar | None]:
+    """The messages, the tools for the chat template and the grammar of a request with
+    tools and/or a JSON answer (structured.py): a template that cannot show tools gets
+    them in a system note when a call is forced."""
+    if tools is None:
+        return messages, None, output_grammar(answer, (), choice)
+    if not choice.forced and answer is None:  # the model decides, unconstrained
+        return messages, tools, None
+    callable_ = callable_tools(tools, choice, param)
+    grammar = output_grammar(answer, callable_, choice)
+    if features.tools:
+        return messages, tools, grammar
+    return describe_tools(messages, callable_), None, grammar
 
 
 def chat_plan(body: Any, *, served: str, client: int, max_context: int, features: Features) -> Plan:
@@ -267,7 +301,9 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
     model = check_model(body, served)
     stream, include_usage = _common(body)
     messages = chat_messages(body.get("messages"))
-    tools = chat_tools(body, features)
+    tools, choice = chat_tools(body, features)
+    answer = response_schema(body.get("response_format"))
+    messages, template_tools, grammar = shaped(messages, tools, choice, answer, features)
     max_tokens = _int(body, "max_completion_tokens")
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens")
     params = sampling(
@@ -278,8 +314,9 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         client=client,
         params=params,
         messages=messages,
-        tools=tools,
+        tools=template_tools,
         keep_alive=keep_alive(body),
+        grammar=grammar,
     )
     return Plan(
         request,
@@ -313,8 +350,14 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
         max_context=max_context,
         stop=_stop(body.get("stop")),
     )
+    answer = response_schema(body.get("response_format"))
     request = GenerateRequest(
-        id=new_id("cmpl"), client=client, params=params, prompt=prompt, keep_alive=keep_alive(body)
+        id=new_id("cmpl"),
+        client=client,
+        params=params,
+        prompt=prompt,
+        keep_alive=keep_alive(body),
+        grammar=None if answer is None else Grammar.json_schema(answer),
     )
     return Plan(request, model, stream, include_usage, max_tokens)
 
@@ -323,6 +366,12 @@ def finish_reason(done: Done, calls: list[ToolCall]) -> str:
     if calls:
         return "tool_calls"
     return "length" if done.finish == "length" else "stop"
+
+
+def whole(plan: Plan, done: Done) -> bool:
+    """Whether the answer may be read as finished: a constrained one cut by the length
+    limit is not (its grammar never completed), so no tool call is made of it."""
+    return plan.request.grammar is None or done.finish != "length"
 
 
 def usage(done: Done) -> dict[str, Any]:
@@ -386,7 +435,7 @@ class ChatStream:
         return self._pieces(self.splitter.feed(text))
 
     def finish(self, done: Done) -> list[dict[str, Any]]:
-        pieces, self.calls = self.splitter.finish()
+        pieces, self.calls = self.splitter.finish(whole=whole(self.plan, done))
         out = self._pieces(pieces)
         if self.calls:
             out.append(self._chunk({"tool_calls": tool_calls_json(self.calls, stream=True)}))

@@ -29,6 +29,40 @@ _SAMPLING = {
     "stream": {"type": "boolean"},
     "n": {"type": "integer"},
 }
+_RESPONSE_FORMAT = {  # structured output: the answer is JSON of this schema
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "schema": {"type": "object"},
+                "strict": {"type": "boolean", "nullable": True},
+            },
+        },
+    },
+    "nullable": True,
+}
+_TOOL_CHOICE = {
+    "oneOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+    ],
+    "nullable": True,
+}
 _ERROR = {
     "description": "an OpenAI-style error",
     "content": {
@@ -98,11 +132,15 @@ def describe(model: str) -> dict[str, Any]:
                     "max_completion_tokens": {"type": "integer", "nullable": True},
                     "messages": {"type": "array", "items": _MESSAGE},
                     "tools": {"type": "array", "items": {"type": "object"}},
+                    "tool_choice": _TOOL_CHOICE,
+                    "response_format": _RESPONSE_FORMAT,
                     "stream_options": {"type": "object", "nullable": True},
                 },
             ),
             "/v1/completions": _post(
-                "raw completion", ["model", "prompt"], {**_SAMPLING, "prompt": {"type": "string"}}
+                "raw completion",
+                ["model", "prompt"],
+                {**_SAMPLING, "prompt": {"type": "string"}, "response_format": _RESPONSE_FORMAT},
             ),
             "/v1/messages": _post(
                 "Anthropic Messages",
@@ -122,6 +160,8 @@ def describe(model: str) -> dict[str, Any]:
                         },
                     },
                     "stop_sequences": {"type": "array", "items": {"type": "string"}},
+                    "tools": {"type": "array", "items": {"type": "object"}},
+                    "tool_choice": {"type": "object"},
                     "temperature": {"type": "number"},
                     "stream": {"type": "boolean"},
                 },

@@ -101,10 +101,12 @@ class OutputSplitter:
         self.buf += text
         return self._drain(final=False)
 
-    def finish(self) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+    def finish(self, *, whole: bool = True) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+        """The rest, and the tool calls; an answer that is not `whole` (a constrained one
+        cut short) makes no calls: its call text is returned as content."""
         pieces = self._drain(final=True)
         if self.mode == "tools":
-            calls = parse_tool_calls(self.tool_text)
+            calls = parse_tool_calls(self.tool_text) if whole else []
             if not calls:  # not a call after all: it was answer text
                 pieces.append(("content", self.tool_text))
             return pieces, calls

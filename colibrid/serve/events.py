@@ -45,6 +45,7 @@ class Done:
     decode_tok_s: float
     stop_string: str | None = None  # the stop string that ended the answer, if one did
     speculation: dict[str, str] | None = None  # what speculative decoding did, when on
+    constraint: dict[str, str] | None = None  # the grammar and its mask cost, when one ran
 
 
 @dataclass(frozen=True)

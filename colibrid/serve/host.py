@@ -25,6 +25,7 @@ import trio
 
 from colibrid.engine import kv_files
 from colibrid.engine.batcher import Batcher, Member
+from colibrid.engine.constraint import Constraint, Grammar, Vocabulary
 from colibrid.engine.generate import DoneEvent, TokenEvent, generation, reusable_prefix
 from colibrid.engine.sessions import SessionKey, SessionPool
 from colibrid.engine.speculate import OFF, SpecSettings
@@ -137,6 +138,7 @@ class EngineHost:
         self.codec: TextCodec | None = None
         self._batch: Batcher | None = None
         self._sessions: SessionPool | None = None
+        self._vocabulary: Vocabulary | None = None  # the grammar engine's view of the codec
         self._usage: UsageSink = UsageSink()
         self.store_view: StoreView | None = None
         if engine is not None:
@@ -147,6 +149,7 @@ class EngineHost:
         """Serve `engine` from now on: fresh sessions (the kept KV is the model's own),
         a fresh batch, its usage counted into `usage` (the model's profile book)."""
         self.engine, self.codec = engine, codec
+        self._vocabulary = None
         self._batch = Batcher(engine, self)
         self._sessions = SessionPool(
             engine.new_session,
@@ -163,6 +166,7 @@ class EngineHost:
         assert self._batch is None or not self._batch.members, "requests still run"
         engine = self.engine
         self.engine = self.codec = self._batch = self._sessions = self.store_view = None
+        self._vocabulary = None
         self._usage = UsageSink()
         return engine
 
@@ -340,6 +344,8 @@ class EngineHost:
                     "room for a generated token",
                     code="CONTEXT_EXCEEDED",
                 )
+            grammar = job.request.grammar
+            constraint = self._constraint(grammar) if grammar is not None else None
             job.session_key, session = self._sessions.checkout(
                 job.request.client, job.request.conv, ids
             )
@@ -356,6 +362,7 @@ class EngineHost:
                 session=session,
                 speculate=job.request.speculation(self.speculate),
                 costs=self._batch.costs,
+                constraint=constraint,
             )
             job.member = Member(
                 steps, job.cancel, self._progress_reporter(job), job, label=job.request.id
@@ -386,6 +393,17 @@ class EngineHost:
                 self._emit(job, Progress(done, total))
 
         return report
+
+    def _constraint(self, grammar: Grammar) -> Constraint:
+        """A fresh matcher for a request's grammar; the model's vocabulary is read for
+        it once, on the first constrained request (unconstrained ones never pay)."""
+        if self.codec is None or self.engine is None:
+            raise RequestError("this model has no tokenizer.json; a grammar needs one")
+        if self._vocabulary is None:
+            self._vocabulary = Vocabulary(
+                self.codec.tokenizer_json(), self.engine.vocab_size, self.codec.stop_token_ids
+            )
+        return self._vocabulary.constraint(grammar)
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if self.codec is None:
@@ -421,6 +439,7 @@ class EngineHost:
         self._last_tok_s = stats.decode_tok_s
         spec = None if event.spec is None else event.spec.extras()
         self._last_spec = spec
+        grammar = None if event.constraint is None else event.constraint.extras()
         if event.finish_reason == "cancelled" and not job.stop.is_set():
             why = "the daemon stopped" if job.cancel_code == "SHUTTING_DOWN" else "cancelled"
             self._finish(
@@ -442,6 +461,7 @@ class EngineHost:
                 stats.decode_tok_s,
                 event.stop_string,
                 spec,
+                grammar,
             ),
         )
 
@@ -451,6 +471,9 @@ def _summary(event: Event) -> str:
     if isinstance(event, Done):
         spec = event.speculation or {}
         drafts = f", {spec['accepted']}/{spec['drafted']} drafts kept" if "drafted" in spec else ""
+        grammar = event.constraint or {}
+        if grammar:
+            drafts += f", {grammar['grammar']} grammar ({grammar['mask_us']} µs a token)"
         return (
             f"{event.prompt_tokens} prompt ({event.cached_tokens} cached) + "
             f"{event.generated_tokens} tokens, prefill {event.prefill_tok_s:.1f} tok/s, "

@@ -7,6 +7,7 @@ from typing import Any
 
 from colibri_protocol.messages import Submit
 
+from colibrid.engine.constraint import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import SpecSettings
 
@@ -26,6 +27,7 @@ class GenerateRequest:
     speculate: str | None = None  # speculation mode (None: the daemon's)
     draft_max: int | None = None  # deepest draft (None: the daemon's)
     keep_alive: float | None = None  # seconds the model stays loaded once idle (None: as set)
+    grammar: Grammar | None = None  # what the answer must look like (validated at the edge)
 
     def speculation(self, default: SpecSettings) -> SpecSettings:
         """The request's speculative decoding: its own mode and depth over the daemon's."""
@@ -35,7 +37,8 @@ class GenerateRequest:
 
     @classmethod
     def from_submit(cls, submit: Submit, client: int) -> GenerateRequest:
-        """Raises RequestError (BAD_REQUEST) with the reason for invalid sampling values."""
+        """Raises RequestError (BAD_REQUEST) with the reason for invalid sampling values
+        or an invalid grammar (before any token is generated)."""
         params = SamplingParams(
             max_tokens=submit.max_tokens,
             temperature=submit.temperature,
@@ -55,6 +58,7 @@ class GenerateRequest:
             speculate=submit.speculate,
             draft_max=submit.draft_max,
             keep_alive=submit.keep_alive,
+            grammar=Grammar.from_spec(submit.grammar) if submit.grammar is not None else None,
         )
         request.speculation(SpecSettings())  # refused at the edge, with the reason
         return request

@@ -271,6 +271,7 @@ def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
             "decode_s": f"{event.decode_s:.4f}",
             "prefill_tok_s": f"{event.prefill_tok_s:.1f}",
             **(event.speculation or {}),
+            **(event.constraint or {}),
         },
     )
     return encode_done(done)

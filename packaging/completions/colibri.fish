@@ -51,7 +51,7 @@ function _shtab_colibri_using
 end
 
 set -g _shtab_colibri_commands ask repl run list pull stop rm ps logs profile 'profile list' 'profile show' 'profile use' 'profile save' 'profile warm' service 'service install' 'service uninstall' 'service status' completion convert inspect config synth bench 'bench kernels' 'bench decode' 'bench stream' 'bench batch' 'bench spec' 'bench replay' 'bench policy' 'bench peer' 'bench routing'
-set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --group-size --ids --io-bits --io-threads --isa --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --warmup --working-set -n
+set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --warmup --working-set -n
 
 complete -c colibri -e
 complete -c colibri -f
@@ -74,6 +74,10 @@ complete -c colibri -n '_shtab_colibri_using ask' -l profile -x -d 'usage profil
 complete -c colibri -n '_shtab_colibri_using ask' -l model -x -d 'model (started if no daemon runs)'
 complete -c colibri -n '_shtab_colibri_using ask' -l speculate -xka "auto ngram mtp off" -d 'speculative decoding for this request (lossless: the same answer, sooner when drafts are accepted; default: the daemon'"'"'s `speculate`)'
 complete -c colibri -n '_shtab_colibri_using ask' -l draft-max -x -d 'deepest speculative draft, 1-32'
+complete -c colibri -n '_shtab_colibri_using ask' -l json-schema -x -d 'answer with JSON that validates against the JSON schema in FILE'
+complete -c colibri -n '_shtab_colibri_using ask' -l grammar -x -d 'answer in the Lark grammar in FILE (llguidance'"'"'s dialect: rules, /regex/ terminals, %json{schema} inside)'
+complete -c colibri -n '_shtab_colibri_using ask' -l regex -x -d 'answer with text the regex matches whole'
+complete -c colibri -n '_shtab_colibri_using ask' -l format -xka "json" -d 'answer with a JSON object (Ollama'"'"'s format=json)'
 complete -c colibri -n '_shtab_colibri_using ask' -s v -l verbose -d 'statistics on stderr'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a repl -d 'chat with the model interactively'
 complete -c colibri -n '_shtab_colibri_using repl' -s h -l help -d 'show this help message and exit'

@@ -1,10 +1,15 @@
 """The output splitter and tool-call parser on fixed strings (the tiny random model never
-emits tags), fed whole and one character at a time, plus the translators' validation."""
+emits tags), fed whole and one character at a time, plus the translators' validation and
+the grammars they make of forced tool calls and JSON answers (fed bytes, no model)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from structured_cases import byte_tokenizer_json
 
+from colibrid.engine.constraint import Vocabulary
+from colibrid.errors import ColibriError
 from colibrid.http import anthropic, openai
 from colibrid.http.errors import ApiError
 from colibrid.http.parsing import Features, OutputSplitter, parse_tool_calls, split_all
@@ -102,7 +107,7 @@ def test_chat_plan_messages_tools_and_errors() -> None:
     assert plan.request.params.stop == ("x",) and plan.request.params.max_tokens == 9
     for bad, param in (
         ({"n": 3}, "n"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"temperature": 3}, "temperature"),
         ({"stop": 5}, "stop"),
     ):
@@ -111,6 +116,86 @@ def test_chat_plan_messages_tools_and_errors() -> None:
         assert err.value.status == 400 and err.value.param == param
     with pytest.raises(ApiError, match="does not support tools"):
         openai.chat_plan(body, features=Features(), **COMMON)
+
+
+def accepts(grammar, text: str) -> bool:  # noqa: ANN001
+    """Whether `grammar` allows exactly `text` (fed byte by byte) and is complete after."""
+    c = Vocabulary(byte_tokenizer_json(), 256, frozenset({0})).constraint(grammar)
+    try:
+        for byte in text.encode():
+            c.apply(np.zeros(256, dtype=np.float32))
+            c.advance(byte)
+    except ColibriError:
+        return False
+    return c.complete
+
+
+def test_forced_calls_and_json_answers_become_one_grammar() -> None:
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    other = {"type": "function", "function": {"name": "other"}}
+    hi = [{"role": "user", "content": "weather?"}]
+    body = {"model": "m", "messages": hi, "tools": [weather, other], "tool_choice": "required"}
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    for features in (BOTH, Features()):  # the template shows tools, or a system note does
+        plan = openai.chat_plan(body, features=features, **COMMON)
+        grammar = plan.request.grammar
+        assert grammar.kind == "tool_call" and plan.features.tools
+        assert accepts(grammar, call) and accepts(grammar, call.replace("get_weather", "other"))
+        assert not accepts(grammar, call.replace("Paris", 'Paris", "x": "y'))
+        assert not accepts(grammar, "Sure! " + call) and not accepts(grammar, '{"city": "x"}')
+        ((name, args),) = [(c.name, c.arguments) for c in parse_tool_calls(call)]
+        assert (name, args) == ("get_weather", {"city": "Paris"})
+        if features == BOTH:
+            assert plan.request.tools == (weather, other) and plan.request.messages == tuple(hi)
+        else:
+            assert plan.request.tools is None
+            note = plan.request.messages[0]
+            assert note["role"] == "system" and '"name": "get_weather"' in note["content"]
+    named = {**body, "tool_choice": {"type": "function", "function": {"name": "other"}}}
+    grammar = openai.chat_plan(named, features=BOTH, **COMMON).request.grammar
+    assert accepts(grammar, call.replace("get_weather", "other")) and not accepts(grammar, call)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    either = {**body, "tool_choice": "auto", "response_format": fmt}
+    grammar = openai.chat_plan(either, features=BOTH, **COMMON).request.grammar
+    assert accepts(grammar, '{"a": 1}') and accepts(grammar, call)
+    assert not accepts(grammar, '{"a": "1"}') and not accepts(grammar, '{"a":1}')
+    only = {"model": "m", "messages": hi, "response_format": fmt}
+    grammar = openai.chat_plan(only, features=BOTH, **COMMON).request.grammar
+    assert grammar.kind == "json_schema" and accepts(grammar, '{"a": 1}')
+    assert not accepts(grammar, call)
+    assert (
+        openai.chat_plan(
+            {**only, "response_format": {"type": "text"}}, features=BOTH, **COMMON
+        ).request.grammar
+        is None
+    )
+    free = {**body, "tool_choice": "auto"}
+    assert openai.chat_plan(free, features=BOTH, **COMMON).request.grammar is None
+
+
+def test_a_constrained_answer_cut_short_makes_no_call() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "w?"}], "tools": tools}
+    for choice, length, calls in (("required", True, 0), ("required", False, 1), ("auto", True, 1)):
+        plan = openai.chat_plan({**body, "tool_choice": choice}, features=BOTH, **COMMON)
+        stream = openai.ChatStream(plan)
+        stream.token('<tool_call>{"name": "f", "arguments": {}}')
+        done = Done("length" if length else "stop", 5, 3, 0, 0.1, 0.1, 50.0, 30.0)
+        out = stream.response(done)["choices"][0]
+        assert len(out["message"].get("tool_calls") or []) == calls, (choice, length)
+        assert out["finish_reason"] == ("tool_calls" if calls else "length")
 
 
 def test_chat_response_with_tool_calls_and_reasoning() -> None:

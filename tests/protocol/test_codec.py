@@ -82,15 +82,24 @@ def test_invalid_utf8_line() -> None:
     assert items[0].code == "BAD_FRAME" and items[1] == Frame("PING")
 
 
-def test_upstream_submit_with_grammar_bytes_is_framed_then_refused() -> None:
-    (frame,) = feed_all(b"SUBMIT 9 1 2 4 0.5 0.9 4\nhigr{}\n")
-    assert frame.payload == b"higr{}"
+def native(prompt: bytes, grammar: bytes = b"", opts: str = "") -> bytes:
+    """A native SUBMIT whose payload is `prompt` then `grammar` (gbytes= counts it)."""
+    gbytes = f" gbytes={len(grammar)}" if grammar else ""
+    return f"SUBMIT a {len(prompt + grammar)}{gbytes}{opts}\n".encode() + prompt + grammar + b"\n"
+
+
+def test_upstream_submit_carries_its_grammar_after_the_prompt() -> None:
+    (frame,) = feed_all(b'SUBMIT 9 1 2 4 0.5 0.9 14\nhi{"regex":"a+"}\n')
+    assert frame.payload == b'hi{"regex":"a+"}'
+    req = parse_request(frame)
+    assert (req.prompt, req.grammar) == ("hi", {"regex": "a+"})
+    (bad,) = feed_all(b"SUBMIT 9 1 2 4 0.5 0.9 4\nhigr{}\n")
     try:
-        parse_request(frame)
+        parse_request(bad)
     except ProtocolError as exc:
-        assert exc.code == "BAD_REQUEST" and "grammar" in exc.message
+        assert exc.code == "BAD_REQUEST" and "grammar payload is not JSON" in exc.message
     else:
-        raise AssertionError("grammar accepted")
+        raise AssertionError("a grammar that is not JSON was accepted")
     (plain,) = feed_all(b"SUBMIT 9 1 2 4 0.5 0.9\nhi\n")
     req = parse_request(plain)
     assert (req.prompt, req.max_tokens, req.temperature, req.top_p, req.conv) == (
@@ -100,6 +109,31 @@ def test_upstream_submit_with_grammar_bytes_is_framed_then_refused() -> None:
         0.9,
         "slot1",
     )
+    assert req.grammar is None
+
+
+def test_native_submit_grammar_is_the_payloads_tail_and_format_json_its_shorthand() -> None:
+    (frame,) = feed_all(native(b"hi", b'{"regex":"a+"}'))
+    assert parse_request(frame).grammar == {"regex": "a+"}
+    (frame,) = feed_all(native(b"hi", opts=" format=json"))
+    req = parse_request(frame)
+    assert (req.prompt, req.grammar) == ("hi", {"json_schema": {"type": "object"}})
+    for data, why in (
+        (native(b"hi", opts=" format=yaml"), "bad value for format"),
+        (native(b"hi", opts=" gbytes=3"), "gbytes=3 but the payload has 2 bytes"),
+        (native(b"hi", b'{"a":1}'), "grammar payload must be one of"),
+        (native(b"hi", b'{"lark":""}'), "lark must be a non-empty string"),
+        (native(b"hi", b'{"json_schema":1}'), "json_schema must be a JSON object"),
+        (native(b"hi", b'{"regex":"a"}', " format=json"), "not both"),
+        (native(b"hi", b"\xff\xfe\xfd"), "grammar payload is not valid UTF-8"),
+    ):
+        (frame,) = feed_all(data)
+        try:
+            parse_request(frame)
+        except ProtocolError as exc:
+            assert exc.code == "BAD_REQUEST" and why in exc.message, (data, exc.message)
+        else:
+            raise AssertionError(f"accepted {data!r}")
 
 
 texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
@@ -114,8 +148,13 @@ texts = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
     seed=st.none() | st.integers(0, 2**64 - 1),
     chat=st.booleans(),
     chunk=st.integers(1, 7),
+    grammar=st.none()
+    | st.builds(lambda t: {"regex": t}, texts.filter(bool))
+    | st.builds(lambda t: {"json_schema": {"type": "object", "title": t}}, texts),
 )
-def test_submit_round_trip(prompt, stops, max_tokens, temperature, seed, chat, chunk) -> None:
+def test_submit_round_trip(
+    prompt, stops, max_tokens, temperature, seed, chat, chunk, grammar
+) -> None:
     messages = ({"role": "user", "content": prompt},) if chat else None
     req = Submit(
         "id-1",
@@ -127,10 +166,12 @@ def test_submit_round_trip(prompt, stops, max_tokens, temperature, seed, chat, c
         stop=tuple(stops),
         conv="c1",
         profile="code",
+        grammar=grammar,
     )
     (frame,) = feed_all(encode_submit(req), chunk=chunk)
     back = parse_request(frame)
     assert back.prompt == req.prompt and back.messages == req.messages
+    assert back.grammar == grammar
     assert back.stop == req.stop and back.seed == seed and back.max_tokens == max_tokens
     assert back.temperature == float(f"{temperature:g}")
 

@@ -142,7 +142,7 @@ BAD_FRAMES: list[tuple[bytes, tuple[str, str]]] = [
     (b"SUBMIT a 1 chat=2\nx\n", ("a", "BAD_REQUEST")),
     (b"SUBMIT a 2 chat=1\n[]\n", ("a", "BAD_REQUEST")),
     (b'SUBMIT a 20 chat=1\n[{"role": "user"}]  \n', ("a", "BAD_REQUEST")),
-    (b"SUBMIT a 0 1 5 0 1 7\nxgrammar\n", ("a", "BAD_REQUEST")),  # upstream form, a grammar
+    (b"SUBMIT a 0 1 5 0 1 7\nxgrammar\n", ("a", "BAD_REQUEST")),  # upstream, not JSON
     (b"SUBMIT a 1 model=another-model\nx\n", ("a", "NOT_FOUND")),
     (b"STOP\n", ("-", "BAD_FRAME")),
     (b"STOP nothere\n", ("nothere", "NOT_FOUND")),

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
+from structured_cases import byte_tokenizer_json
 
 from colibrid.config import Settings
 from colibrid.engine.batch import LOGITS_ALL, LOGITS_NONE, Forward
@@ -215,6 +216,9 @@ class FakeEngine:
 
 class FakeCodec:
     stop_token_ids = frozenset({0})
+
+    def tokenizer_json(self) -> str:
+        return byte_tokenizer_json()
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return list(text.encode("utf-8"))

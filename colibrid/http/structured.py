@@ -1,0 +1,171 @@
+"""Structured output over HTTP: `response_format` and forced tool calls as one grammar.
+
+OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and a
+``tool_choice`` that forces a call (OpenAI ``"required"`` or a named function, Anthropic
+``any`` or a named tool) become one `Grammar` the engine masks every token with, so the
+answer parses by construction:
+
+* a JSON answer is the schema's JSON and nothing else;
+* a forced call is written in the tool-call syntax `parsing` reads back,
+  ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``, with the arguments
+  constrained by that tool's `parameters` schema (a Lark grammar with ``%json{...}``);
+* with tools on ``auto`` and a JSON answer asked for, either one is allowed.
+
+A model whose chat template cannot show tools is told about them in a system note when a
+call is forced (the grammar does the rest); on ``auto`` it is still refused, since its
+unforced output would not follow any call syntax. Every schema is checked here, so a bad
+one is a 400 naming its field before any token is generated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from colibrid.engine.constraint import Grammar, styled_schema
+from colibrid.errors import RequestError
+from colibrid.http.errors import bad_request
+from colibrid.http.parsing import TOOL_OPEN
+
+TOOL_CLOSE = "</tool_call>"
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """`mode` none | auto | required; `name`: the one tool a required call must name."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode == "required"
+
+
+def response_schema(value: Any) -> dict[str, Any] | bool | None:
+    """The JSON schema OpenAI's `response_format` asks the answer to follow (None: text).
+    ``json_object`` is any object; ``json_schema`` without a `schema` is too."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_OBJECT
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request(
+                "response_format.json_schema must be an object with a `schema`",
+                "response_format",
+            )
+        schema = spec.get("schema", ANY_OBJECT)
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request(
+                "response_format.json_schema.schema must be a JSON schema object",
+                "response_format",
+            )
+        _check_schema(schema, "response_format.json_schema.schema", "response_format")
+        return schema
+    raise bad_request(
+        '`response_format` must be {"type": "text" | "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+        "response_format",
+    )
+
+
+def _check_schema(schema: Any, where: str, param: str) -> None:
+    try:
+        Grammar.json_schema(schema)
+    except RequestError as exc:
+        raise bad_request(f"{where}: {exc}", param) from None
+
+
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    """A template tool's function object (OpenAI's shape: what both APIs are turned into)."""
+    return tool["function"]
+
+
+def callable_tools(
+    tools: Sequence[dict[str, Any]], choice: ToolChoice, param: str
+) -> list[dict[str, Any]]:
+    """The tools a call may name under `choice` (a named one must exist), each with a
+    valid `parameters` schema (400 naming the tool otherwise)."""
+    names = [_function(t)["name"] for t in tools]
+    if choice.name is not None and choice.name not in names:
+        raise bad_request(
+            f"`tool_choice` names {choice.name!r}, which is not among `tools` ({', '.join(names)})",
+            "tool_choice",
+        )
+    picked = [t for t in tools if choice.name is None or _function(t)["name"] == choice.name]
+    for i, tool in enumerate(tools):
+        if tool in picked:
+            _check_schema(_parameters(tool), f"tools[{i}] parameters", param)
+    return picked
+
+
+def _parameters(tool: dict[str, Any]) -> Any:
+    params = _function(tool).get("parameters")
+    return ANY_OBJECT if params is None or params == {} else params
+
+
+def _call_rule(index: int, tool: dict[str, Any]) -> str:
+    """`call_<i>: "<tool_call>{"name": NAME, "arguments": " args_<i> "}</tool_call>"`."""
+    head = f'{TOOL_OPEN}{{"name": {json.dumps(_function(tool)["name"], ensure_ascii=False)}, '
+    head += '"arguments": '
+    return (
+        f"call_{index}: {json.dumps(head, ensure_ascii=False)} args_{index} "
+        f"{json.dumps('}' + TOOL_CLOSE)}\n"
+        f"args_{index}: %json {json.dumps(styled_schema(_parameters(tool)))}\n"
+    )
+
+
+def output_grammar(
+    answer: dict[str, Any] | bool | None,
+    tools: Sequence[dict[str, Any]],
+    choice: ToolChoice,
+) -> Grammar | None:
+    """The grammar of the whole answer: a forced call (one of `tools`), else the JSON
+    `answer` or, with tools on auto, a call instead; None when nothing is constrained.
+    `tools` are the callable ones (`callable_tools`), already checked."""
+    if choice.forced:
+        rules = "".join(_call_rule(i, t) for i, t in enumerate(tools))
+        start = " | ".join(f"call_{i}" for i in range(len(tools)))
+        return Grammar.lark(f"start: {start}\n{rules}", kind="tool_call")
+    if answer is None:
+        return None
+    if not tools or choice.mode == "none":
+        return Grammar.json_schema(answer)
+    rules = "".join(_call_rule(i, t) for i, t in enumerate(tools))
+    calls = " | ".join(f"call_{i}" for i in range(len(tools)))
+    answer_rule = f"answer: %json {json.dumps(styled_schema(answer))}\n"
+    return Grammar.lark(f"start: answer | {calls}\n{answer_rule}{rules}", kind="json_schema")
+
+
+def describe_tools(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]
+) -> tuple[dict[str, Any], ...]:
+    """`messages` with the tools described in the system message, for a chat template
+    that cannot show them itself (the call's syntax is the grammar's business)."""
+    listed = [
+        {
+            "name": _function(t)["name"],
+            "description": _function(t).get("description", ""),
+            "parameters": _parameters(t),
+        }
+        for t in tools
+    ]
+    note = (
+        "You can call these tools:\n"
+        + "\n".join(json.dumps(t, ensure_ascii=False) for t in listed)
+        + f'\nCall one by answering {TOOL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CLOSE}.'
+    )
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{note}".lstrip()
+    else:
+        out.insert(0, {"role": "system", "content": note})
+    return tuple(out)
