@@ -6,15 +6,18 @@ profiles a resident daemon leaves behind (fixtures, made visible by conftest.py)
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 from daemon_helpers import Home, free_port, install_chat_tokenizer
+from structured_cases import SCHEMAS
 
 from colibrid.store.usage import parse_counts
 
@@ -24,6 +27,12 @@ PROMPTS = (
     "Why is the sky blue?",
 )
 MAX_TOKENS = 14
+# A constrained answer rides along with the free ones (HTTP `response_format` json_schema,
+# SERVE `colibri ask --json-schema`): the grammar's mask must not change with placement
+# either. Keys of the answer dicts: the prompt, or "json: " + the prompt.
+SCHEMA, SCHEMA_TOKENS, (SCHEMA_PROMPT, *_) = SCHEMAS["object"]
+JSON_KEY = "json: " + SCHEMA_PROMPT
+QUERIES = (*PROMPTS, JSON_KEY)
 SETTINGS = dict(prompt_cache=False, profile_save_s=0.5, shutdown_grace_s=2.0)
 BATCH_ROUNDS = 4  # concurrent rounds tried until the daemon batches two of the asks
 
@@ -50,28 +59,41 @@ class Reference:
     generated: str = ""  # `colibrid generate --ids-out` on the resident store
 
 
-def ask(home: Home, prompt: str) -> str:
-    """`colibri ask` greedy; its stdout, or a line naming the failure."""
-    r = home.colibri("ask", "--max-tokens", str(MAX_TOKENS), "--temperature", "0", prompt)
+def ask(home: Home, query: str) -> str:
+    """`colibri ask` greedy (with `--json-schema` for JSON_KEY); its stdout, or a line
+    naming the failure."""
+    args = ["--max-tokens", str(MAX_TOKENS), "--temperature", "0", query]
+    if query == JSON_KEY:
+        schema = home.path / "schema.json"
+        schema.write_text(json.dumps(SCHEMA))
+        args = ["--json-schema", str(schema), "--max-tokens", str(SCHEMA_TOKENS)]
+        args += ["--temperature", "0", SCHEMA_PROMPT]
+    r = home.colibri("ask", *args)
     if r.returncode != 0:
         return f"<colibri ask failed rc={r.returncode}: {r.stderr.strip()[-400:]}>"
     return r.stdout
 
 
-def ask_http(port: int, model: str, prompt: str) -> str:
-    """The official `openai` client, greedy chat completion; its text, or the failure."""
+def ask_http(port: int, model: str, query: str) -> str:
+    """The official `openai` client, greedy chat completion (a `json_schema`
+    response_format for JSON_KEY); its text, or the failure."""
     import openai
 
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
     )
-    try:
-        reply = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": prompt}],
-            max_tokens=MAX_TOKENS,
-            temperature=0,
+    shape: dict = dict(messages=[{"role": "user", "content": query}], max_tokens=MAX_TOKENS)
+    if query == JSON_KEY:
+        shape = dict(
+            messages=[{"role": "user", "content": SCHEMA_PROMPT}],
+            max_tokens=SCHEMA_TOKENS,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": SCHEMA, "strict": True},
+            },
         )
+    try:
+        reply = client.chat.completions.create(model=model, temperature=0, **shape)
     except openai.OpenAIError as exc:
         return f"<HTTP request failed: {type(exc).__name__}: {str(exc)[-400:]}>"
     return reply.choices[0].message.content or ""
@@ -79,9 +101,9 @@ def ask_http(port: int, model: str, prompt: str) -> str:
 
 def ask_all(home: Home, port: int, model: str) -> tuple[dict[str, str], dict[str, str]]:
     """Every prompt through SERVE and HTTP at once (all in flight together)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(PROMPTS)) as pool:
-        serve = {p: pool.submit(ask, home, p) for p in PROMPTS}
-        http = {p: pool.submit(ask_http, port, model, p) for p in PROMPTS}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(QUERIES)) as pool:
+        serve = {q: pool.submit(ask, home, q) for q in QUERIES}
+        http = {q: pool.submit(ask_http, port, model, q) for q in QUERIES}
         return {p: f.result() for p, f in serve.items()}, {p: f.result() for p, f in http.items()}
 
 
@@ -172,10 +194,12 @@ def reference(tmp_path_factory):
             home.start()
             tiers = status(home)["tiers"]
             assert tiers["disk"]["experts"] == 0, f"reference is not resident: {tiers}"
-            serve = {p: ask(home, p) for p in PROMPTS}
-            http = {p: ask_http(port, model.name, p) for p in PROMPTS}
+            serve = {q: ask(home, q) for q in QUERIES}
+            http = {q: ask_http(port, model.name, q) for q in QUERIES}
             for text in [*serve.values(), *http.values()]:
                 assert text and not text.startswith("<"), (text, home.log())
+            for text in (serve[JSON_KEY], http[JSON_KEY]):  # the schema held
+                jsonschema.validate(json.loads(text), SCHEMA)
             # Concurrent rounds until two requests shared a pass (client processes that
             # start slowly on a busy machine can each finish alone); every round must agree
             for _ in range(BATCH_ROUNDS):

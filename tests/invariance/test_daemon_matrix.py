@@ -1,14 +1,14 @@
 """Placement never changes tokens — through the real daemon (docs/architecture.md).
 
 Each cell starts `colibrid start` in a private $COLIBRI_HOME with the placement settings
-users combine (config.toml `cache`, `pilot`, `direct`, `ram_gb`; speculative decoding at
-its default, `auto`), sends every prompt through the SERVE client (`colibri ask`) and the
-HTTP API (the official `openai` client against `--http`) at the same time, greedy (so the
-requests are decoded together, batched), and compares each answer byte for byte with the
-answer of the plain run: the resident store (the same model in a daemon with no placement
-key: its experts stay resident), speculation off, one request at a time. A cell then
-changes the active profile while the daemon serves (`colibri profile use code`, and back
-to `default`) and asks again. Profiles:
+users combine (config.toml `cache`, `pilot`, `direct`, `ram_gb`; speculative decoding at its
+default, `auto`), sends every prompt — and one JSON-schema constrained request — through the
+SERVE client (`colibri ask`) and the HTTP API (the official `openai` client against
+`--http`) at the same time, greedy (so the requests are decoded together, batched), and
+compares each answer byte for byte with the answer of the plain run: the resident store (the
+same model in a daemon with no placement key: its experts stay resident), speculation off,
+one request at a time. A cell then changes the active profile while the daemon serves
+(`colibri profile use code`, and back to `default`) and asks again. Profiles:
 
 * ``empty``: a fresh home; the daemon itself warms `code` (`colibri profile warm code`)
   before `profile use code`;
@@ -55,7 +55,7 @@ from pathlib import Path
 import pytest
 from daemon_helpers import Home, free_port
 from matrix_support import (
-    PROMPTS,
+    QUERIES,
     SETTINGS,
     Reference,
     ask_all,
@@ -91,7 +91,7 @@ class Cell:
 def compare(phase: str, ref: Reference, got: tuple[dict[str, str], dict[str, str]]) -> list[str]:
     out = []
     for client, want, have in (("SERVE", ref.serve, got[0]), ("HTTP", ref.http, got[1])):
-        for prompt in PROMPTS:
+        for prompt in QUERIES:
             if have[prompt] != want[prompt]:
                 out.append(
                     f"[{phase}] {client} {prompt!r}\n"
@@ -137,7 +137,7 @@ def run_cell(request: pytest.FixtureRequest, reference, tmp_path: Path, cell: Ce
             problems.append(f"[start] a warmed profile pinned nothing: {st['tiers']}")
         problems += pins_within_capacity("start", st)
         problems += compare(f"start, {cell.profile} profile", ref, ask_all(home, port, model.name))
-        asked += 2 * len(PROMPTS)
+        asked += 2 * len(QUERIES)
         batched = status(home)
         if not batched["shared_passes"] or batched["speculate"] != "auto":
             problems.append(f"[start] not batched or not speculating: {batched}")
@@ -156,7 +156,7 @@ def run_cell(request: pytest.FixtureRequest, reference, tmp_path: Path, cell: Ce
                 problems.append(f"[profile use {name}] rc={use.returncode}: {use.stderr[-400:]}")
             problems += compare(f"after `profile use {name}`", ref, ask_all(home, port, model.name))
             problems += pins_within_capacity(f"profile use {name}", status(home))
-            asked += 2 * len(PROMPTS)
+            asked += 2 * len(QUERIES)
         final = status(home)["tiers"]
     finally:
         home.close()
