@@ -7,7 +7,7 @@ expert goes where (that is :mod:`colibrid.store.slots`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import PROJECTIONS, ExpertLayout, ExpertWeights
@@ -115,10 +115,16 @@ class ExpertReader:
         assert self.arena is not None
         self.arena.fault_in_many(slots)
 
+    def fault_in_background(self, slots: Sequence[int], skip: Callable[[int], bool]) -> None:
+        assert self.arena is not None
+        self.arena.fault_in_background(slots, skip)
+
     def park(self, slot: int) -> None:
         assert self.arena is not None
         self.arena.release(slot)
 
     def close(self) -> None:
+        if self.arena is not None:
+            self.arena.stop_background()
         self.pool.close()
         self.files.close()

@@ -135,8 +135,13 @@ class TieredStore:
             fault_in=self.reader.fault_in,
             park=self.reader.park,
         )
-        # pre-fault: untouched RAM fills slowly later
-        self.reader.fault_in_many(self.placement.free)
+        # Pre-fault: untouched RAM fills slowly later. In the background where the kernel
+        # can populate without writing, the slots taken first (the free list's end) first;
+        # a slot parked meanwhile is passed over (one racing its park keeps its pages).
+        placement = self.placement
+        self.reader.fault_in_background(
+            placement.free[::-1], skip=lambda slot: slot in placement.parked
+        )
         self.prefetcher = Prefetcher(self.placement, self.reader, self.stats)
         self.completions = Completions(self.placement, self.reader, self.prefetcher)
         self.server = LayerServer(
