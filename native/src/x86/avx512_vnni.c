@@ -456,6 +456,53 @@ static void f32_rows_small(const mm_job *j, int o0, int o1) {
     }
 }
 
+/* Row o against NS activation rows: each row's four accumulators pre-added
+ * ((a0 + a1) + (a2 + a3)), as finish() reduces them, into t[n]. */
+ALWAYS_INLINE void partials_ns(const mm_job *j, int o, const float *const *x, __m512 t[NS], float *scale) {
+    const colibri_weight *w = j->w;
+    const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
+    __m512 a[NS][4];
+    *scale = 1.0f;
+    switch (w->fmt) {
+    case COLIBRI_FMT_F32: acc_plain_n(COLIBRI_FMT_F32, row, w->I, x, NS, a); break;
+    case COLIBRI_FMT_BF16: acc_plain_n(COLIBRI_FMT_BF16, row, w->I, x, NS, a); break;
+    case COLIBRI_FMT_Q8:
+        acc_plain_n(COLIBRI_FMT_Q8, row, w->I, x, NS, a);
+        *scale = w->scales[o];
+        break;
+    default: acc_q4_n(j, row, w->scales + (size_t)o * j->G, x, NS, a); break;
+    }
+    for (int n = 0; n < NS; n++) t[n] = _mm512_add_ps(_mm512_add_ps(a[n][0], a[n][1]), _mm512_add_ps(a[n][2], a[n][3]));
+}
+
+/* Prefill, 16 output rows at a time: NS activation rows' partials of 16 rows share one
+ * reduce16 per activation row (the per-output horizontal sum was an eighth of prefill);
+ * every output sees dot_rows_4's accumulation and finish()'s reduction, so the bits are
+ * those of the row-at-a-time path. */
+static void f32_tile16(const mm_job *j, int o, int s0, int s1) {
+    const colibri_weight *w = j->w;
+    int s = s0;
+    for (; s + NS <= s1; s += NS) {
+        const float *x[NS];
+        for (int n = 0; n < NS; n++) x[n] = j->xp + (size_t)(s + n) * j->ldx;
+        __m512 t[NS][16], p[NS];
+        float scale[16], sum[16];
+        for (int k = 0; k < 16; k++) {
+            partials_ns(j, o + k, x, p, &scale[k]);
+            for (int n = 0; n < NS; n++) t[n][k] = p[n];
+        }
+        for (int n = 0; n < NS; n++) {
+            reduce16(t[n], sum);
+            float *y = j->y + (size_t)(s + n) * w->O + o;
+            for (int k = 0; k < 16; k++) y[k] = scale[k] * sum[k];
+        }
+    }
+    for (; s < s1; s++) {
+        const float *x = j->xp + (size_t)s * j->ldx;
+        for (int k = 0; k < 16; k++) dot_rows_1(j, o + k, &x, j->y + (size_t)s * w->O + o + k);
+    }
+}
+
 static void f32_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
     if (j->xp == NULL || (w->fmt == COLIBRI_FMT_Q4 && j->G > 1 && j->gsz % 32 != 0)) {
@@ -469,7 +516,9 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
     const int sb = colibri_x_block_rows(j, sizeof(float), NS);
     for (int s0 = 0; s0 < j->S; s0 += sb) {
         const int s1 = j->S - s0 < sb ? j->S : s0 + sb;
-        for (int o = o0; o < o1; o++) {
+        int o = o0;
+        for (; o + 16 <= o1; o += 16) f32_tile16(j, o, s0, s1);
+        for (; o < o1; o++) {
             for (int s = s0; s < s1; s += NS) {
                 const float *x[NS];
                 float r[NS];
