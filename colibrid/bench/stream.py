@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +67,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="decode steps before measuring")
     p.add_argument("--probe-reads", type=int, default=64)
     p.add_argument("--ids", default="1,2,3,4,5,6,7,8", metavar="1,2,3", help="prompt ids")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample the decoded tokens at this temperature (seeded) instead of greedy: a "
+        "random-weight synthetic model decoded greedily soon repeats one token, so its "
+        "routing stops moving and every expert hits; sampling keeps it moving as real "
+        "text does (default 0: greedy)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
     add_store_flags(p)
     return p
+
+
+def token_picker(temperature: float, seed: int) -> Callable[[np.ndarray], int]:
+    """Greedy at temperature 0, else seeded softmax sampling (same seed, same tokens)."""
+    if temperature < 0:
+        raise SystemExit("bench stream: --temperature must be >= 0")
+    if temperature == 0:
+        return lambda logits: int(np.argmax(logits))
+    rng = np.random.default_rng(seed)
+
+    def sample(logits: np.ndarray) -> int:
+        z = np.asarray(logits, dtype=np.float64).reshape(-1) / temperature
+        p = np.exp(z - z.max())
+        return int(rng.choice(p.size, p=p / p.sum()))
+
+    return sample
 
 
 def main(argv: list[str]) -> int:
@@ -93,13 +120,14 @@ def main(argv: list[str]) -> int:
     print(store.budget_plan.describe())
     print(f"slots: {store.plan.describe()}; pins: {store.pins.note}")
     session = engine.new_session()
+    next_token = token_picker(args.temperature, args.seed)
     logits = session.prefill([int(x) for x in args.ids.split(",") if x])
     for _ in range(args.warmup):
-        logits = session.decode(int(np.argmax(logits)))
+        logits = session.decode(next_token(logits))
     base = store.stats.copy()
     t0 = time.perf_counter()
     for _ in range(args.tokens):
-        logits = session.decode(int(np.argmax(logits)))
+        logits = session.decode(next_token(logits))
     wall = time.perf_counter() - t0
     st = store.statistics(since=base)
     # Probe again after decoding and keep the faster figure: the drive (and a VM's host

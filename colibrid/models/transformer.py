@@ -150,10 +150,13 @@ def load_moe(
 ) -> MoE:
     prefix = f"model.layers.{layer}.{args.module}"
     n = args.n_routed_experts
+    # The selection bias belongs to the sigmoid router (DeepSeek/GLM); a softmax family
+    # never reads one, even where a checkpoint carries a stray tensor of that name.
     bias_name = f"{prefix}.gate.e_score_correction_bias"
+    has_bias = not args.softmax and src.has(bias_name)
     router = Router(
         src.vector(f"{prefix}.gate.weight", (n, hidden)),
-        src.vector(bias_name, (n,)) if src.has(bias_name) else None,
+        src.vector(bias_name, (n,)) if has_bias else None,
         top_k=args.num_experts_per_tok,
         n_group=args.n_group,
         topk_group=args.topk_group,

@@ -64,6 +64,12 @@ def test_qwen3_235b_shape_plans_its_real_expert() -> None:
         4,
     )
     assert total > expert * 16
+    # softmax routing has no selection bias: a stray one made every token pick the same
+    # experts, so nothing streamed at 3x the budget
+    _, expected = expected_from_config(cfg, lambda n: True)
+    assert not [name for name in expected if "e_score_correction_bias" in name]
+    _, glm5 = expected_from_config(synth_config("glm5", 4, 8), lambda n: True)
+    assert [name for name in glm5 if "e_score_correction_bias" in name]
 
 
 def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> None:

@@ -11,6 +11,9 @@ weights).
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import numpy as np
 import pytest
 import tiny_models
@@ -108,5 +111,33 @@ def test_mtp_layer_is_loaded(oracle_checkpoint, arch: str) -> None:
         hidden = np.ones((1, engine.args.trunk.hidden_size), dtype=np.float32)
         out = mtp.input(hidden, hidden, KernelFamily.F32)
         assert out.shape == hidden.shape and np.isfinite(out).all()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", tiny_models.SOFTMAX_ARCHS)
+def test_softmax_router_ignores_a_stray_selection_bias(oracle_checkpoint, tmp_path, arch) -> None:
+    """`e_score_correction_bias` belongs to the sigmoid router: a softmax checkpoint that
+    carries one (an earlier synthetic container did) still routes as transformers does."""
+    from safetensors.numpy import load_file, save_file
+
+    ref = oracle_checkpoint(arch)
+    folder = tmp_path / "model"
+    shutil.copytree(ref.out_dir, folder)
+    shard = folder / "model.safetensors"
+    tensors = load_file(str(shard))
+    routers = [
+        name for name in tensors if re.fullmatch(r"model\.layers\.\d+\.\w+\.gate\.weight", name)
+    ]
+    assert routers
+    for name in routers:
+        bias = np.zeros(tensors[name].shape[0], dtype=np.float32)
+        bias[0] = 100.0  # would put expert 0 in every row's choice
+        tensors[name.removesuffix("weight") + "e_score_correction_bias"] = bias
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    engine = Engine.load(folder)
+    try:
+        assert engine.model.layers[0].mlp.router.bias is None
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
         engine.close()
