@@ -61,17 +61,28 @@ def _rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return mx.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half :]], axis=-1)
 
 
-def _attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, start: int) -> mx.array:
+def _attend(
+    q: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    start: int,
+    window: int | None = None,
+) -> mx.array:
     """Causal GQA attention (NumpyOps.attend_gqa's layout): q [S, H, d] at positions
     start.., keys/values [T, G, d]; returns [S, H * d]. Masked keys score EXCLUDED, as in
-    layers.attention, so a fully visible row takes no special path."""
+    layers.attention, so a fully visible row takes no special path; with a sliding
+    window, row p sees keys t > p - window only (layers.attention.causal_mask)."""
     rows, heads, d = q.shape
     t, kv_heads = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
     q_g = q.transpose(1, 0, 2).reshape(kv_heads, group * rows, d)
     scores = (q_g @ keys.transpose(1, 2, 0)) * np.float32(scale)
     scores = scores.reshape(heads, rows, t)
-    visible = mx.arange(t)[None, :] <= (start + mx.arange(rows))[:, None]
+    position = (start + mx.arange(rows))[:, None]
+    visible = mx.arange(t)[None, :] <= position
+    if window is not None:
+        visible = mx.logical_and(visible, mx.arange(t)[None, :] > position - window)
     scores = mx.where(visible[None], scores, EXCLUDED)
     scores = scores - mx.max(scores, axis=-1, keepdims=True)
     probs = mx.exp(scores)
@@ -159,7 +170,12 @@ class MlxOps:
     ) -> tuple[np.ndarray, np.ndarray]:
         """layers.router.route_reference in MLX; argsort of MLX is stable, so ties go to the
         lowest expert index as the rule says."""
-        scores = mx.sigmoid(_in(h) @ _in(weight).T)  # [S, E]
+        logits = _in(h) @ _in(weight).T  # [S, E]
+        if rule.softmax:  # over all experts, before the top-k
+            shifted = mx.exp(logits - mx.max(logits, axis=1, keepdims=True))
+            scores = shifted / mx.sum(shifted, axis=1, keepdims=True)
+        else:
+            scores = mx.sigmoid(logits)
         choice = scores + _in(bias) if bias is not None else scores
         if rule.n_group > 1 and rule.topk_group < rule.n_group:
             rows = choice.shape[0]
@@ -195,17 +211,20 @@ class MlxOps:
         q, k, v = (mlx_weight(w).matmul(xs) for w in (block.q, block.k, block.v))
         if block.biases is not None:
             q, k, v = (y + _in(b) for y, b in zip((q, k, v), block.biases, strict=True))
+        if block.qk_norm is not None and block.qk_norm_whole:  # each row's whole projection
+            q = _rms(q, _in(block.qk_norm[0]), block.eps)
+            k = _rms(k, _in(block.qk_norm[1]), block.eps)
         q = q.reshape(rows, -1, d)
         k = k.reshape(rows, kv_heads, d)
         v = v.reshape(rows, kv_heads, d)
-        if block.qk_norm is not None:
+        if block.qk_norm is not None and not block.qk_norm_whole:  # each head
             q = _rms(q, _in(block.qk_norm[0]), block.eps)
             k = _rms(k, _in(block.qk_norm[1]), block.eps)
         cos, sin = _in(rope[0]), _in(rope[1])
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         all_k = mx.concatenate([_in(keys[:start]), k]) if start else k
         all_v = mx.concatenate([_in(values[:start]), v]) if start else v
-        out = mlx_weight(block.o).matmul(_attend(q, all_k, all_v, scale, start))
+        out = mlx_weight(block.o).matmul(_attend(q, all_k, all_v, scale, start, block.window))
         y, new_k, new_v = _run(out, k, v)
         keys[start : start + rows] = new_k
         values[start : start + rows] = new_v
@@ -225,9 +244,15 @@ class MlxOps:
         return t, n
 
     def attend_gqa(
-        self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float, start: int
+        self,
+        q: np.ndarray,
+        keys: np.ndarray,
+        values: np.ndarray,
+        scale: float,
+        start: int,
+        window: int | None = None,
     ) -> np.ndarray:
-        return _run(_attend(_in(q), _in(keys), _in(values), scale, start))[0]
+        return _run(_attend(_in(q), _in(keys), _in(values), scale, start, window))[0]
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         """A row lookup, no arithmetic worth a device: done on the host."""

@@ -147,16 +147,24 @@ def test_expert_swiglu_and_apply_experts(ops, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["f32", "int8", "int4-g64"])
 @pytest.mark.parametrize("rows,start", [(1, 0), (1, 17), (5, 3)])
-def test_gqa_attention_block(ops, fmt: str, rows: int, start: int) -> None:
+# Qwen3-MoE's per-head qk-norm; OLMoE's norms over the whole projections with Mixtral's
+# sliding window (shorter than the context, so it cuts keys)
+@pytest.mark.parametrize("whole,window", [(False, None), (True, 4)])
+def test_gqa_attention_block(
+    ops, fmt: str, rows: int, start: int, whole: bool, window: int | None
+) -> None:
     heads, kv_heads, d, hidden, cap = 4, 2, 32, 128, 24
     rng = np.random.default_rng(rows + start)
+    q_span, k_span = (heads * d, kv_heads * d) if whole else (d, d)
     block = GQAWeights(
         _weight(fmt, heads * d, hidden, 1),
         _weight(fmt, kv_heads * d, hidden, 2),
         _weight(fmt, kv_heads * d, hidden, 3),
         _weight(fmt, hidden, heads * d, 4),
         biases=tuple(rng.standard_normal(n, dtype=np.float32) for n in (128, 64, 64)),
-        qk_norm=tuple(rng.uniform(0.5, 1.5, d).astype(np.float32) for _ in range(2)),
+        qk_norm=tuple(rng.uniform(0.5, 1.5, n).astype(np.float32) for n in (q_span, k_span)),
+        qk_norm_whole=whole,
+        window=window,
     )
     angles = rng.uniform(0, 6.3, (rows, 8)).astype(np.float32)  # partial RoPE: 16 of 32 dims
     rope = (np.cos(angles), np.sin(angles))
@@ -187,6 +195,9 @@ def test_norms_rope_attend_and_rank_sum(ops) -> None:
     keys = rng.standard_normal((9, 2, 32), dtype=np.float32)
     values = rng.standard_normal((9, 2, 32), dtype=np.float32)
     _close(ops.attend_gqa(q, keys, values, 0.2, 6), ref.attend_gqa(q, keys, values, 0.2, 6))
+    windowed = ops.attend_gqa(q, keys, values, 0.2, 6, 3)
+    _close(windowed, ref.attend_gqa(q, keys, values, 0.2, 6, 3))
+    assert not np.allclose(windowed, ref.attend_gqa(q, keys, values, 0.2, 6))
     parts = rng.standard_normal((3, 4, 64), dtype=np.float32)
     _close(ops.rank_sum(parts), ref.rank_sum(parts))
 
@@ -197,6 +208,8 @@ def test_norms_rope_attend_and_rank_sum(ops) -> None:
         (RouteRule(top_k=2), 4),
         (RouteRule(top_k=4, n_group=4, topk_group=2, norm=True, scaling=2.5), 6),
         (RouteRule(top_k=3, norm=False, scaling=1.0), 3),
+        (RouteRule(top_k=2, norm=False, softmax=True), 5),  # Mixtral / Qwen3 without renorm
+        (RouteRule(top_k=3, norm=True, softmax=True), 3),
     ],
 )
 def test_route(ops, rule: RouteRule, n: int) -> None:
@@ -218,14 +231,6 @@ def test_route_ties_go_to_the_lowest_expert(ops) -> None:
 
 
 # ---- the whole model -----------------------------------------------------------------------
-MLX_NOT_YET = {"qwen3_moe", "mixtral", "olmoe"}  # softmax routing, windows: CPU kernels only
-
-
-def _supported(backend: str, arch: str) -> None:
-    if backend == "mlx" and arch in MLX_NOT_YET:
-        pytest.skip(f"the MLX backend does not compute {arch}'s softmax router/window yet")
-
-
 def _load(ref: tiny_models.OracleReference, backend: str, store: StoreOptions | None = None):  # noqa: ANN202
     return Engine.load(ref.out_dir, family=F32, ops=make_ops(backend), store=store)
 
@@ -233,7 +238,6 @@ def _load(ref: tiny_models.OracleReference, backend: str, store: StoreOptions | 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)
 def test_model_matches_transformers(oracle_checkpoint, backend: str, arch: str) -> None:
-    _supported(backend, arch)
     ref = oracle_checkpoint(arch)
     engine = _load(ref, backend)
     try:
@@ -247,7 +251,6 @@ def test_model_matches_transformers(oracle_checkpoint, backend: str, arch: str) 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)
 def test_placement_never_changes_tokens(oracle_checkpoint, backend: str, arch: str) -> None:
-    _supported(backend, arch)
     ref = oracle_checkpoint(arch)
     tokens = []
     for store in (StoreOptions(mode="resident"), StoreOptions(mode="tiered", cache=1, pin="off")):
@@ -301,7 +304,6 @@ def test_quantised_experts_match_dequantised_reference(
     int4_checkpoint, backend: str, arch: str
 ) -> None:
     """Routed experts as int4-g64 container tensors (MLX: its quantised matmul)."""
-    _supported(backend, arch)
     ref = int4_checkpoint(arch)
     engine = _load(ref, backend)
     try:
