@@ -50,7 +50,15 @@ def gauge(home: Home, name: str) -> float:
 
 def raw_stream(home: Home, max_tokens: int) -> socket.socket:
     body = json.dumps(
-        {"model": MODEL, "messages": HI, "max_tokens": max_tokens, "stream": True}
+        # greedy: a sampled answer could stop at an end token long before max_tokens, and
+        # the "running" request would then end before the test has filled the queue
+        {
+            "model": MODEL,
+            "messages": HI,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+        }
     ).encode()
     sock = socket.create_connection(("127.0.0.1", home.port))
     sock.sendall(
