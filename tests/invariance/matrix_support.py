@@ -30,7 +30,11 @@ MAX_TOKENS = 14
 # A constrained answer rides along with the free ones (HTTP `response_format` json_schema,
 # SERVE `colibri ask --json-schema`): the grammar's mask must not change with placement
 # either. Keys of the answer dicts: the prompt, or "json: " + the prompt.
-SCHEMA, SCHEMA_TOKENS, (SCHEMA_PROMPT, *_) = SCHEMAS["object"]
+SCHEMA, _, (SCHEMA_PROMPT, *_) = SCHEMAS["object"]
+# The tiny models' tokenizer is byte-level and a random model writes any code point, so the
+# 16-character name can take 64 tokens: room for the longest complete answer (~90 tokens);
+# a constrained answer ends where its grammar does, so the room costs nothing otherwise.
+SCHEMA_TOKENS = 128
 JSON_KEY = "json: " + SCHEMA_PROMPT
 QUERIES = (*PROMPTS, JSON_KEY)
 SETTINGS = dict(prompt_cache=False, profile_save_s=0.5, shutdown_grace_s=2.0)

@@ -19,9 +19,10 @@ one request at a time. A cell then changes the active profile while the daemon s
 ``colibrid generate --ids ... --ids-out`` with ``--pin auto|all`` (plus ``--cache``,
 ``--profile``) is compared the same way with the resident `colibrid generate` run.
 
-Models: the demo (tests/conftest.py `demo_container`) and tiny random GLM-5
-(`glm_moe_dsa`) and DeepSeek-V3 (`deepseek_v3`) checkpoints converted to int4 containers
-by `colibri convert`, whose experts the tiered store streams (tests/invariance/conftest.py).
+Models: the demo (tests/conftest.py `demo_container`) and tiny random checkpoints of the
+other families (GLM-5 `glm_moe_dsa`, `deepseek_v3`, `qwen3_moe`, `mixtral`, `olmoe`)
+converted to int4 containers by `colibri convert`, whose experts the tiered store streams
+(tests/invariance/conftest.py).
 `prompt_cache = false` in every home: a request continued from a kept session may differ
 from a cold one in the last bits (README), which is not a placement effect.
 
@@ -36,11 +37,13 @@ does not have today.
 Running it:
 
 * default (CI, `pytest -q`): the demo with `--cache 2`, a warmed profile and `profile use`
-  switching, SERVE and HTTP at once; tiny GLM-5 streamed the same way; `colibrid generate
-  --pin auto|all` on tiny GLM-5. Alone: ``pytest -q tests/invariance/test_daemon_matrix.py``.
+  switching, SERVE and HTTP at once; tiny GLM-5 and Qwen3-MoE streamed the same way;
+  `colibrid generate --pin auto|all` on tiny GLM-5. Alone:
+  ``pytest -q tests/invariance/test_daemon_matrix.py``.
 * the full matrix (marker `matrix`, skipped by default): models {demo, glm_moe_dsa,
-  deepseek_v3} x cache {1, 2, 8} x PILOT {on, off} x O_DIRECT {on, off} x profile {empty,
-  warmed}, MEMWATCH shrink cells, and the `colibrid generate` pin matrix:
+  deepseek_v3, qwen3_moe, mixtral, olmoe} x cache {1, 2, 8} x PILOT {on, off} x O_DIRECT
+  {on, off} x profile {empty, warmed}, MEMWATCH shrink cells, and the `colibrid generate`
+  pin matrix:
   ``COLIBRI_MATRIX=1 pytest -q tests/invariance/test_daemon_matrix.py`` (or
   ``pytest -q -m matrix tests/invariance``).
 """
@@ -65,7 +68,7 @@ from matrix_support import (
     status,
 )
 
-KINDS = ("demo", "glm_moe_dsa", "deepseek_v3")
+KINDS = ("demo", "glm_moe_dsa", "deepseek_v3", "qwen3_moe", "mixtral", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,11 @@ def test_demo_cache2_warmed_profile_use_serve_and_http(request, reference, tmp_p
 
 def test_glm5_streamed_cache2_warmed_profile_use(request, reference, tmp_path) -> None:
     run_cell(request, reference, tmp_path, Cell("glm_moe_dsa", 2, "warmed"))
+
+
+def test_qwen3_streamed_cache2_warmed_profile_use(request, reference, tmp_path) -> None:
+    """A softmax-routed family (qk-norm, no shared expert) streamed the way users run it."""
+    run_cell(request, reference, tmp_path, Cell("qwen3_moe", 2, "warmed"))
 
 
 def test_generate_pin_auto_and_all_glm5(request, reference, tmp_path) -> None:
