@@ -26,7 +26,7 @@ from colibrid.engine.chat_template import (
     Limits,
     probe,
 )
-from colibrid.errors import CheckpointError, RequestError, first_line
+from colibrid.errors import CheckpointError, ColibriError, RequestError, first_line
 
 # The special-token names transformers passes to every chat template (special_tokens_map).
 _SPECIAL_TOKEN_KEYS = (
@@ -257,6 +257,18 @@ class TextCodec:
         """The template source(s) as the checkpoint gives them (what the HTTP layer reads to
         see whether the model takes tools or thinks)."""
         return self._templates
+
+    def generation_prompt(self) -> str | None:
+        """The rendered prompt of a one-message chat (None without a template or when the
+        template fails on it): what the model's answer continues. Thinking templates
+        (Qwen3 "Thinking-2507", DeepSeek-V3.1 in thinking mode) end it in `<think>`, so
+        the answer starts inside the reasoning and only closes it."""
+        if not self._templates:
+            return None
+        try:
+            return self.render_chat([{"role": "user", "content": "Hi"}])
+        except ColibriError:
+            return None
 
     def _template(self, tools: Any) -> ChatTemplate:
         templates = self._templates

@@ -8,6 +8,7 @@ the chat template); events become a Message object or the Messages streaming eve
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from colibrid.http.errors import bad_request
@@ -176,7 +177,7 @@ def messages_plan(
         stream,
         False,
         max_tokens,
-        Features(tools=template_tools is not None, think=features.think),
+        replace(features, tools=template_tools is not None),
     )
 
 

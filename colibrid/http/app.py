@@ -111,7 +111,8 @@ class HttpApp:
         if self._features[0] != name:
             codec = self.state.host.codec
             templates = codec.chat_templates if codec is not None else None
-            self._features = (name, Features.of_template(templates))
+            prompt = codec.generation_prompt() if codec is not None else None
+            self._features = (name, Features.of_template(templates, prompt))
         return self._features[1]
 
     def _installed(self) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from colibrid.engine.constraint import Grammar
@@ -324,7 +324,7 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         stream,
         include_usage,
         max_tokens,
-        Features(tools=tools is not None, think=features.think),
+        replace(features, tools=tools is not None),
     )
 
 

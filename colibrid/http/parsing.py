@@ -26,11 +26,19 @@ class Features:
 
     tools: bool = False
     think: bool = False
+    think_open: bool = False  # the generation prompt opens `<think>`: output starts inside it
 
     @classmethod
-    def of_template(cls, template: Any) -> Features:
+    def of_template(cls, template: Any, generation_prompt: str | None = None) -> Features:
+        """From the template's source and, where known, the prompt it renders for a chat
+        (`TextCodec.generation_prompt`)."""
         text = json.dumps(template) if isinstance(template, dict) else str(template or "")
-        return cls(tools="tools" in text, think=THINK_OPEN in text or "thinking" in text)
+        opens = generation_prompt is not None and generation_prompt.rstrip().endswith(THINK_OPEN)
+        return cls(
+            tools="tools" in text,
+            think=opens or THINK_OPEN in text or "thinking" in text,
+            think_open=opens,
+        )
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,10 @@ class OutputSplitter:
 
     def __init__(self, features: Features) -> None:
         self.features = features
-        self.mode = "start" if features.think else "content"
+        if features.think_open:  # the prompt opened the reasoning; the model closes it
+            self.mode = "reasoning"
+        else:
+            self.mode = "start" if features.think else "content"
         self.buf = ""
         self.tool_text = ""
         self.after_reasoning = False

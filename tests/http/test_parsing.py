@@ -68,6 +68,43 @@ def test_malformed_call_stays_text_and_json_calls_parse() -> None:
 def test_features_from_template() -> None:
     assert Features.of_template("{% if tools %}{% endif %}<think>") == BOTH
     assert Features.of_template(None) == Features()
+    # Qwen3 "Thinking-2507" / DeepSeek-V3.1 thinking: the generation prompt opens <think>
+    opened = Features.of_template("{{ x }}", "<|im_start|>assistant\n<think>\n")
+    assert opened == Features(think=True, think_open=True)
+    closed = Features.of_template("<think>", "<|assistant|><think></think>")
+    assert not closed.think_open and closed.think
+
+
+@pytest.mark.parametrize("split", [split_all, by_char])
+def test_a_prompt_that_opens_the_reasoning(split) -> None:
+    """The answer has no `<think>`: everything before `</think>` is reasoning."""
+    opened = Features(tools=True, think=True, think_open=True)
+    text = "the user wants weather\n</think>\n\nLet me check. " + GLM.split("Let me check. ")[1]
+    reasoning, content, calls = split(text, opened)
+    assert (reasoning, content) == ("the user wants weather\n", "Let me check. ")
+    assert [c.name for c in calls] == ["get_weather"]
+    assert split("cut off while thinking", opened) == ("cut off while thinking", "", [])
+
+
+def test_codec_generation_prompt(tmp_path, chat_model) -> None:
+    """The codec renders the prompt the HTTP layer reads `think_open` from."""
+    import json
+    import shutil
+
+    from colibrid.engine.tokenizer import TextCodec
+
+    folder = tmp_path / "m"
+    shutil.copytree(chat_model, folder)
+    assert not Features.of_template("", TextCodec.load(folder).generation_prompt()).think_open
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|><think>\n{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    codec = TextCodec.load(folder)
+    assert codec.generation_prompt() == "<|user|>Hi<|assistant|><think>\n"
+    assert Features.of_template(codec.chat_templates, codec.generation_prompt()).think_open
 
 
 COMMON = {"served": "m", "client": 1, "max_context": 256}
