@@ -83,6 +83,20 @@ def test_glm5_indexer_really_selects(oracle_checkpoint) -> None:
         engine.close()
 
 
+def test_v32_indexer_selects_on_every_layer(oracle_checkpoint) -> None:
+    """DeepSeek-V3.2 has no "shared" layers: every layer, the MTP layer included, runs its own
+    indexer, with rotate_half RoPE, and keeps fewer keys than the context holds."""
+    ref = oracle_checkpoint("deepseek_v32")
+    engine = Engine.load(ref.out_dir)
+    try:
+        assert engine.args.indexer.topk < len(ref.tf_ids) and not engine.args.indexer.interleave
+        assert all(layer.attention.indexer is not None for layer in engine.model.layers)
+        assert engine.model.mtp.decoder.attention.indexer is not None
+        assert all("index_k" in layout for layout in engine.model.cache_layouts())
+    finally:
+        engine.close()
+
+
 def test_mixtral_window_really_cuts(oracle_checkpoint) -> None:
     """The Mixtral fixture's sliding window is shorter than the prompt, so the engine's
     windowed attention is exercised by prefill and decode alike."""
@@ -96,7 +110,7 @@ def test_mixtral_window_really_cuts(oracle_checkpoint) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32", "deepseek_v3"])
 def test_mtp_layer_is_loaded(oracle_checkpoint, arch: str) -> None:
     ref = oracle_checkpoint(arch)
     engine = Engine.load(ref.out_dir)
