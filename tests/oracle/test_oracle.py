@@ -1,6 +1,6 @@
 """The engine reproduces transformers token for token on tiny random checkpoints.
 
-Per architecture (the three sigmoid-routed DeepSeek-style families and the three
+Per architecture (the four sigmoid-routed DeepSeek-style families and the three
 softmax-routed ones: Qwen3-MoE, Mixtral with a sliding window, OLMoE): 32/32
 teacher-forced argmax (one batched prefill) and 20/20 greedy tokens (prefill + decode
 with the KV cache), at f32, from bf16 and FP8 checkpoints (against the reference on the

@@ -137,7 +137,7 @@ _TRUNK = dict(
     pad_token_id=None,
 )
 
-# Shared by the three sigmoid-routed architectures.
+# Shared by the sigmoid-routed architectures.
 _COMMON = dict(
     _TRUNK,
     moe_intermediate_size=64,
