@@ -13,8 +13,9 @@ the one tiny config of ``test_oracle.py``.
 * GLM-5 DSA: the issue's config, edge configs of the indexer, the tie rule of the reference, a
   context growing hundreds of tokens past ``index_topk`` during decode, and the indexer key cache
   through a forked prompt cache and a saved and restored session (``kv/``).
-* DeepSeek-V3.2 DSA (the same indexer, rotate_half RoPE): edge configs of the indexer, and
-  that most CI cases have contexts longer than ``index_topk``, so the indexer selects.
+* DeepSeek-V3.2 DSA (the same indexer, rotate_half RoPE): edge configs of the indexer, the
+  long decode and the indexer key cache as GLM-5's, and that most CI cases have contexts
+  longer than ``index_topk``, so the indexer selects.
 * quantised routed experts (int8, int4-g64) against the dequantised reference on swept configs.
 """
 
@@ -219,17 +220,18 @@ LONG_GEN = 320
 LONG_SPLIT = 160
 
 
-@pytest.fixture(scope="module")
-def long_dsa(tmp_path_factory) -> tiny_models.OracleReference:
-    """GLM-5 with index_topk 8 under a 16-token prompt and 320 greedy tokens: the context grows
-    ~330 tokens past index_topk during decode."""
+@pytest.fixture(scope="module", params=tiny_models.DSA_ARCHS)
+def long_dsa(request, tmp_path_factory) -> tiny_models.OracleReference:
+    """GLM-5 / DeepSeek-V3.2 with index_topk 8 under a 16-token prompt and 320 greedy tokens:
+    the context grows ~330 tokens past index_topk during decode."""
+    arch = request.param
     case = sweep.SweepCase(
-        "glm_moe_dsa",
-        tiny_models.DEFAULT_SEEDS["glm_moe_dsa"],
+        arch,
+        tiny_models.DEFAULT_SEEDS[arch],
         LONG_PROMPT,
         dict(index_topk=8, max_position_embeddings=512),
     )
-    return sweep.build_case(case, tmp_path_factory.mktemp("long-dsa"), gen_len=LONG_GEN)
+    return sweep.build_case(case, tmp_path_factory.mktemp(f"long-{arch}"), gen_len=LONG_GEN)
 
 
 def _continue(engine: Engine, ids: list[int], n: int, session) -> list[int]:
