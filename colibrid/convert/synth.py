@@ -165,6 +165,50 @@ SHAPES["qwen3-235b"] = dict(
     attention_bias=False,
     vocab_size=8192,
 )
+# DeepSeek-V3.2's per-layer shapes: MLA with 128 heads (q-LoRA 1536, latent 512, nope 128 +
+# rope 64, v 128), the DSA indexer (64 heads of 128, top-2048, rotate_half RoPE), 256 experts
+# of FFN 2048 (~24.8 MB each at int4-g64), top-8 of 8 groups with 4 competing, one shared
+# expert, YaRN x40 over 4096 positions; the real model has 61 layers (3 dense) and a
+# 129,280-token vocabulary
+SHAPES["deepseek-v32"] = dict(
+    model_type="deepseek_v32",
+    architectures=["DeepseekV32ForCausalLM"],
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=64,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=16384,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    attention_bias=False,
+    vocab_size=8192,
+)
+# The model types whose checkpoints carry an MTP layer (`--mtp`)
+MTP_TYPES = ("glm_moe_dsa", "deepseek_v32")
 # GLM-4.5-Air's structure at toy sizes: for tests
 SHAPES["glm4-tiny"] = dict(
     SHAPES["glm4-air"],
@@ -186,8 +230,10 @@ def synth_config(shape: str, layers: int, experts: int, mtp: bool = False) -> di
         raise ConvertError(f"--shape {shape!r}: choose from {', '.join(SHAPES)}")
     if layers < 1 or experts < 1:
         raise ConvertError("--layers and --experts must be >= 1")
-    if mtp and SHAPES[shape]["model_type"] != "glm_moe_dsa":
-        raise ConvertError(f"--mtp: only GLM-5-shaped models carry an MTP layer, not {shape!r}")
+    if mtp and SHAPES[shape]["model_type"] not in MTP_TYPES:
+        raise ConvertError(
+            f"--mtp: only GLM-5- and DeepSeek-V3.2-shaped models carry an MTP layer, not {shape!r}"
+        )
     cfg = dict(SHAPES[shape])
     if cfg["model_type"] == "qwen3_moe":  # experts counted as `num_experts`; no dense first
         cfg.update(num_experts=experts)
@@ -197,6 +243,9 @@ def synth_config(shape: str, layers: int, experts: int, mtp: bool = False) -> di
             first_k_dense_replace=min(1, layers - 1),
             num_nextn_predict_layers=1 if mtp else 0,
         )
+        if experts % cfg["n_group"] or experts // cfg["n_group"] < 2:
+            # too few experts for the real groups (2 each at least): route without groups
+            cfg.update(n_group=1, topk_group=1)
     cfg.update(
         num_hidden_layers=layers,
         num_experts_per_tok=min(cfg["num_experts_per_tok"], experts),

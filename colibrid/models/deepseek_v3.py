@@ -52,7 +52,8 @@ def read_mla_fields(
 ) -> dict[str, Any]:
     """Trunk, MoE and MLA fields. `interleave=None` reads `rope_interleave` (default True) as
     transformers' DeepSeek-V3 does; a bool fixes the RoPE layout whatever the config says
-    (GLM-5: transformers' glm_moe_dsa always interleaves and ignores `rope_interleave`)."""
+    (the DSA families: transformers' deepseek_v32 and glm_moe_dsa always interleave and
+    ignore `rope_interleave`)."""
     trunk = read_trunk(r)
     if interleave is None:
         interleave = r.bool("rope_interleave", True)
@@ -80,7 +81,7 @@ def read_mla_fields(
 
 
 def build(args: Any, src: WeightSource, experts: ExpertSource, ops: Ops) -> Transformer:
-    """Shared by deepseek_v3 and glm_moe_dsa (whose args add the DSA indexer)."""
+    """Shared by deepseek_v3, deepseek_v32 and glm_moe_dsa (whose args add the DSA indexer)."""
     model = build_transformer(args, src, experts, ops, args.attention.rope)
     model.mtp = load_mtp(args, src, experts, ops)
     return model

@@ -1,57 +1,36 @@
-"""GLM-5.x: DeepSeek-V3's MLA and MoE plus the DSA lightning indexer, which keeps each
-query's top `index_topk` keys once the context exceeds it. Layers marked "shared" in
-`indexer_types` reuse the previous full layer's selection."""
+"""GLM-5.x: DeepSeek-V3.2 (MLA, MoE, the DSA lightning indexer) with the indexer's RoPE
+interleaved and cross-layer sharing: layers marked "shared" in `indexer_types` reuse the
+previous full layer's selection."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from colibrid.models import deepseek_v3
+from colibrid.models import deepseek_v32
 from colibrid.models.base import ConfigReader, Ops, WeightSource
-from colibrid.models.common import TrunkArgs
-from colibrid.models.layers.dsa import Indexer, IndexerShape
-from colibrid.models.layers.mla import MLAShape
+from colibrid.models.layers.dsa import Indexer
 
 ARCH = "glm_moe_dsa"
-build = deepseek_v3.build
+build = deepseek_v32.build
 
 
 @dataclass(frozen=True)
-class ModelArgs(deepseek_v3.ModelArgs):
-    indexer: IndexerShape | None
+class ModelArgs(deepseek_v32.ModelArgs):
     indexer_types: tuple[str, ...]
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
         r = ConfigReader(config, ARCH)
-        # always interleaved: a `rope_interleave` key is ignored, as transformers ignores it
-        fields = deepseek_v3.read_mla_fields(r, default_dense=3, interleave=True)
-        trunk: TrunkArgs = fields["trunk"]
-        attention: MLAShape = fields["attention"]
-        if attention.q_lora_rank is None:
-            raise r._fail("q_lora_rank", "is required by the DSA indexer")
-        shape = IndexerShape(
-            hidden=trunk.hidden_size,
-            q_lora_rank=attention.q_lora_rank,
-            heads=r.int("index_n_heads", 32),
-            head_dim=r.int("index_head_dim", 128),
-            rope=attention.rope,
-            topk=r.int("index_topk", 2048, hi=1 << 30),
-        )
-        if shape.head_dim < shape.rope:
-            raise r._fail("index_head_dim", f"= {shape.head_dim} is below qk_rope_head_dim")
-        return cls(
-            **fields, indexer=shape, indexer_types=tuple(_indexer_types(r, trunk.num_hidden_layers))
-        )
+        # the indexer interleaves its RoPE like the MLA (DeepSeek-V3.2's uses rotate_half)
+        fields = deepseek_v32.read_dsa_fields(r, default_index_heads=32, index_interleave=True)
+        n_layers = fields["trunk"].num_hidden_layers
+        return cls(**fields, indexer_types=tuple(_indexer_types(r, n_layers)))
 
     def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
-        prefix = f"model.layers.{layer}.self_attn.indexer"
         if layer < len(self.indexer_types) and self.indexer_types[layer] == "shared":
             return None
-        if layer >= len(self.indexer_types) and not src.has(f"{prefix}.wk.weight"):
-            return None  # an MTP layer without indexer weights
-        return Indexer(src, ops, prefix, self.indexer)
+        return super().indexer_at(src, ops, layer)
 
 
 def _indexer_types(r: ConfigReader, n_layers: int) -> list[str]:

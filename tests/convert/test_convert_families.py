@@ -1,6 +1,7 @@
-"""`colibri convert` of the softmax-routed families (Qwen3-MoE, Mixtral, OLMoE): the
-container's routed experts are int8 or int4-g64, everything else f32, and the engine on it
-reproduces transformers run on the dequantised experts, token for token.
+"""`colibri convert` of the softmax-routed families (Qwen3-MoE, Mixtral, OLMoE) and of an
+FP8 DeepSeek-V3.2 checkpoint: the container's routed experts are int8 or int4-g64,
+everything else f32, and the engine on it reproduces transformers run on the dequantised
+weights, token for token.
 
 The source folder holds the original f32 experts (Mixtral's under their own names,
 ``block_sparse_moe.experts.E.w1/w3/w2``); the reference used quantise-then-dequantise of
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiny_models
-from quant_reference import EXACT_FLAGS, ref_dequant, ref_quant
+from quant_reference import EXACT_FLAGS, encoding, int4_roundtrip, ref_dequant, ref_quant
 
 from colibri_cli.main import main
 from colibrid.backends.base import KernelFamily
@@ -62,6 +63,40 @@ def test_converted_family_matches_dequantised_reference(
     try:
         layer = engine.experts.layout.moe_layers[0]
         assert engine.experts.get(layer, 0).gate.fmt == weight_format
+        assert teacher_forced_argmax(engine, ref.tf_ids) == ref.tf_pred
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()
+
+
+def test_deepseek_v32_fp8_checkpoint_converts(oracle_checkpoint, tmp_path: Path) -> None:
+    """DeepSeek-V3.2 ships FP8 e4m3 weights with 128x128 block scales, as V3 does: every
+    linear but the embedding, head, router and the indexer's weights_proj (the indexer's
+    wq_b and wk included). The converter decodes them; experts become int4-g64, the rest f32
+    (EXACT_FLAGS), and the engine reproduces transformers on those weights."""
+    container, decode = encoding("fp8")
+    ref = oracle_checkpoint(
+        "deepseek_v32",
+        "fp8",
+        expert_transform=lambda name, w: int4_roundtrip(decode(w)),
+        expert_container=container,
+    )
+    stored = {name: dtype for name, dtype, _, _ in tiny_models.tensor_table(ref.out_dir)}
+    indexer = "model.layers.1.self_attn.indexer."
+    assert stored[indexer + "wq_b.weight"] == stored[indexer + "wk.weight"] == "F8_E4M3"
+    assert stored[indexer + "weights_proj.weight"] == "F32"
+    assert stored["model.layers.2.mlp.experts.3.down_proj.weight"] == "F8_E4M3"
+
+    dst = tmp_path / "container"
+    assert main(["convert", str(ref.out_dir), str(dst), *EXACT_FLAGS]) == 0
+    report = inspect(dst)
+    config = tiny_models.tiny_config("deepseek_v32")
+    n_routed = 3 * config.n_routed_experts * len(tiny_models.moe_layer_indices(config))
+    assert report.formats["expert"] == {"int4-g64": n_routed}
+    assert set(report.formats["f32"]) == {"f32"}
+    engine = Engine.load(dst, family=KernelFamily.F32)
+    try:
+        assert not engine.args.indexer.interleave
         assert teacher_forced_argmax(engine, ref.tf_ids) == ref.tf_pred
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:

@@ -72,6 +72,26 @@ def test_qwen3_235b_shape_plans_its_real_expert() -> None:
     assert [name for name in glm5 if "e_score_correction_bias" in name]
 
 
+def test_deepseek_v32_shape_plans_its_real_expert() -> None:
+    total, expert = planned_bytes("deepseek-v32", 4, 32)
+    # gate/up [2048, 7168]: 2048*3584 B + 2048*112 scales; down [7168, 2048]: 7168*1024 + 7168*32
+    assert expert == 2 * (2048 * 3584 + 2048 * 112 * 4) + 7168 * 1024 + 7168 * 32 * 4
+    assert abs(expert - 24.77e6) < 0.01e6
+    assert total > expert * 3 * 32
+    cfg = synth_config("deepseek-v32", 4, 32, mtp=True)
+    assert (cfg["model_type"], cfg["n_group"], cfg["topk_group"], cfg["index_n_heads"]) == (
+        "deepseek_v32",
+        8,
+        4,
+        64,
+    )
+    args, expected = expected_from_config(cfg, lambda n: True)
+    assert not args.indexer.interleave and args.attention.interleave
+    assert "model.layers.4.self_attn.indexer.wq_b.weight" in expected  # the MTP layer's
+    # fewer experts than the real groups need: routed without groups
+    assert synth_config("deepseek-v32", 2, 4)["n_group"] == 1
+
+
 def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):

@@ -1,6 +1,7 @@
-"""The softmax-routed families read config.json as transformers does (which layers are MoE,
-where the window applies, what defaults mean) and refuse what the engine cannot compute,
-with one line naming the key."""
+"""The softmax-routed families and the DSA families (DeepSeek-V3.2, GLM-5) read config.json
+as transformers does (which layers are MoE, where the window applies, the indexer's shape and
+RoPE layout, what defaults mean) and refuse what the engine cannot compute, with one line
+naming the key."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import pytest
 import tiny_models
+import transformers
 
 from colibrid.errors import ConfigError
 from colibrid.models import family
@@ -66,6 +68,48 @@ def test_olmoe_norms_span_the_whole_projections() -> None:
     assert not args.moe.norm_topk_prob and args.moe.n_routed_experts == 8
 
 
+def _without(arch: str, *keys: str) -> dict[str, Any]:
+    config = tiny_models.tiny_config(arch).to_dict()
+    for key in keys:
+        del config[key]
+    return config
+
+
+INDEX_KEYS = ("index_n_heads", "index_head_dim", "index_topk")
+
+
+@pytest.mark.parametrize(
+    "arch,config_class,interleave",
+    [("deepseek_v32", "DeepseekV32Config", False), ("glm_moe_dsa", "GlmMoeDsaConfig", True)],
+)
+def test_dsa_indexer_defaults_and_rope_layout(arch: str, config_class: str, interleave: bool):
+    """A config without the index keys means transformers' defaults (V3.2: 64 index heads,
+    GLM-5: 32; both 128 dims and top-2048); the indexer's RoPE layout is the family's,
+    while the MLA interleaves in both whatever `rope_interleave` says."""
+    defaults = getattr(transformers, config_class)()
+    args = family(arch).ModelArgs.from_config(_without(arch, *INDEX_KEYS))
+    ix = args.indexer
+    assert (ix.heads, ix.head_dim, ix.topk) == tuple(getattr(defaults, k) for k in INDEX_KEYS)
+    assert ix.interleave is interleave and args.attention.interleave
+    flipped = args_of(arch, rope_interleave=False)
+    assert flipped.indexer.interleave is interleave and flipped.attention.interleave
+    assert (flipped.indexer.heads, flipped.indexer.head_dim, flipped.indexer.topk) == (8, 32, 8)
+    assert flipped.indexer.rope == flipped.attention.rope == 16
+
+
+def test_v32_mla_moe_and_dense_layers() -> None:
+    """DeepSeek-V3's MLA and sigmoid routing; dense layers from `mlp_layer_types`, else
+    the first `first_k_dense_replace` (default 3, as transformers' DeepseekV32Config)."""
+    args = args_of("deepseek_v32")
+    a, moe = args.attention, args.moe
+    assert (a.heads, a.q_lora_rank, a.kv_lora_rank, a.nope, a.rope, a.v) == (4, 96, 64, 32, 16, 32)
+    assert not moe.softmax and (moe.n_group, moe.topk_group, moe.n_shared_experts) == (4, 2, 1)
+    assert moe.routed_scaling_factor == 2.5 and args.is_moe == (False, True, True)
+    config = _without("deepseek_v32", "mlp_layer_types", "first_k_dense_replace")
+    assert family("deepseek_v32").ModelArgs.from_config(config).is_moe == (False,) * 3
+    assert args_of("deepseek_v32", mlp_layer_types=["sparse"] * 3).is_moe == (True,) * 3
+
+
 @pytest.mark.parametrize(
     "arch,changes,key",
     [
@@ -77,6 +121,11 @@ def test_olmoe_norms_span_the_whole_projections() -> None:
         ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act"),
         ("mixtral", {"num_key_value_heads": 3}, "num_key_value_heads"),
         ("olmoe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ("deepseek_v32", {"q_lora_rank": None}, "q_lora_rank"),
+        ("deepseek_v32", {"index_head_dim": 8}, "index_head_dim"),
+        ("deepseek_v32", {"index_n_heads": 0}, "index_n_heads"),
+        ("deepseek_v32", {"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
+        ("deepseek_v32", {"n_group": 3}, "n_group"),
     ],
 )
 def test_unsupported_configs_are_refused_by_key(arch: str, changes: dict, key: str) -> None:

@@ -14,7 +14,7 @@ from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.store.options import StoreOptions
 
-MTP_ARCHS = ("deepseek_v3", "glm_moe_dsa")
+MTP_ARCHS = ("deepseek_v3", "glm_moe_dsa", "deepseek_v32")
 
 
 def mirror_mtp(folder) -> None:  # noqa: ANN001

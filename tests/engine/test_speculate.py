@@ -117,7 +117,7 @@ class ScriptedDrafter:
         return out
 
 
-@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "glm_moe_dsa"])
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "glm_moe_dsa", "deepseek_v32"])
 def test_speculation_changes_no_token(oracle_checkpoint, monkeypatch, arch) -> None:
     """Drafts right, wrong at every third and fifth place, and from prompt lookup; greedy
     and sampled (same seed): the text is the one without speculation, and a request that

@@ -85,6 +85,10 @@ def draw_case(arch: str, index: int) -> SweepCase:
             rng, overrides["num_hidden_layers"], prompt_len + GEN_LEN, overrides["qk_rope_head_dim"]
         )
         overrides.update(dsa)
+    elif arch == "deepseek_v32":
+        overrides.update(_draw_mla(rng, q_lora_optional=False))
+        context = prompt_len + GEN_LEN
+        overrides.update(_draw_indexer(rng, context, overrides["qk_rope_head_dim"]))
     elif arch == "deepseek_v3":
         overrides.update(_draw_mla(rng, q_lora_optional=True))
         overrides["rope_interleave"] = rng.random() < 0.6
@@ -96,8 +100,8 @@ def draw_case(arch: str, index: int) -> SweepCase:
 
 
 def _draw_trunk(rng: random.Random) -> dict[str, Any]:
-    """Sizes, dense/MoE layer split and group-limited routing, shared by the three
-    sigmoid-routed families."""
+    """Sizes, dense/MoE layer split and group-limited routing, shared by the sigmoid-routed
+    families."""
     layers = rng.randint(1, 4)
     n_group = rng.choice([1, 1, 2, 4])
     per_group = rng.randint(2, 6)
@@ -157,15 +161,9 @@ def _draw_mla(rng: random.Random, *, q_lora_optional: bool) -> dict[str, Any]:
 def _draw_dsa(
     rng: random.Random, layers: int, context: int, rope: int
 ) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """Indexer shape (index_head_dim from exactly the rotary part up, so also equal to and
-    unlike 2 x rope), top-k (1 to above the context) and the full/shared layer pattern, given as
-    an explicit list, as an F/S pattern string, or as the freq/offset schedule."""
-    out: dict[str, Any] = dict(
-        index_n_heads=rng.randint(1, 8),
-        index_head_dim=rope + rng.choice([0, 2, rope, 6, 16, 40]),
-        index_topk=rng.randint(1, context + 4),
-        rope_interleave=rng.random() < 0.8,  # transformers ignores it for glm_moe_dsa
-    )
+    """GLM-5: the indexer (``_draw_indexer``) and the full/shared layer pattern, given as an
+    explicit list, as an F/S pattern string, or as the freq/offset schedule."""
+    out = _draw_indexer(rng, context, rope)
     kinds = ["full"] + [rng.choice(["full", "shared"]) for _ in range(layers - 1)]
     style = rng.choice(["list", "list", "pattern", "schedule"])
     drop: tuple[str, ...] = ()
@@ -178,6 +176,19 @@ def _draw_dsa(
         out["index_skip_topk_offset"] = rng.randint(1, 3)
         drop = ("indexer_types",)
     return out, drop
+
+
+def _draw_indexer(rng: random.Random, context: int, rope: int) -> dict[str, Any]:
+    """The DSA indexer shared by GLM-5 and DeepSeek-V3.2: its shape (index_head_dim from
+    exactly the rotary part up, so also equal to and unlike 2 x rope) and top-k (1 to above the
+    context, so most cases select), plus a `rope_interleave` key both transformers models
+    ignore (their MLA always interleaves)."""
+    return dict(
+        index_n_heads=rng.randint(1, 8),
+        index_head_dim=rope + rng.choice([0, 2, rope, 6, 16, 40]),
+        index_topk=rng.randint(1, context + 4),
+        rope_interleave=rng.random() < 0.8,
+    )
 
 
 def _draw_gqa(rng: random.Random, rope: dict[str, Any]) -> dict[str, Any]:

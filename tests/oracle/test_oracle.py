@@ -1,6 +1,6 @@
 """The engine reproduces transformers token for token on tiny random checkpoints.
 
-Per architecture (the three sigmoid-routed DeepSeek-style families and the three
+Per architecture (the four sigmoid-routed DeepSeek-style families and the three
 softmax-routed ones: Qwen3-MoE, Mixtral with a sliding window, OLMoE): 32/32
 teacher-forced argmax (one batched prefill) and 20/20 greedy tokens (prefill + decode
 with the KV cache), at f32, from bf16 and FP8 checkpoints (against the reference on the
@@ -86,6 +86,20 @@ def test_glm5_indexer_really_selects(oracle_checkpoint) -> None:
         engine.close()
 
 
+def test_v32_indexer_selects_on_every_layer(oracle_checkpoint) -> None:
+    """DeepSeek-V3.2 has no "shared" layers: every layer, the MTP layer included, runs its own
+    indexer, with rotate_half RoPE, and keeps fewer keys than the context holds."""
+    ref = oracle_checkpoint("deepseek_v32")
+    engine = Engine.load(ref.out_dir)
+    try:
+        assert engine.args.indexer.topk < len(ref.tf_ids) and not engine.args.indexer.interleave
+        assert all(layer.attention.indexer is not None for layer in engine.model.layers)
+        assert engine.model.mtp.decoder.attention.indexer is not None
+        assert all("index_k" in layout for layout in engine.model.cache_layouts())
+    finally:
+        engine.close()
+
+
 def test_mixtral_window_really_cuts(oracle_checkpoint) -> None:
     """The Mixtral fixture's sliding window is shorter than the prompt, so the engine's
     windowed attention is exercised by prefill and decode alike."""
@@ -99,7 +113,7 @@ def test_mixtral_window_really_cuts(oracle_checkpoint) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["glm_moe_dsa", "deepseek_v32", "deepseek_v3"])
 def test_mtp_layer_is_loaded(oracle_checkpoint, arch: str) -> None:
     ref = oracle_checkpoint(arch)
     engine = Engine.load(ref.out_dir)

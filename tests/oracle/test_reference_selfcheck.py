@@ -63,7 +63,7 @@ def test_no_near_ties(oracle_checkpoint, arch, dtype):
     assert d["router_min_margin"] > 1e-6
     if d["router_group_min_margin"] is not None:
         assert d["router_group_min_margin"] > 1e-6
-    if arch == "glm_moe_dsa":
+    if arch in tm.DSA_ARCHS:
         assert d["dsa_rows_selecting"] > 0
         assert d["dsa_min_topk_gap"] > 1e-6
 
@@ -77,13 +77,13 @@ def test_routing_is_nontrivial(oracle_checkpoint, arch):
     for layer in d["moe_layers"]:
         assert d["distinct_expert_sets_tf"][str(layer)] >= 10
         assert d["experts_used_tf"][str(layer)] >= tm.n_experts(cfg) // 2
-    if arch in ("glm_moe_dsa", "deepseek_v3"):
+    if arch in ("glm_moe_dsa", "deepseek_v32", "deepseek_v3"):
         assert 1 < cfg.topk_group < cfg.n_group
 
 
 def test_group_limited_routing_matters(oracle_checkpoint):
     """With n_group=1 the same weights route (and predict) differently."""
-    for arch in ("glm_moe_dsa", "deepseek_v3"):
+    for arch in ("glm_moe_dsa", "deepseek_v32", "deepseek_v3"):
         ref = oracle_checkpoint(arch)
         model = tm.load_reference_model(ref.out_dir)
         base = _tf_logits(model, ref.tf_ids)
@@ -92,12 +92,13 @@ def test_group_limited_routing_matters(oracle_checkpoint):
         assert (base - other).abs().max() > 1e-3, arch
 
 
-def test_dsa_indexer_drops_keys(oracle_checkpoint):
-    ref = oracle_checkpoint("glm_moe_dsa")
-    cfg = tm.tiny_config("glm_moe_dsa")
+@pytest.mark.parametrize("arch", tm.DSA_ARCHS)
+def test_dsa_indexer_drops_keys(oracle_checkpoint, arch):
+    ref = oracle_checkpoint(arch)
+    cfg = tm.tiny_config(arch)
     assert cfg.index_topk < tm.PROMPT_LEN < tm.TF_LEN
     sparse = _tf_logits(tm.load_reference_model(ref.out_dir), ref.tf_ids)
-    dense_cfg = tm.tiny_config("glm_moe_dsa", index_topk=4096)
+    dense_cfg = tm.tiny_config(arch, index_topk=4096)
     dense = _tf_logits(tm.load_reference_model(ref.out_dir, config=dense_cfg), ref.tf_ids)
     k = cfg.index_topk
     # positions 0..k-1 see at most k keys: the indexer keeps them all
@@ -244,7 +245,7 @@ def test_mtp_shard(oracle_checkpoint, arch):
         "self_attn.o_proj.weight",
     ):
         assert f"model.layers.{n}.{k}" in mtp, k
-    if arch == "glm_moe_dsa":
+    if arch in tm.DSA_ARCHS:
         assert f"model.layers.{n}.self_attn.indexer.wk.weight" in mtp
     cfg = json.loads((ref.out_dir / "config.json").read_text())
     assert cfg["num_nextn_predict_layers"] == 1

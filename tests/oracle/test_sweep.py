@@ -13,6 +13,9 @@ the one tiny config of ``test_oracle.py``.
 * GLM-5 DSA: the issue's config, edge configs of the indexer, the tie rule of the reference, a
   context growing hundreds of tokens past ``index_topk`` during decode, and the indexer key cache
   through a forked prompt cache and a saved and restored session (``kv/``).
+* DeepSeek-V3.2 DSA (the same indexer, rotate_half RoPE): edge configs of the indexer, the
+  long decode and the indexer key cache as GLM-5's, and that most CI cases have contexts
+  longer than ``index_topk``, so the indexer selects.
 * quantised routed experts (int8, int4-g64) against the dequantised reference on swept configs.
 """
 
@@ -176,6 +179,11 @@ def _glm5(**overrides) -> sweep.SweepCase:
     return sweep.SweepCase("glm_moe_dsa", tiny_models.DEFAULT_SEEDS["glm_moe_dsa"], 12, overrides)
 
 
+def _v32(**overrides) -> sweep.SweepCase:
+    """The tiny DeepSeek-V3.2 config of test_oracle.py (12-token prompt), with overrides."""
+    return sweep.SweepCase("deepseek_v32", tiny_models.DEFAULT_SEEDS["deepseek_v32"], 12, overrides)
+
+
 DSA_EDGES = {
     "oracle-config": _glm5(),
     "topk-1": _glm5(index_topk=1),
@@ -184,6 +192,12 @@ DSA_EDGES = {
     "one-index-head": _glm5(index_n_heads=1),
     "shared-after-first": _glm5(num_hidden_layers=4, indexer_types=["full"] + ["shared"] * 3),
     "index-head-dim-is-rope": _glm5(index_head_dim=16),
+    "v32-oracle-config": _v32(),
+    "v32-topk-1": _v32(index_topk=1),
+    "v32-topk-prompt-minus-1": _v32(index_topk=11),
+    "v32-one-index-head": _v32(index_n_heads=1),
+    "v32-index-head-dim-is-rope": _v32(index_head_dim=16),
+    "v32-four-layers": _v32(num_hidden_layers=4, first_k_dense_replace=2, index_topk=6),
 }
 
 
@@ -192,22 +206,32 @@ def test_dsa_edge_config(name: str, tmp_path: Path) -> None:
     _assert_exact(sweep.check_case(DSA_EDGES[name], tmp_path))
 
 
+@pytest.mark.parametrize("arch", tiny_models.DSA_ARCHS)
+def test_dsa_ci_cases_mostly_select(arch: str) -> None:
+    """The drawn top-k is below the teacher-forced context in most CI cases, so the sweep
+    checks the indexer's selection, not only dense attention."""
+    cases = [sweep.draw_case(arch, index) for index in range(CI_CASES_OF[arch])]
+    selecting = [c for c in cases if c.overrides["index_topk"] < c.prompt_len + sweep.GEN_LEN - 1]
+    assert len(selecting) >= 3 * len(cases) // 4
+
+
 LONG_PROMPT = 16
 LONG_GEN = 320
 LONG_SPLIT = 160
 
 
-@pytest.fixture(scope="module")
-def long_dsa(tmp_path_factory) -> tiny_models.OracleReference:
-    """GLM-5 with index_topk 8 under a 16-token prompt and 320 greedy tokens: the context grows
-    ~330 tokens past index_topk during decode."""
+@pytest.fixture(scope="module", params=tiny_models.DSA_ARCHS)
+def long_dsa(request, tmp_path_factory) -> tiny_models.OracleReference:
+    """GLM-5 / DeepSeek-V3.2 with index_topk 8 under a 16-token prompt and 320 greedy tokens:
+    the context grows ~330 tokens past index_topk during decode."""
+    arch = request.param
     case = sweep.SweepCase(
-        "glm_moe_dsa",
-        tiny_models.DEFAULT_SEEDS["glm_moe_dsa"],
+        arch,
+        tiny_models.DEFAULT_SEEDS[arch],
         LONG_PROMPT,
         dict(index_topk=8, max_position_embeddings=512),
     )
-    return sweep.build_case(case, tmp_path_factory.mktemp("long-dsa"), gen_len=LONG_GEN)
+    return sweep.build_case(case, tmp_path_factory.mktemp(f"long-{arch}"), gen_len=LONG_GEN)
 
 
 def _continue(engine: Engine, ids: list[int], n: int, session) -> list[int]:

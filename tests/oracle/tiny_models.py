@@ -8,8 +8,9 @@ exactly the values stored in the folder:
 * ``tf_pred``: the argmax of one forward over the fixed 32-token sequence ``tf_ids`` (with
   ``tf_len=None``: over the prompt followed by the greedy continuation, as the config sweep uses).
 
-The GLM-5 reference keeps transformers' DSA arithmetic but pins its top-k tie rule to the
-engine's (earlier position wins; ``pin_dsa_ties``), because torch leaves it unspecified.
+The DSA references (GLM-5, DeepSeek-V3.2) keep transformers' arithmetic but pin its top-k
+tie rule to the engine's (earlier position wins; ``pin_dsa_ties``), because torch leaves it
+unspecified.
 
 Plain module (no pytest imports) so engine tests and scripts can import it. Usage::
 
@@ -68,7 +69,9 @@ from torch.overrides import TorchFunctionMode
 
 # DeepSeek-style MoE (sigmoid router, groups, shared experts, an MTP layer) and softmax-routed
 # MoE without shared experts or MTP.
-SIGMOID_ARCHS = ("glm_moe_dsa", "glm4_moe", "deepseek_v3")
+SIGMOID_ARCHS = ("glm_moe_dsa", "deepseek_v32", "glm4_moe", "deepseek_v3")
+# The DSA families: the same lightning indexer, RoPE interleaved (GLM-5) or rotate_half (V3.2).
+DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")
 SOFTMAX_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 ARCHS = SIGMOID_ARCHS + SOFTMAX_ARCHS
 MTP_ARCHS = SIGMOID_ARCHS
@@ -89,6 +92,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # selection is implementation-defined.
 DEFAULT_SEEDS = {
     "glm_moe_dsa": 9,
+    "deepseek_v32": 9,
     "glm4_moe": 3,
     "deepseek_v3": 12,
     "qwen3_moe": 4,
@@ -110,6 +114,7 @@ ExpertContainer = Callable[[str, np.ndarray], dict]
 
 _CLASSES = {
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
@@ -132,7 +137,7 @@ _TRUNK = dict(
     pad_token_id=None,
 )
 
-# Shared by the three sigmoid-routed architectures.
+# Shared by the sigmoid-routed architectures.
 _COMMON = dict(
     _TRUNK,
     moe_intermediate_size=64,
@@ -164,6 +169,24 @@ _ARCH_CONFIG = {
         # layer 2 reuses layer 1's top-k ("shared"); GLM-5 configs without index_topk_freq /
         # index_topk_pattern give all-"full".
         indexer_types=["full", "full", "shared"],
+    ),
+    # GLM-5's tiny shapes; every layer runs its indexer (V3.2 has no "shared" layers)
+    "deepseek_v32": dict(
+        num_key_value_heads=4,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False,
+        index_topk=8,  # < 12-token prompt, < 32-token TF sequence: the indexer really selects
+        index_head_dim=32,
+        index_n_heads=8,
     ),
     "glm4_moe": dict(
         num_key_value_heads=2,  # GQA 4:2
@@ -337,7 +360,7 @@ def _init_model(model: torch.nn.Module, seed: int) -> None:
 def _mtp_tensors(main: dict, config, gen: torch.Generator) -> dict:
     """Random MTP layer ``model.layers.{N}.*`` (DeepSeek-V3 / GLM checkpoint naming).
 
-    A full MoE decoder layer (attention incl. DSA indexer for glm_moe_dsa, router, per-expert
+    A full MoE decoder layer (attention incl. the DSA indexer of DSA_ARCHS, router, per-expert
     routed experts, shared expert, input/post-attention norms) + enorm, hnorm, eh_proj [H, 2H],
     shared_head.norm, and copies of the embedding / lm_head (``embed_tokens``,
     ``shared_head.head``) as the real checkpoints carry them.
@@ -580,7 +603,8 @@ def _under_stable_topk(forward):
 
 
 def pin_dsa_ties(model) -> bool:
-    """Pin the DSA top-k tie rule of a transformers GLM-5 model to "the earlier position wins"
+    """Pin the DSA top-k tie rule of a transformers GLM-5 / DeepSeek-V3.2 model to "the earlier
+    position wins"
     (see the note at DEFAULT_SEEDS). Only the indexer's own top-k is affected: its scores are
     computed by transformers' code unchanged. Returns whether the model has an indexer."""
     found = False
@@ -593,6 +617,18 @@ def pin_dsa_ties(model) -> bool:
             indexer.forward = _under_stable_topk(indexer.forward)
             indexer._ties_pinned = True
     return found
+
+
+def indexer_rope(model_type: str) -> Callable:
+    """transformers' RoPE function of the DSA indexer of ``model_type``: ``(q, k, cos, sin,
+    unsqueeze_dim) -> (q, k)``; GLM-5 interleaves, DeepSeek-V3.2 uses rotate_half."""
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm5
+
+    return {
+        "glm_moe_dsa": glm5.apply_rotary_pos_emb_interleave,
+        "deepseek_v32": v32.apply_rotary_pos_emb,
+    }[model_type]
 
 
 def _top2_gap(logits: torch.Tensor) -> float:
@@ -673,8 +709,11 @@ class _Probe:
         return hook
 
     def _indexer_hook(self, mod, cfg):
-        # Re-derive the index scores (same formula as GlmMoeDsaIndexer.forward) to measure the
-        # margin between the k-th and (k+1)-th selected key of every query that really selects.
+        # Re-derive the index scores (same formula as GlmMoeDsaIndexer / DeepseekV32Indexer
+        # .forward, each with its RoPE layout) to measure the margin between the k-th and
+        # (k+1)-th selected key of every query that really selects.
+        rotate = indexer_rope(cfg.model_type)
+
         def hook(m, args, kwargs, out):
             hidden, q_resid, pos, mask = (list(args) + [None] * 4)[:4]
             hidden = kwargs.get("hidden_states", hidden)
@@ -685,24 +724,16 @@ class _Probe:
             b, s, _ = hidden.shape
             with torch.no_grad():
                 q = m.wq_b(q_resid).view(b, s, m.n_heads, m.head_dim)
+                rope = m.qk_rope_head_dim
                 if cache is not None:
                     k = cache.layers[m.layer_idx].indexer_keys  # already updated by the forward
                 else:
                     k = m.k_norm(m.wk(hidden)).unsqueeze(2)
-                    kr, kp = k.split([m.qk_rope_head_dim, m.head_dim - m.qk_rope_head_dim], -1)
-                    qr, _ = q.split([m.qk_rope_head_dim, m.head_dim - m.qk_rope_head_dim], -1)
-                    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
-                        apply_rotary_pos_emb_interleave,
-                    )
-
-                    _, kr = apply_rotary_pos_emb_interleave(qr, kr, *pos, unsqueeze_dim=2)
+                    kr, kp = k.split([rope, m.head_dim - rope], -1)
+                    _, kr = rotate(kr[..., :1, :], kr, *pos, unsqueeze_dim=2)
                     k = torch.cat([kr, kp], -1).squeeze(2)
-                qr, qp = q.split([m.qk_rope_head_dim, m.head_dim - m.qk_rope_head_dim], -1)
-                from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
-                    apply_rotary_pos_emb_interleave,
-                )
-
-                qr, _ = apply_rotary_pos_emb_interleave(qr, qr[..., :1, :], *pos, unsqueeze_dim=2)
+                qr, qp = q.split([rope, m.head_dim - rope], -1)
+                qr, _ = rotate(qr, qr[..., :1, :], *pos, unsqueeze_dim=2)
                 q = torch.cat([qr, qp], -1)
                 sc = q.float() @ k.transpose(-1, -2).float().unsqueeze(1)
                 sc = torch.relu(sc * m.softmax_scale)
@@ -768,7 +799,7 @@ def _reference(model, prompt_ids, tf_ids, *, gen_len=GEN_LEN, pin_ties=True):
         "experts_used_tf": {str(k): len({e for r in v for e in r}) for k, v in routing_tf.items()},
         "moe_layers": sorted(routing_tf),
     }
-    if cfg.model_type == "glm_moe_dsa":
+    if cfg.model_type in DSA_ARCHS:
         diag["dsa_min_topk_gap"] = probe.dsa_margin
         diag["dsa_rows_selecting"] = probe.dsa_rows_selecting
         diag["dsa_tied_rows"] = probe.dsa_tied_rows

@@ -1,11 +1,18 @@
-"""The DSA lightning indexer (GLM-5.x): which cached keys each query may attend to.
+"""The DSA lightning indexer (DeepSeek-V3.2, GLM-5.x): which cached keys each query may
+attend to.
 
 Per "full" layer: index queries from the q-LoRA residual (`wq_b`), one index key per token
-(`wk`, then LayerNorm), interleaved RoPE on the first R dims of both, and a score per key
+(`wk`, then LayerNorm), RoPE on the first R dims of both, and a score per key
     score(t) = sum_h w_h * ReLU(q_h . k_t / sqrt(d_idx)),   w = weights_proj(x) / sqrt(H_idx)
 Each query keeps its `index_topk` best causal keys; below that many keys it keeps all of
 them, which is exactly dense attention. "Shared" layers reuse the selection of the previous
 full layer. colibrid/models/NUMERICS.md walks through it with the shapes.
+
+The two families run this same code and differ in one place, the RoPE layout of the index
+queries and keys (`IndexerShape.interleave`): DeepSeek-V3.2 rotates them in the rotate_half
+layout although its MLA is interleaved, GLM-5 interleaves both (as transformers'
+DeepseekV32Indexer and GlmMoeDsaIndexer do). The layout changes the scores, hence the keys
+kept, so it is a field of the shape and not a constant.
 
 Ties go to the earlier position, and this is a choice, not a detail: a key that every index
 head scores below zero scores exactly 0 after the ReLU, so ties at the top-k cut are common
@@ -25,7 +32,7 @@ import numpy as np
 
 from colibrid.models.base import Linear, Ops, Step, WeightSource
 from colibrid.models.layers.norm import layer_norm
-from colibrid.models.layers.rope import apply_interleave
+from colibrid.models.layers.rope import apply_half, apply_interleave
 
 INDEX_NORM_EPS = 1e-6
 
@@ -38,6 +45,7 @@ class IndexerShape:
     head_dim: int
     rope: int
     topk: int
+    interleave: bool  # RoPE layout of the index q/k: pairs (GLM-5) or rotate_half (V3.2)
 
 
 class Indexer:
@@ -51,6 +59,7 @@ class Indexer:
         self.weights_proj = Linear.load(src, ops, f"{prefix}.weights_proj", s.heads, s.hidden)
         self.softmax_scale = np.float32(s.head_dim**-0.5)
         self.head_scale = np.float32(s.heads**-0.5)
+        self._rotate = apply_interleave if s.interleave else apply_half
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {"index_k": (self.shape.head_dim,)}
@@ -71,10 +80,10 @@ class Indexer:
         rows = x.shape[0]
         cos, sin = rope
         q = self.wq_b(q_resid, step.family).reshape(rows, s.heads, s.head_dim)
-        q = np.concatenate([apply_interleave(q[..., : s.rope], cos, sin), q[..., s.rope :]], -1)
+        q = np.concatenate([self._rotate(q[..., : s.rope], cos, sin), q[..., s.rope :]], -1)
         k = layer_norm(self.wk(x, step.family), self.k_norm_w, self.k_norm_b, INDEX_NORM_EPS)
         k = np.concatenate(
-            [apply_interleave(k[:, None, : s.rope], cos, sin)[:, 0], k[:, s.rope :]], axis=-1
+            [self._rotate(k[:, None, : s.rope], cos, sin)[:, 0], k[:, s.rope :]], axis=-1
         )
         keys = cache.write(layer, "index_k", k)  # [T, Di]
         weights = self.weights_proj(x, step.family) * self.head_scale  # [S, Hi]
