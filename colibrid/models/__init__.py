@@ -10,7 +10,15 @@ from types import ModuleType
 
 from colibrid.errors import ModelLoadError
 
-SUPPORTED = ("glm_moe_dsa", "glm4_moe", "deepseek_v3", "qwen3_moe", "mixtral", "olmoe")
+SUPPORTED = (
+    "glm_moe_dsa",
+    "glm4_moe",
+    "deepseek_v3",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "gpt_oss",
+)
 
 
 def family(model_type: object) -> ModuleType:

@@ -59,6 +59,38 @@ def test_mixtral_names_window_and_renormalised_top_k() -> None:
     assert args_of("mixtral", sliding_window=None).attention.window is None
 
 
+def test_gpt_oss_reads_its_layers_biases_and_activation() -> None:
+    args = args_of("gpt_oss")
+    a, moe = args.attention, args.moe
+    assert a.sinks and a.bias and a.o_bias and not a.qk_norm and a.head_dim == 32
+    assert args.windows == (8, None, 8)  # GptOssConfig's alternation, sliding first
+    assert args.is_moe == (True,) * 3 and moe.n_shared_experts == 0
+    assert moe.router == "router" and moe.router_bias and moe.norm_topk_prob and moe.softmax
+    assert moe.moe_intermediate_size == 96 and moe.num_experts_per_tok == 2
+    assert moe.glu is not None and (moe.glu.alpha, moe.glu.limit) == (1.702, 1.5)
+    mixed = args_of("gpt_oss", layer_types=["full_attention"] * 2 + ["sliding_attention"])
+    assert mixed.windows == (None, None, 8)
+    assert args_of("gpt_oss", layer_types=None).windows == (8, None, 8)
+
+
+def test_gpt_oss_defaults_are_gptossconfigs() -> None:
+    """A hand-written config without the optional keys means what GptOssConfig means."""
+    config = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_local_experts": 8,
+    }
+    args = family("gpt_oss").ModelArgs.from_config(config)
+    assert args.attention.head_dim == 64 and args.attention.kv_heads == 8
+    assert args.trunk.rms_norm_eps == 1e-5 and args.windows == (128, None)
+    assert args.moe.num_experts_per_tok == 4 and args.moe.glu.limit == 7.0
+    assert args.rope["rope_type"] == "yarn" and args.rope["rope_theta"] == 150000.0
+    assert args.rope["factor"] == 32.0 and args.rope["truncate"] is False
+
+
 def test_olmoe_norms_span_the_whole_projections() -> None:
     args = args_of("olmoe")
     a = args.attention
@@ -77,6 +109,9 @@ def test_olmoe_norms_span_the_whole_projections() -> None:
         ("qwen3_moe", {"hidden_act": "gelu"}, "hidden_act"),
         ("mixtral", {"num_key_value_heads": 3}, "num_key_value_heads"),
         ("olmoe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ("gpt_oss", {"layer_types": ["sliding_attention", "chunked"]}, "layer_types"),
+        ("gpt_oss", {"swiglu_limit": -1.0}, "swiglu_limit"),
+        ("gpt_oss", {"sliding_window": 0}, "sliding_window"),
     ],
 )
 def test_unsupported_configs_are_refused_by_key(arch: str, changes: dict, key: str) -> None:

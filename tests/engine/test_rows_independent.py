@@ -14,7 +14,7 @@ from colibrid.engine.engine import Engine
 from colibrid.errors import RequestError
 from colibrid.store.options import StoreOptions
 
-ARCHS = ("glm4_moe", "deepseek_v3", "glm_moe_dsa", "qwen3_moe", "mixtral", "olmoe")
+ARCHS = ("glm4_moe", "deepseek_v3", "glm_moe_dsa", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 FAMILIES = (KernelFamily.F32, KernelFamily.I8)
 
 
