@@ -294,7 +294,13 @@ def convert(
 
 def add_quant_options(p: argparse.ArgumentParser) -> None:
     """The number formats of a conversion (shared by `colibri convert` and `pull`)."""
-    p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="routed experts")
+    p.add_argument(
+        "--bits",
+        type=int,
+        default=4,
+        choices=(4, 8, 32),
+        help="routed experts (32: f32, lossless, e.g. for MXFP4 sources; 8x int4's size)",
+    )
     p.add_argument(
         "--group-size",
         type=int,

@@ -18,11 +18,14 @@ attn       attention incl. the DSA indexer's wq_b / wk                 int4-g64
 dense      dense MLPs of the first layers                              int4-g64
 io         ``embed_tokens`` and ``lm_head``                            int8
 mtp        every matrix of the MTP layer(s)                            int8
-f32        norms, router (``mlp.gate`` / ``block_sparse_moe.gate``),      f32
-           correction bias, indexer weights_proj, every 1-D tensor
+f32        norms, router (``mlp.gate`` / ``block_sparse_moe.gate`` /      f32
+           gpt-oss ``mlp.router``), correction bias, indexer weights_proj,
+           gpt-oss's fused expert biases, every 1-D tensor
 =========  ==========================================================  =============
 
-A bit width of 32 keeps a class in f32 (useful for exact round-trip tests).
+A bit width of 32 keeps a class in f32 (useful for exact round-trip tests; for routed
+experts it is the one lossless output for MXFP4 sources such as gpt-oss, whose e2m1
+values times power-of-two block scales no int8-per-row or int4 grid holds exactly).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ _EXPERT = re.compile(
 )
 # Mixtral's names for an expert's gate, up and down projections.
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
+# gpt-oss's expert biases [E, 2F] / [E, D]: 2-D, but vectors the engine keeps in f32.
+_EXPERT_BIASES = ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
 
 MTP_INT4_WARNING = (
     "refusing an int4 MTP layer: per-row/grouped int4 rounds the embedding half of eh_proj "
@@ -86,7 +91,7 @@ class ConvertParams:
             "mtp_bits",
         ):
             bits = getattr(self, name)
-            allowed = (4, 8) if name == "expert_bits" else (4, 8, 32)
+            allowed = (4, 8, 32)
             if bits not in allowed:
                 raise ConvertError(f"--{name.replace('_', '-')} {bits}: choose from {allowed}")
         if self.group_size != 0 and self.group_size not in tuple(1 << k for k in range(4, 13)):
@@ -129,7 +134,7 @@ def classify(name: str, shape: Sequence[int], n_layers: int) -> str:
     """The tensor class of ``name`` (see the module table)."""
     if len(shape) != 2:
         return "f32"
-    if name.endswith((*_ROUTERS, "indexer.weights_proj.weight")) or "norm" in name:
+    if name.endswith((*_ROUTERS, *_EXPERT_BIASES, "indexer.weights_proj.weight")) or "norm" in name:
         return "f32"
     layer = layer_of(name)
     if layer is not None and layer >= n_layers:
