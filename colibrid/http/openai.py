@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from colibrid.engine.constraint import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.errors import ColibriError, RequestError
 from colibrid.http.errors import ApiError, bad_request
-from colibrid.http.parsing import Features, OutputSplitter, ToolCall
+from colibrid.http.parsing import Features, ToolCall, make_splitter
 from colibrid.http.structured import (
     ToolChoice,
     callable_tools,
@@ -324,7 +324,7 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         stream,
         include_usage,
         max_tokens,
-        Features(tools=tools is not None, think=features.think),
+        replace(features, tools=tools is not None),
     )
 
 
@@ -403,7 +403,7 @@ class ChatStream:
         self.plan = plan
         self.id = plan.request.id
         self.created = int(time.time())
-        self.splitter = OutputSplitter(plan.features)
+        self.splitter = make_splitter(plan.features)
         self.reasoning: list[str] = []
         self.content: list[str] = []
 
