@@ -158,7 +158,13 @@ class MlxOps:
         self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """layers.router.route_reference in MLX; argsort of MLX is stable, so ties go to the
-        lowest expert index as the rule says."""
+        lowest expert index as the rule says. Sigmoid scores only: a softmax rule is
+        refused rather than scored as a sigmoid."""
+        if rule.softmax:
+            raise BackendError(
+                "the mlx backend does not compute softmax routing yet (Qwen3-MoE, Mixtral, "
+                "OLMoE, gpt-oss): use --backend cpu"
+            )
         scores = mx.sigmoid(_in(h) @ _in(weight).T)  # [S, E]
         choice = scores + _in(bias) if bias is not None else scores
         if rule.n_group > 1 and rule.topk_group < rule.n_group:

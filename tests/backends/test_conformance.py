@@ -231,6 +231,20 @@ def _load(ref: tiny_models.OracleReference, backend: str, store: StoreOptions | 
     return Engine.load(ref.out_dir, family=F32, ops=make_ops(backend), store=store)
 
 
+@pytest.mark.skipif(not mlx_installed(), reason="mlx is not installed")
+@pytest.mark.parametrize("arch", sorted(MLX_NOT_YET - {"olmoe"}))
+def test_mlx_refuses_what_it_does_not_compute_yet(oracle_checkpoint, arch: str) -> None:
+    """A softmax-routed family on MLX fails with one line at its first MoE layer instead of
+    routing by sigmoid scores (wrong tokens). OLMoE fails before, in MLX's attention block,
+    which has no whole-projection qk-norm."""
+    engine = _load(oracle_checkpoint(arch), "mlx")
+    try:
+        with pytest.raises(BackendError, match="softmax routing"):
+            teacher_forced_argmax(engine, [1, 2, 3])
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny_models.ARCHS)
 def test_model_matches_transformers(oracle_checkpoint, backend: str, arch: str) -> None:
