@@ -86,6 +86,9 @@ def group_chunks(source: Source, group: Group) -> Iterator[tuple[str, np.ndarray
             if fmt.bits == 32:
                 yield item.name, np.ascontiguousarray(block, dtype=np.float32)
                 continue
+            if fmt.bits == 16:
+                yield item.name, quant.f32_to_bf16(block)
+                continue
             wf = WeightFormat.Q8 if fmt.bits == 8 else WeightFormat.Q4
             try:
                 qw = quant.quantize(block, wf, fmt.group_size)
@@ -93,7 +96,7 @@ def group_chunks(source: Source, group: Group) -> Iterator[tuple[str, np.ndarray
                 raise ConvertError(f"tensor {item.name!r}: {exc}") from None
             yield item.name, qw.data.view(np.uint8)
             blocks.append(qw.scales)
-        if fmt.bits != 32:
+        if fmt.quantised:
             scales.append((item.name + ".qs", np.concatenate(blocks, axis=0)))
     yield from scales
 
@@ -298,8 +301,8 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         "--bits",
         type=int,
         default=4,
-        choices=(4, 8, 32),
-        help="routed experts (32: f32, lossless, e.g. for MXFP4 sources; 8x int4's size)",
+        choices=(4, 8, 16, 32),
+        help="routed experts (16: bf16, 32: f32; lossless for MXFP4 sources such as gpt-oss)",
     )
     p.add_argument(
         "--group-size",

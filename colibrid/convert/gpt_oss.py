@@ -11,9 +11,9 @@ fused layout. The expert store reads each expert as three contiguous [O, I] matr
 MXFP4, just slices) and de-interleaves them. The expert biases stay fused (resident,
 de-interleaved at load).
 
-Dequantised MXFP4 is exact in float32 (e2m1 has two significant bits, the scale is a power
-of two), so a conversion keeps it exactly wherever the output format does (f32 experts,
-``--bits 32``); int8/int4 outputs requantise it.
+Dequantised MXFP4 is exact in float32 and in bfloat16 (e2m1 has two significant bits, the
+scale is a power of two), so a conversion keeps it exactly with bf16 or f32 experts
+(``--bits 16`` / ``32``); int8/int4 outputs requantise it.
 
 Why here: the converter and the oracle's checkpoint builder must split the same way.
 """

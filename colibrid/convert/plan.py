@@ -23,9 +23,10 @@ f32        norms, router (``mlp.gate`` / ``block_sparse_moe.gate`` /      f32
            gpt-oss's fused expert biases, every 1-D tensor
 =========  ==========================================================  =============
 
-A bit width of 32 keeps a class in f32 (useful for exact round-trip tests; for routed
-experts it is the one lossless output for MXFP4 sources such as gpt-oss, whose e2m1
-values times power-of-two block scales no int8-per-row or int4 grid holds exactly).
+A bit width of 32 keeps a class in f32 (useful for exact round-trip tests). Routed
+experts may also be 16 (bf16): the compact lossless output for MXFP4 sources such as
+gpt-oss, whose e2m1 values times power-of-two block scales bf16 holds exactly and no
+int8-per-row or int4 grid does.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class ConvertParams:
             "mtp_bits",
         ):
             bits = getattr(self, name)
-            allowed = (4, 8, 32)
+            allowed = (4, 8, 16, 32) if name == "expert_bits" else (4, 8, 32)
             if bits not in allowed:
                 raise ConvertError(f"--{name.replace('_', '-')} {bits}: choose from {allowed}")
         if self.group_size != 0 and self.group_size not in tuple(1 << k for k in range(4, 13)):
@@ -157,10 +158,15 @@ def classify(name: str, shape: Sequence[int], n_layers: int) -> str:
 
 @dataclass(frozen=True)
 class OutFormat:
-    """How one logical tensor is stored: f32, int8 per row, or int4 (gs 0 = per row)."""
+    """How one logical tensor is stored: f32, bf16, int8 per row, or int4 (gs 0 = per row)."""
 
     bits: int
     group_size: int = 0
+
+    @property
+    def quantised(self) -> bool:
+        """Codes plus ``.qs`` scales (int8, int4), not a plain float tensor (f32, bf16)."""
+        return self.bits in (4, 8)
 
     @property
     def stamp(self) -> str:
@@ -168,20 +174,20 @@ class OutFormat:
             return INT8_ROW
         if self.bits == 4:
             return INT4_GROUPED if self.group_size else INT4_ROW
-        return "f32"
+        return "bf16" if self.bits == 16 else "f32"
 
     def data_entry(self, name: str, shape: tuple[int, ...]) -> Entry:
-        if self.bits == 32:
+        if not self.quantised:
             n = 1
             for d in shape:
                 n *= d
-            return Entry(name, "F32", tuple(shape), 4 * n)
+            return Entry(name, self.stamp.upper(), tuple(shape), self.bits // 8 * n)
         out_f, in_f = shape
         cols = in_f if self.bits == 8 else quant.q4_row_bytes(in_f)
         return Entry(name, "U8", (out_f, cols), out_f * cols)
 
     def scale_entry(self, name: str, shape: tuple[int, ...]) -> Entry | None:
-        if self.bits == 32:
+        if not self.quantised:
             return None
         out_f, in_f = shape
         groups = quant.n_groups(in_f, self.group_size if self.bits == 4 else 0)
@@ -296,7 +302,7 @@ def shard_metadata(groups: Sequence[Group], params: ConvertParams) -> dict[str, 
     hint = params.group_size or None
     for g in groups:
         for it in g.items:
-            if it.fmt.bits == 32:
+            if not it.fmt.quantised:
                 continue
             data = it.fmt.data_entry(it.name, it.shape)
             scales = it.fmt.scale_entry(it.name, it.shape)

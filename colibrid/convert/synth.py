@@ -38,6 +38,7 @@ from colibrid.convert.plan import ConvertParams, Group, Shard, build_groups, pac
 from colibrid.convert.writer import write_atomic
 from colibrid.engine.validate import expected_from_config
 from colibrid.errors import ColibriError, ConvertError
+from colibrid.formats import quant
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -264,8 +265,9 @@ def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     for item in group.items:
         rng = _rng(seed, item.name)
         bits = item.fmt.bits
-        if bits == 32:
-            yield item.name, _float_tensor(item.name, item.shape, rng)
+        if not item.fmt.quantised:
+            values = _float_tensor(item.name, item.shape, rng)
+            yield item.name, values if bits == 32 else quant.f32_to_bf16(values)
             continue
         out_f, in_f = item.shape
         data = item.fmt.data_entry(item.name, item.shape)

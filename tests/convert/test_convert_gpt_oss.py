@@ -30,6 +30,7 @@ from colibrid.backends.base import KernelFamily
 from colibrid.convert.inspect import inspect
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import teacher_forced_argmax
+from colibrid.formats import quant
 from colibrid.store.checkpoint import Checkpoint
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
@@ -66,7 +67,12 @@ def mxfp4_roundtrip(name: str, w: np.ndarray) -> np.ndarray:
 def _tensors(folder: Path) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for f in sorted(folder.glob("*.safetensors")):
-        out.update((k, v.numpy()) for k, v in load_file(str(f)).items())
+        for k, v in load_file(str(f)).items():  # bf16 as its uint16 bits, as stored
+            out[k] = (
+                v.view(torch.int16).numpy().view(np.uint16)
+                if v.dtype == torch.bfloat16
+                else v.numpy()
+            )
     return out
 
 
@@ -144,6 +150,25 @@ def test_mxfp4_source_converts_losslessly_to_f32_experts(sources, tmp_path: Path
     finally:
         engine.close()
         other.close()
+
+
+def test_mxfp4_source_converts_losslessly_to_bf16_experts(sources, tmp_path: Path) -> None:
+    """bf16 holds e2m1 x 2^k exactly: the experts are the f32 container's at half the size."""
+    ref, _, mx_src = sources
+    dst = _convert(mx_src, tmp_path / "d", "16")
+    report = inspect(dst)
+    config = tiny_models.tiny_config("gpt_oss")
+    assert report.formats["expert"] == {"bf16": 3 * config.num_local_experts * 3}
+    stored, oracle = _tensors(dst), _tensors(ref.out_dir)
+    for name, w in oracle.items():
+        if tiny_models.is_routed_expert(name):
+            assert stored[name].dtype == np.uint16
+            np.testing.assert_array_equal(quant.bf16_to_f32(stored[name]), w, err_msg=name)
+    engine = Engine.load(dst, family=KernelFamily.F32)
+    try:
+        assert teacher_forced_argmax(engine, ref.tf_ids) == ref.tf_pred
+    finally:
+        engine.close()
 
 
 def test_mxfp4_source_converts_to_int4_experts(sources, tmp_path: Path) -> None:
