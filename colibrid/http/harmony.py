@@ -7,16 +7,18 @@ Harmony output is a sequence of messages, each a header then a body:
 preamble) the answer; a message addressed ``to=functions.NAME`` (in its header, before or
 after the channel, optionally with ``<|constrain|>json``) is a tool call whose body is the
 JSON arguments, ended by ``<|call|>``. The engine keeps special tokens when it decodes,
-so the markers are in the text. Output that does not start with a marker is plain answer
-text (a template not used as Harmony).
+so the markers are in the text. Output that does not start with a marker goes to the
+GLM-style splitter (`parsing.OutputSplitter`): it is what a grammar-forced tool call
+(``<tool_call>{…}</tool_call>``, structured.py) or a template not used as Harmony gives.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
-from colibrid.http.parsing import Features, ToolCall, held_tag_prefix
+from colibrid.http.parsing import Features, OutputSplitter, ToolCall, held_tag_prefix
 
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -36,6 +38,7 @@ class HarmonySplitter:
         self.recipient = ""
         self.body = ""  # the current tool call's arguments text
         self.calls: list[tuple[str, str]] = []  # (function name, arguments text)
+        self.plain: OutputSplitter | None = None  # output without Harmony markers
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.buf += text
@@ -46,6 +49,9 @@ class HarmonySplitter:
         call text comes back as content), and neither does an arguments body that is not
         a JSON object."""
         pieces = self._drain(final=True)
+        if self.plain is not None:
+            rest, plain_calls = self.plain.finish(whole=whole)
+            return pieces + rest, plain_calls
         if self.mode == "header" and self.buf:  # a header never finished: show it
             pieces.append(("content", self.buf))
         if self.mode == "body" and self.kind == "call":
@@ -66,12 +72,13 @@ class HarmonySplitter:
                 head = self.buf.lstrip()
                 if not head.startswith("<|") and not ("<|".startswith(head) and not final):
                     self.mode = "plain"
+                    self.plain = OutputSplitter(replace(self.features, harmony=False, think=False))
                 elif head.startswith("<|"):
                     self.mode = "header"
                 else:
                     break
-            elif self.mode == "plain":
-                out.append(("content", self.buf))
+            elif self.plain is not None:
+                out.extend(self.plain.feed(self.buf))
                 self.buf = ""
             elif self.mode == "header":
                 at = self.buf.find(MESSAGE)

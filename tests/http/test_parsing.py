@@ -282,6 +282,8 @@ def test_harmony_final_answer_and_plain_text(split) -> None:
     assert split(answer + "<|return|>", HARMONY) == ("think <|e", "4 < 5", [])
     assert split(answer, HARMONY) == ("think <|e", "4 < 5", [])  # cut before <|return|>
     assert split("no channels here", HARMONY) == ("", "no channels here", [])
+    forced = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'  # a grammar's call
+    assert [(c.name, c.arguments) for c in split(forced, HARMONY)[2]] == [("f", {"a": 1})]
     # without tools the call is shown as text; a non-object body is no call
     bad = "<|channel|>commentary to=functions.f<|message|>[1]<|call|>"
     assert split(bad, HARMONY) == ("", "[1]", [])
