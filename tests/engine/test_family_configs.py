@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import tiny_models
 
@@ -119,3 +120,61 @@ def test_unsupported_configs_are_refused_by_key(arch: str, changes: dict, key: s
         args_of(arch, **changes)
     message = str(info.value)
     assert f"({arch})" in message and f"'{key}'" in message and "\n" not in message
+
+
+# gpt-oss-20b's config.json as released (quantization_config shortened): the legacy
+# `rope_scaling` key, top-level `rope_theta`, an `experts_per_token` alias transformers ignores.
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "pad_token_id": 199999,
+    "quantization_config": {"quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+
+
+def test_gpt_oss_20b_config_and_its_yarn_match_transformers() -> None:
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from colibrid.models.layers.rope import Rotary
+
+    args = family("gpt_oss").ModelArgs.from_config(GPT_OSS_20B)
+    assert args.windows == (128, None) * 12 and args.moe.n_routed_experts == 32
+    assert (args.attention.heads, args.attention.kv_heads, args.attention.head_dim) == (64, 8, 64)
+    rotary = Rotary(64, args.rope, max_positions=args.trunk.max_position_embeddings)
+    config = transformers.GptOssConfig(
+        **{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    np.testing.assert_allclose(rotary.inv_freq, inv_freq.numpy(), rtol=1e-6)
+    assert rotary.attention_factor == pytest.approx(factor)
