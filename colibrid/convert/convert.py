@@ -59,6 +59,10 @@ SIDE_FILES = (
     "tokenizer.model",
 )
 DISK_MARGIN = 64 << 20
+MXFP4_NOTE = (
+    "colibri convert: note: the source's experts are MXFP4; --bits {bits} requantises them "
+    "(lossy); --bits 16 keeps them exactly (bf16, about 4x the size)"
+)
 
 
 @dataclass
@@ -276,6 +280,8 @@ def convert(
         )
         shards = pack_shards(groups, params)
         state = prepare_dst(dst, params, source.fingerprint())
+        if params.expert_bits in (4, 8) and any(t.kind == "mxfp4" for t in source.tensors):
+            print(MXFP4_NOTE.format(bits=params.expert_bits), file=sys.stderr)
         total = sum(s.nbytes for s in shards)
         if state.get("complete"):
             return ConvertResult(dst, len(shards), 0, 0, total, 0.0)

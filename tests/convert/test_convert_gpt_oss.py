@@ -171,11 +171,13 @@ def test_mxfp4_source_converts_losslessly_to_bf16_experts(sources, tmp_path: Pat
         engine.close()
 
 
-def test_mxfp4_source_converts_to_int4_experts(sources, tmp_path: Path) -> None:
-    """The default (int4-g64 experts) requantises the MXFP4 values: a container the engine
-    loads, the router and the fused expert biases kept in f32."""
+def test_mxfp4_source_converts_to_int4_experts(sources, tmp_path: Path, capsys) -> None:
+    """The default (int4-g64 experts) requantises the MXFP4 values, saying so: a container
+    the engine loads, the router and the fused expert biases kept in f32."""
     _, _, mx_src = sources
-    dst = _convert(mx_src, tmp_path / "c", "4")
+    dst = tmp_path / "c"
+    assert main(["convert", str(mx_src), str(dst), *EXACT_FLAGS]) == 0
+    assert "--bits 16 keeps them exactly" in capsys.readouterr().err
     report = inspect(dst)
     config = tiny_models.tiny_config("gpt_oss")
     n_routed = 3 * config.num_local_experts * config.num_hidden_layers
