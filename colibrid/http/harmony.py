@@ -52,8 +52,7 @@ class HarmonySplitter:
         if self.plain is not None:
             rest, plain_calls = self.plain.finish(whole=whole)
             return pieces + rest, plain_calls
-        if self.mode == "header" and self.buf:  # a header never finished: show it
-            pieces.append(("content", self.buf))
+        # a header cut short (max_tokens inside it) is protocol, not text: dropped
         if self.mode == "body" and self.kind == "call":
             self.calls.append((self.recipient, self.body))
         calls: list[ToolCall] = []

@@ -293,3 +293,21 @@ def test_harmony_final_answer_and_plain_text(split) -> None:
 def test_harmony_is_detected_from_the_template() -> None:
     assert Features.of_template("{{ '<|start|>assistant<|channel|>final<|message|>' }}").harmony
     assert not Features.of_template("<think>{{ m }}</think>").harmony
+
+
+def test_harmony_reaches_both_translators_with_or_without_tools() -> None:
+    """The plan keeps the template's Harmony flag when it sets `tools` from the request,
+    so an OpenAI or Anthropic answer of gpt-oss is split by channels."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert openai.chat_plan(chat, features=HARMONY, **COMMON).features.harmony
+    message = {**chat, "max_tokens": 9}
+    plan = anthropic.messages_plan(message, features=HARMONY, **COMMON)
+    assert plan.features.harmony and not plan.features.tools
+    stream = openai.ChatStream(openai.chat_plan(chat, features=HARMONY, **COMMON))
+    for ch in GPT_OSS[:-60]:  # cut inside the call's header, as max_tokens may
+        stream.token(ch)
+    reply = stream.response(DONE)["choices"][0]["message"]
+    assert (
+        reply["reasoning_content"] == "The user wants weather."
+        and reply["content"] == "Let me check."
+    )
