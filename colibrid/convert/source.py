@@ -166,6 +166,8 @@ class Source:
                 step = self.row_step(t)
                 for r0 in range(0, t.shape[0], step):
                     yield self._finite(name, matrix[r0 : r0 + step])
+                for stored in t.fused.stored:  # an expert's slice is contiguous: done with it
+                    self.release(stored)
                 return
             if len(t.shape) != 2:
                 yield self._finite(name, _to_f32(ck.array(name), t.kind))
