@@ -59,6 +59,10 @@ SIDE_FILES = (
     "tokenizer.model",
 )
 DISK_MARGIN = 64 << 20
+MXFP4_NOTE = (
+    "colibri convert: note: the source's experts are MXFP4; --bits {bits} requantises them "
+    "(lossy); --bits 16 keeps them exactly (bf16, about 4x the size)"
+)
 
 
 @dataclass
@@ -86,6 +90,9 @@ def group_chunks(source: Source, group: Group) -> Iterator[tuple[str, np.ndarray
             if fmt.bits == 32:
                 yield item.name, np.ascontiguousarray(block, dtype=np.float32)
                 continue
+            if fmt.bits == 16:
+                yield item.name, quant.f32_to_bf16(block)
+                continue
             wf = WeightFormat.Q8 if fmt.bits == 8 else WeightFormat.Q4
             try:
                 qw = quant.quantize(block, wf, fmt.group_size)
@@ -93,7 +100,7 @@ def group_chunks(source: Source, group: Group) -> Iterator[tuple[str, np.ndarray
                 raise ConvertError(f"tensor {item.name!r}: {exc}") from None
             yield item.name, qw.data.view(np.uint8)
             blocks.append(qw.scales)
-        if fmt.bits != 32:
+        if fmt.quantised:
             scales.append((item.name + ".qs", np.concatenate(blocks, axis=0)))
     yield from scales
 
@@ -273,6 +280,8 @@ def convert(
         )
         shards = pack_shards(groups, params)
         state = prepare_dst(dst, params, source.fingerprint())
+        if params.expert_bits in (4, 8) and any(t.kind == "mxfp4" for t in source.tensors):
+            print(MXFP4_NOTE.format(bits=params.expert_bits), file=sys.stderr)
         total = sum(s.nbytes for s in shards)
         if state.get("complete"):
             return ConvertResult(dst, len(shards), 0, 0, total, 0.0)
@@ -294,7 +303,13 @@ def convert(
 
 def add_quant_options(p: argparse.ArgumentParser) -> None:
     """The number formats of a conversion (shared by `colibri convert` and `pull`)."""
-    p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="routed experts")
+    p.add_argument(
+        "--bits",
+        type=int,
+        default=4,
+        choices=(4, 8, 16, 32),
+        help="routed experts (16: bf16, 32: f32; lossless for MXFP4 sources such as gpt-oss)",
+    )
     p.add_argument(
         "--group-size",
         type=int,

@@ -18,11 +18,15 @@ attn       attention incl. the DSA indexer's wq_b / wk                 int4-g64
 dense      dense MLPs of the first layers                              int4-g64
 io         ``embed_tokens`` and ``lm_head``                            int8
 mtp        every matrix of the MTP layer(s)                            int8
-f32        norms, router (``mlp.gate`` / ``block_sparse_moe.gate``),      f32
-           correction bias, indexer weights_proj, every 1-D tensor
+f32        norms, router (``mlp.gate`` / ``block_sparse_moe.gate`` /      f32
+           gpt-oss ``mlp.router``), correction bias, indexer weights_proj,
+           gpt-oss's fused expert biases, every 1-D tensor
 =========  ==========================================================  =============
 
-A bit width of 32 keeps a class in f32 (useful for exact round-trip tests).
+A bit width of 32 keeps a class in f32 (useful for exact round-trip tests). Routed
+experts may also be 16 (bf16): the compact lossless output for MXFP4 sources such as
+gpt-oss, whose e2m1 values times power-of-two block scales bf16 holds exactly and no
+int8-per-row or int4 grid does.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ _EXPERT = re.compile(
 )
 # Mixtral's names for an expert's gate, up and down projections.
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")
+# gpt-oss's expert biases [E, 2F] / [E, D]: 2-D, but vectors the engine keeps in f32.
+_EXPERT_BIASES = ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")
 
 MTP_INT4_WARNING = (
     "refusing an int4 MTP layer: per-row/grouped int4 rounds the embedding half of eh_proj "
@@ -86,7 +92,7 @@ class ConvertParams:
             "mtp_bits",
         ):
             bits = getattr(self, name)
-            allowed = (4, 8) if name == "expert_bits" else (4, 8, 32)
+            allowed = (4, 8, 16, 32) if name == "expert_bits" else (4, 8, 32)
             if bits not in allowed:
                 raise ConvertError(f"--{name.replace('_', '-')} {bits}: choose from {allowed}")
         if self.group_size != 0 and self.group_size not in tuple(1 << k for k in range(4, 13)):
@@ -129,7 +135,7 @@ def classify(name: str, shape: Sequence[int], n_layers: int) -> str:
     """The tensor class of ``name`` (see the module table)."""
     if len(shape) != 2:
         return "f32"
-    if name.endswith((*_ROUTERS, "indexer.weights_proj.weight")) or "norm" in name:
+    if name.endswith((*_ROUTERS, *_EXPERT_BIASES, "indexer.weights_proj.weight")) or "norm" in name:
         return "f32"
     layer = layer_of(name)
     if layer is not None and layer >= n_layers:
@@ -152,10 +158,15 @@ def classify(name: str, shape: Sequence[int], n_layers: int) -> str:
 
 @dataclass(frozen=True)
 class OutFormat:
-    """How one logical tensor is stored: f32, int8 per row, or int4 (gs 0 = per row)."""
+    """How one logical tensor is stored: f32, bf16, int8 per row, or int4 (gs 0 = per row)."""
 
     bits: int
     group_size: int = 0
+
+    @property
+    def quantised(self) -> bool:
+        """Codes plus ``.qs`` scales (int8, int4), not a plain float tensor (f32, bf16)."""
+        return self.bits in (4, 8)
 
     @property
     def stamp(self) -> str:
@@ -163,20 +174,20 @@ class OutFormat:
             return INT8_ROW
         if self.bits == 4:
             return INT4_GROUPED if self.group_size else INT4_ROW
-        return "f32"
+        return "bf16" if self.bits == 16 else "f32"
 
     def data_entry(self, name: str, shape: tuple[int, ...]) -> Entry:
-        if self.bits == 32:
+        if not self.quantised:
             n = 1
             for d in shape:
                 n *= d
-            return Entry(name, "F32", tuple(shape), 4 * n)
+            return Entry(name, self.stamp.upper(), tuple(shape), self.bits // 8 * n)
         out_f, in_f = shape
         cols = in_f if self.bits == 8 else quant.q4_row_bytes(in_f)
         return Entry(name, "U8", (out_f, cols), out_f * cols)
 
     def scale_entry(self, name: str, shape: tuple[int, ...]) -> Entry | None:
-        if self.bits == 32:
+        if not self.quantised:
             return None
         out_f, in_f = shape
         groups = quant.n_groups(in_f, self.group_size if self.bits == 4 else 0)
@@ -291,7 +302,7 @@ def shard_metadata(groups: Sequence[Group], params: ConvertParams) -> dict[str, 
     hint = params.group_size or None
     for g in groups:
         for it in g.items:
-            if it.fmt.bits == 32:
+            if not it.fmt.quantised:
                 continue
             data = it.fmt.data_entry(it.name, it.shape)
             scales = it.fmt.scale_entry(it.name, it.shape)

@@ -8,8 +8,10 @@ bit-identical to whole-tensor conversion.
 
 Encodings: F32, BF16, F16, FP8 e4m3 with a ``<name>_scale_inv`` grid of 128x128 block
 scales (HF / DeepSeek), NVFP4 (modelopt, see :mod:`colibrid.convert.nvfp4`). The
-auxiliary scale tensors are consumed with their weight and not listed. Anything else is
-refused by name before any output is written.
+auxiliary scale tensors are consumed with their weight and not listed. gpt-oss's fused
+expert tensors (float or MXFP4, :mod:`colibrid.convert.gpt_oss`) are listed as the
+per-expert matrices they hold. Anything else is refused by name before any output is
+written.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.convert import nvfp4
+from colibrid.convert import gpt_oss, nvfp4
 from colibrid.errors import ColibriError, ConvertError
 from colibrid.formats import quant
 from colibrid.store.checkpoint import Checkpoint
@@ -36,7 +38,9 @@ KNOWN = ("F32", "BF16", "F16", "F8_E4M3")
 class SourceTensor:
     name: str
     shape: tuple[int, ...]  # logical shape (NVFP4: unpacked)
-    kind: str  # f32, bf16, f16, fp8, nvfp4
+    kind: str  # f32, bf16, f16, fp8, nvfp4, mxfp4
+    fused: gpt_oss.FusedTensor | None = None  # a gpt-oss expert matrix: read from here
+    index: int = 0  # its place in fused.names()
 
 
 class Source:
@@ -74,6 +78,14 @@ class Source:
         names = ck.names()
         aux: set[str] = set()
         found: list[SourceTensor] = []
+        fused = gpt_oss.find_fused(names, lambda n: (ck.info(n).shape, ck.info(n).dtype))
+        for f in fused:
+            if f.kind not in ("mxfp4", "f32", "bf16", "f16"):
+                raise ConvertError(f"tensor {f.name!r}: fused experts in {f.kind.upper()}")
+            aux.update(f.stored)
+            found.extend(
+                SourceTensor(name, f.matrix_shape, f.kind, f, i) for i, name in enumerate(f.names())
+            )
         for name in names:
             info = ck.info(name)
             if info.dtype == "F8_E4M3" and ck.has(name + "_scale_inv"):
@@ -149,6 +161,14 @@ class Source:
         ck = self.ckpt
         name = t.name
         try:
+            if t.fused is not None:  # one expert matrix at a time: bounded memory
+                matrix = gpt_oss.expert_matrix(t.fused, t.index, ck.array, _to_f32)
+                step = self.row_step(t)
+                for r0 in range(0, t.shape[0], step):
+                    yield self._finite(name, matrix[r0 : r0 + step])
+                for stored in t.fused.stored:  # an expert's slice is contiguous: done with it
+                    self.release(stored)
+                return
             if len(t.shape) != 2:
                 yield self._finite(name, _to_f32(ck.array(name), t.kind))
                 return

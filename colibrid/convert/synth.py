@@ -38,6 +38,7 @@ from colibrid.convert.plan import ConvertParams, Group, Shard, build_groups, pac
 from colibrid.convert.writer import write_atomic
 from colibrid.engine.validate import expected_from_config
 from colibrid.errors import ColibriError, ConvertError
+from colibrid.formats import quant
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -209,6 +210,38 @@ SHAPES["deepseek-v32"] = dict(
 )
 # The model types whose checkpoints carry an MTP layer (`--mtp`)
 MTP_TYPES = ("glm_moe_dsa", "deepseek_v32")
+# gpt-oss-120b's per-layer shapes (its config.json, GptOssConfig's defaults): GQA 64/8
+# heads of 64 with biases and sinks, sliding (128 keys) and full layers alternating, YaRN,
+# 128 experts of FFN 2880 (~14.0 MB each at int4-g64) with biases, top-4, every layer MoE
+# (the real model has 36; gpt-oss-20b has the same layer with 32 experts, 24 layers)
+SHAPES["gpt-oss-120b"] = dict(
+    model_type="gpt_oss",
+    architectures=["GptOssForCausalLM"],
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    attention_bias=True,
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    vocab_size=8192,
+)
+# The softmax-routed families: the key counting their experts; every layer MoE, no MTP.
+EXPERTS_KEY = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts"}
 # GLM-4.5-Air's structure at toy sizes: for tests
 SHAPES["glm4-tiny"] = dict(
     SHAPES["glm4-air"],
@@ -235,8 +268,8 @@ def synth_config(shape: str, layers: int, experts: int, mtp: bool = False) -> di
             f"--mtp: only GLM-5- and DeepSeek-V3.2-shaped models carry an MTP layer, not {shape!r}"
         )
     cfg = dict(SHAPES[shape])
-    if cfg["model_type"] == "qwen3_moe":  # experts counted as `num_experts`; no dense first
-        cfg.update(num_experts=experts)
+    if cfg["model_type"] in EXPERTS_KEY:
+        cfg[EXPERTS_KEY[cfg["model_type"]]] = experts
     else:
         cfg.update(
             n_routed_experts=experts,
@@ -281,8 +314,9 @@ def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     for item in group.items:
         rng = _rng(seed, item.name)
         bits = item.fmt.bits
-        if bits == 32:
-            yield item.name, _float_tensor(item.name, item.shape, rng)
+        if not item.fmt.quantised:
+            values = _float_tensor(item.name, item.shape, rng)
+            yield item.name, values if bits == 32 else quant.f32_to_bf16(values)
             continue
         out_f, in_f = item.shape
         data = item.fmt.data_entry(item.name, item.shape)
@@ -320,7 +354,7 @@ def _zero_mean_codes(raw: bytes, bits: int) -> np.ndarray:
 def _float_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     if "norm" in name:
         return np.ones(shape, dtype=np.float32)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_bias")):  # gpt-oss's fused expert biases too
         return np.zeros(shape, dtype=np.float32)
     fan_in = shape[-1] if shape else 1
     return rng.standard_normal(shape, dtype=np.float32) * np.float32(fan_in**-0.5)

@@ -200,6 +200,16 @@ def stored_bytes(ckpt: Checkpoint, name: str) -> int:
     return n
 
 
+def _fused_hint(ckpt: Checkpoint, name: str) -> str:
+    """Why a per-expert matrix may be missing: the folder keeps the experts fused, as
+    transformers and OpenAI store gpt-oss (the store reads experts one by one)."""
+    prefix, sep, _ = name.partition(".experts.")
+    fused = (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.gate_up_proj_blocks")
+    if sep and any(ckpt.has(f) for f in fused):
+        return " (the experts are fused, as transformers stores them: run colibri convert first)"
+    return ""
+
+
 def validate(ckpt: Checkpoint) -> Validated:
     """Validate every expected tensor; returns args, expected, name -> format and the KV
     bytes per position."""
@@ -207,7 +217,9 @@ def validate(ckpt: Checkpoint) -> Validated:
     formats: dict[str, str] = {}
     for exp in expected.values():
         if not ckpt.has(exp.name):
-            raise CheckpointError(f"{ckpt.dir}: tensor {describe(exp.name)} is missing")
+            raise CheckpointError(
+                f"{ckpt.dir}: tensor {describe(exp.name)} is missing{_fused_hint(ckpt, exp.name)}"
+            )
         fmt = tensor_format(ckpt, exp.name, exp.shape)
         if exp.kind == "vector" and fmt not in ("f32", "bf16", "f16"):
             raise CheckpointError(

@@ -113,6 +113,14 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 as uint16, rounded to nearest even (finite inputs): exact for
+    any value with at most 8 significant bits, e.g. MXFP4's e2m1 times 2^k."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> 16).astype(np.uint16)
+
+
 def unpack_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
     """uint8 [R, ceil(I/2)] -> float32 q values [R, I]."""
     rows = packed.shape[0]

@@ -25,7 +25,7 @@ from colibrid.http.openai import (
     shaped,
     whole,
 )
-from colibrid.http.parsing import Features, OutputSplitter, ToolCall
+from colibrid.http.parsing import Features, ToolCall, make_splitter
 from colibrid.http.structured import ToolChoice
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest
@@ -199,7 +199,7 @@ class MessageStream:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.id = plan.request.id
-        self.splitter = OutputSplitter(plan.features)
+        self.splitter = make_splitter(plan.features)
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # type of the open content block
         self.prompt_tokens = 0

@@ -17,7 +17,7 @@ from colibrid.engine.constraint import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.errors import ColibriError, RequestError
 from colibrid.http.errors import ApiError, bad_request
-from colibrid.http.parsing import Features, OutputSplitter, ToolCall
+from colibrid.http.parsing import Features, ToolCall, make_splitter
 from colibrid.http.structured import (
     ToolChoice,
     callable_tools,
@@ -403,7 +403,7 @@ class ChatStream:
         self.plan = plan
         self.id = plan.request.id
         self.created = int(time.time())
-        self.splitter = OutputSplitter(plan.features)
+        self.splitter = make_splitter(plan.features)
         self.reasoning: list[str] = []
         self.content: list[str] = []
 

@@ -5,7 +5,8 @@ answer, then zero or more ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg
 </tool_call>`` blocks (a JSON ``{"name": …, "arguments": …}`` body is accepted too).
 `OutputSplitter.feed` returns pieces as soon as they are certain, holding back only a
 tail that could still turn out to be the start of a tag; `finish` flushes and parses the
-tool calls. Which parts are looked for is decided from the chat template (`Features`).
+tool calls. Which parts are looked for is decided from the chat template (`Features`);
+a Harmony template (gpt-oss) gets `harmony.HarmonySplitter` instead (`make_splitter`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 THINK_OPEN, THINK_CLOSE, TOOL_OPEN = "<think>", "</think>", "<tool_call>"
+HARMONY_CHANNEL = "<|channel|>"
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
@@ -27,6 +29,7 @@ class Features:
     tools: bool = False
     think: bool = False
     think_open: bool = False  # the generation prompt opens `<think>`: output starts inside it
+    harmony: bool = False  # gpt-oss's channels (<|channel|>analysis / final)
 
     @classmethod
     def of_template(cls, template: Any, generation_prompt: str | None = None) -> Features:
@@ -38,6 +41,7 @@ class Features:
             tools="tools" in text,
             think=opens or THINK_OPEN in text or "thinking" in text,
             think_open=opens,
+            harmony=HARMONY_CHANNEL in text,
         )
 
 
@@ -51,7 +55,7 @@ class ToolCall:
         return json.dumps(self.arguments, ensure_ascii=False)
 
 
-def _held(buf: str, tag: str) -> int:
+def held_tag_prefix(buf: str, tag: str) -> int:
     """Length of the longest suffix of `buf` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(buf)), 0, -1):
         if buf.endswith(tag[:n]):
@@ -169,14 +173,31 @@ class OutputSplitter:
             self.buf = self.buf[at + len(tag) :]
             self.mode = then
             return
-        keep = 0 if final else _held(self.buf, tag)
+        keep = 0 if final else held_tag_prefix(self.buf, tag)
         out.append((kind, self.buf[: len(self.buf) - keep]))
         self.buf = self.buf[len(self.buf) - keep :]
 
 
+class Splitter(Protocol):
+    """What the HTTP translators feed generated text to."""
+
+    def feed(self, text: str) -> list[tuple[str, str]]: ...
+
+    def finish(self, *, whole: bool = True) -> tuple[list[tuple[str, str]], list[ToolCall]]: ...
+
+
+def make_splitter(features: Features) -> Splitter:
+    """The splitter for the template's output format: Harmony or GLM-style tags."""
+    if features.harmony:
+        from colibrid.http.harmony import HarmonySplitter  # it imports this module
+
+        return HarmonySplitter(features)
+    return OutputSplitter(features)
+
+
 def split_all(text: str, features: Features) -> tuple[str, str, list[ToolCall]]:
     """The whole output at once: (reasoning, content, tool calls)."""
-    splitter = OutputSplitter(features)
+    splitter = make_splitter(features)
     pieces = splitter.feed(text)
     rest, calls = splitter.finish()
     pieces += rest

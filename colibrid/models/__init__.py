@@ -18,6 +18,7 @@ SUPPORTED = (
     "qwen3_moe",
     "mixtral",
     "olmoe",
+    "gpt_oss",
 )
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from colibrid.backends.base import KernelFamily
 from colibrid.models.base import ExpertSource, Ops, Segment, WeightSource
+from colibrid.models.layers.biased_moe import BiasedMoE, ClampedGLU, ExpertBiases
 from colibrid.models.layers.mlp import MLP
 from colibrid.models.layers.moe import MoE
 from colibrid.models.layers.rope import Rotary
@@ -32,8 +33,11 @@ class MoEArgs:
     GLM-4.x and GLM-5.x); the rest have those families' values as defaults and say what
     the softmax-routed families (Qwen3-MoE, Mixtral, OLMoE) do differently: ``softmax``
     router scores, and where the router and experts are stored (``module``: the layer's
-    submodule holding ``gate`` and ``experts``; ``expert_names``: the stored names of
-    gate, up and down)."""
+    submodule holding the router and ``experts``; ``expert_names``: the stored names of
+    gate, up and down) and what gpt-oss adds: the router's submodule name (``router``),
+    a bias on its logits (``router_bias``) and experts with biases and a clamped SwiGLU
+    (``glu``; the biases stored as transformers names them, ``experts.gate_up_proj_bias``
+    [E, 2F] with gate and up interleaved, ``experts.down_proj_bias`` [E, D])."""
 
     n_routed_experts: int
     num_experts_per_tok: int
@@ -46,6 +50,9 @@ class MoEArgs:
     softmax: bool = False
     module: str = "mlp"
     expert_names: tuple[str, str, str] = SWIGLU_NAMES
+    router: str = "gate"
+    router_bias: bool = False
+    glu: ClampedGLU | None = None
 
 
 class DecoderLayer:
@@ -149,13 +156,14 @@ def load_moe(
     src: WeightSource, ops: Ops, experts: ExpertSource, layer: int, hidden: int, args: MoEArgs
 ) -> MoE:
     prefix = f"model.layers.{layer}.{args.module}"
+    gate = f"{prefix}.{args.router}"
     n = args.n_routed_experts
     # The selection bias belongs to the sigmoid router (DeepSeek/GLM); a softmax family
     # never reads one, even where a checkpoint carries a stray tensor of that name.
-    bias_name = f"{prefix}.gate.e_score_correction_bias"
+    bias_name = f"{gate}.e_score_correction_bias"
     has_bias = not args.softmax and src.has(bias_name)
     router = Router(
-        src.vector(f"{prefix}.gate.weight", (n, hidden)),
+        src.vector(f"{gate}.weight", (n, hidden)),
         src.vector(bias_name, (n,)) if has_bias else None,
         top_k=args.num_experts_per_tok,
         n_group=args.n_group,
@@ -163,8 +171,13 @@ def load_moe(
         norm_topk_prob=args.norm_topk_prob,
         scaling=args.routed_scaling_factor,
         softmax=args.softmax,
+        logit_bias=src.vector(f"{gate}.bias", (n,)) if args.router_bias else None,
         ops=ops,
     )
+    if args.glu is not None:
+        return BiasedMoE(
+            layer, router, experts, ops, expert_biases(src, prefix, hidden, args), args.glu
+        )
     shared = None
     if args.n_shared_experts > 0:
         shared = MLP(
@@ -175,6 +188,19 @@ def load_moe(
             args.moe_intermediate_size * args.n_shared_experts,
         )
     return MoE(layer, router, experts, ops, shared)
+
+
+def expert_biases(src: WeightSource, prefix: str, hidden: int, args: MoEArgs) -> ExpertBiases:
+    """A layer's expert biases; gate and up de-interleaved from transformers' fused
+    ``gate_up_proj_bias`` (gate at even, up at odd positions)."""
+    n, width = args.n_routed_experts, args.moe_intermediate_size
+    gate_up = np.asarray(src.vector(f"{prefix}.experts.gate_up_proj_bias", (n, 2 * width)))
+    down = src.vector(f"{prefix}.experts.down_proj_bias", (n, hidden))
+    return ExpertBiases(
+        np.ascontiguousarray(gate_up[:, 0::2], dtype=np.float32),
+        np.ascontiguousarray(gate_up[:, 1::2], dtype=np.float32),
+        np.ascontiguousarray(down, dtype=np.float32),
+    )
 
 
 class Transformer:

@@ -193,3 +193,19 @@ def test_container_tensors_shapes():
         quant.container_tensors(
             "x", QuantWeight(WeightFormat.BF16, (1, 1), np.zeros((1, 1), np.uint16))
         )
+
+
+def test_f32_to_bf16_rounds_to_nearest_even_like_torch():
+    rng = np.random.default_rng(0)
+    values = np.concatenate(
+        [
+            rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4096),
+            # exact ties: the kept bit decides (even stays, odd rounds up)
+            np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 0.0, -0.0], dtype=np.float32),
+            np.array([2.0**-128, 1.5 * 2.0**-127, 6 * 2.0**100], dtype=np.float32),  # e2m1 x 2^k
+        ]
+    ).astype(np.float32)
+    ours = quant.f32_to_bf16(values)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(ours, theirs)
+    assert quant.bf16_to_f32(ours[-3:]).tolist() == values[-3:].tolist()  # exact

@@ -92,6 +92,21 @@ def test_deepseek_v32_shape_plans_its_real_expert() -> None:
     assert synth_config("deepseek-v32", 2, 4)["n_group"] == 1
 
 
+def test_gpt_oss_120b_shape_plans_its_real_expert() -> None:
+    total, expert = planned_bytes("gpt-oss-120b", 2, 8)
+    # gate/up/down [2880, 2880]: 2880*1440 B + 2880*45 scales each
+    assert expert == 3 * (2880 * 1440 + 2880 * 45 * 4)
+    assert abs(expert - 14.00e6) < 0.01e6
+    cfg = synth_config("gpt-oss-120b", 2, 8)
+    assert (cfg["model_type"], cfg["num_local_experts"], cfg["num_key_value_heads"]) == (
+        "gpt_oss",
+        8,
+        8,
+    )
+    assert (cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"]) == (2880, 64, 64)
+    assert total > expert * 16
+
+
 def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):

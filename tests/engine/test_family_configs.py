@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import tiny_models
 import transformers
@@ -59,6 +60,38 @@ def test_mixtral_names_window_and_renormalised_top_k() -> None:
     assert moe.module == "block_sparse_moe" and moe.expert_names == ("w1", "w3", "w2")
     assert args.is_moe == (True,) * 3
     assert args_of("mixtral", sliding_window=None).attention.window is None
+
+
+def test_gpt_oss_reads_its_layers_biases_and_activation() -> None:
+    args = args_of("gpt_oss")
+    a, moe = args.attention, args.moe
+    assert a.sinks and a.bias and a.o_bias and not a.qk_norm and a.head_dim == 32
+    assert args.windows == (8, None, 8)  # GptOssConfig's alternation, sliding first
+    assert args.is_moe == (True,) * 3 and moe.n_shared_experts == 0
+    assert moe.router == "router" and moe.router_bias and moe.norm_topk_prob and moe.softmax
+    assert moe.moe_intermediate_size == 96 and moe.num_experts_per_tok == 2
+    assert moe.glu is not None and (moe.glu.alpha, moe.glu.limit) == (1.702, 1.5)
+    mixed = args_of("gpt_oss", layer_types=["full_attention"] * 2 + ["sliding_attention"])
+    assert mixed.windows == (None, None, 8)
+    assert args_of("gpt_oss", layer_types=None).windows == (8, None, 8)
+
+
+def test_gpt_oss_defaults_are_gptossconfigs() -> None:
+    """A hand-written config without the optional keys means what GptOssConfig means."""
+    config = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_local_experts": 8,
+    }
+    args = family("gpt_oss").ModelArgs.from_config(config)
+    assert args.attention.head_dim == 64 and args.attention.kv_heads == 8
+    assert args.trunk.rms_norm_eps == 1e-5 and args.windows == (128, None)
+    assert args.moe.num_experts_per_tok == 4 and args.moe.glu.limit == 7.0
+    assert args.rope["rope_type"] == "yarn" and args.rope["rope_theta"] == 150000.0
+    assert args.rope["factor"] == 32.0 and args.rope["truncate"] is False
 
 
 def test_olmoe_norms_span_the_whole_projections() -> None:
@@ -126,6 +159,9 @@ def test_v32_mla_moe_and_dense_layers() -> None:
         ("deepseek_v32", {"index_n_heads": 0}, "index_n_heads"),
         ("deepseek_v32", {"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
         ("deepseek_v32", {"n_group": 3}, "n_group"),
+        ("gpt_oss", {"layer_types": ["sliding_attention", "chunked"]}, "layer_types"),
+        ("gpt_oss", {"swiglu_limit": -1.0}, "swiglu_limit"),
+        ("gpt_oss", {"sliding_window": 0}, "sliding_window"),
     ],
 )
 def test_unsupported_configs_are_refused_by_key(arch: str, changes: dict, key: str) -> None:
@@ -133,3 +169,61 @@ def test_unsupported_configs_are_refused_by_key(arch: str, changes: dict, key: s
         args_of(arch, **changes)
     message = str(info.value)
     assert f"({arch})" in message and f"'{key}'" in message and "\n" not in message
+
+
+# gpt-oss-20b's config.json as released (quantization_config shortened): the legacy
+# `rope_scaling` key, top-level `rope_theta`, an `experts_per_token` alias transformers ignores.
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "pad_token_id": 199999,
+    "quantization_config": {"quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+
+
+def test_gpt_oss_20b_config_and_its_yarn_match_transformers() -> None:
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from colibrid.models.layers.rope import Rotary
+
+    args = family("gpt_oss").ModelArgs.from_config(GPT_OSS_20B)
+    assert args.windows == (128, None) * 12 and args.moe.n_routed_experts == 32
+    assert (args.attention.heads, args.attention.kv_heads, args.attention.head_dim) == (64, 8, 64)
+    rotary = Rotary(64, args.rope, max_positions=args.trunk.max_position_embeddings)
+    config = transformers.GptOssConfig(
+        **{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    np.testing.assert_allclose(rotary.inv_freq, inv_freq.numpy(), rtol=1e-6)
+    assert rotary.attention_factor == pytest.approx(factor)

@@ -22,6 +22,7 @@ ARCHS = (
     "qwen3_moe",
     "mixtral",
     "olmoe",
+    "gpt_oss",
 )
 FAMILIES = (KernelFamily.F32, KernelFamily.I8)
 

@@ -12,7 +12,7 @@ from colibrid.engine.constraint import Vocabulary
 from colibrid.errors import ColibriError
 from colibrid.http import anthropic, openai
 from colibrid.http.errors import ApiError
-from colibrid.http.parsing import Features, OutputSplitter, parse_tool_calls, split_all
+from colibrid.http.parsing import Features, make_splitter, parse_tool_calls, split_all
 from colibrid.serve.events import Done
 
 BOTH = Features(tools=True, think=True)
@@ -24,7 +24,7 @@ GLM = (
 
 
 def by_char(text: str, features: Features):
-    splitter = OutputSplitter(features)
+    splitter = make_splitter(features)
     pieces = [p for ch in text for p in splitter.feed(ch)]
     rest, calls = splitter.finish()
     pieces += rest
@@ -287,3 +287,64 @@ def test_anthropic_plan_and_stream_events() -> None:
     assert stream.blocks[2]["input"] == {"city": "Paris", "days": 3}
     with pytest.raises(ApiError):
         anthropic.messages_plan({**body, "max_tokens": None}, features=BOTH, **COMMON)
+
+
+HARMONY = Features(tools=True, think=True, harmony=True)
+GPT_OSS = (
+    "<|channel|>analysis<|message|>The user wants weather.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Let me check.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris", "days": 3}<|call|>'
+)
+
+
+@pytest.mark.parametrize("split", [split_all, by_char])
+def test_harmony_channels_and_tool_call(split) -> None:
+    """gpt-oss: analysis is the reasoning, final the answer, a message to=functions.X the
+    call (recipient before or after the channel)."""
+    reasoning, content, calls = split(GPT_OSS, HARMONY)
+    assert reasoning == "The user wants weather."
+    assert content == "Let me check."
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
+    before = "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}<|call|>"
+    assert split(before, HARMONY)[2][0].name == "f"
+
+
+@pytest.mark.parametrize("split", [split_all, by_char])
+def test_harmony_final_answer_and_plain_text(split) -> None:
+    answer = (
+        "<|channel|>analysis<|message|>think <|e<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>4 < 5"
+    )
+    assert split(answer + "<|return|>", HARMONY) == ("think <|e", "4 < 5", [])
+    assert split(answer, HARMONY) == ("think <|e", "4 < 5", [])  # cut before <|return|>
+    assert split("no channels here", HARMONY) == ("", "no channels here", [])
+    forced = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'  # a grammar's call
+    assert [(c.name, c.arguments) for c in split(forced, HARMONY)[2]] == [("f", {"a": 1})]
+    # without tools the call is shown as text; a non-object body is no call
+    bad = "<|channel|>commentary to=functions.f<|message|>[1]<|call|>"
+    assert split(bad, HARMONY) == ("", "[1]", [])
+    assert split(bad, Features(harmony=True)) == ("", "[1]", [])
+
+
+def test_harmony_is_detected_from_the_template() -> None:
+    assert Features.of_template("{{ '<|start|>assistant<|channel|>final<|message|>' }}").harmony
+    assert not Features.of_template("<think>{{ m }}</think>").harmony
+
+
+def test_harmony_reaches_both_translators_with_or_without_tools() -> None:
+    """The plan keeps the template's Harmony flag when it sets `tools` from the request,
+    so an OpenAI or Anthropic answer of gpt-oss is split by channels."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert openai.chat_plan(chat, features=HARMONY, **COMMON).features.harmony
+    message = {**chat, "max_tokens": 9}
+    plan = anthropic.messages_plan(message, features=HARMONY, **COMMON)
+    assert plan.features.harmony and not plan.features.tools
+    stream = openai.ChatStream(openai.chat_plan(chat, features=HARMONY, **COMMON))
+    for ch in GPT_OSS[:-60]:  # cut inside the call's header, as max_tokens may
+        stream.token(ch)
+    reply = stream.response(DONE)["choices"][0]["message"]
+    assert (
+        reply["reasoning_content"] == "The user wants weather."
+        and reply["content"] == "Let me check."
+    )

@@ -212,16 +212,17 @@ def _draw_gqa(rng: random.Random, rope: dict[str, Any]) -> dict[str, Any]:
 
 
 def _draw_softmax_family(rng: random.Random, arch: str, context: int) -> dict[str, Any]:
-    """A Qwen3-MoE, Mixtral or OLMoE config: sizes, experts and top-k (softmax routing,
-    no groups or shared experts), GQA heads and the family's own options: Qwen3-MoE's dense
-    layers, per-head qk-norm width, bias and windowing; Mixtral's sliding window (none, or
-    from one key to past the context) and implicit head_dim; OLMoE's whole-projection
-    qk-norm (head_dim = hidden / heads), bias and norm_topk_prob."""
+    """A Qwen3-MoE, Mixtral, OLMoE or gpt-oss config: sizes, experts and top-k (softmax
+    routing, no groups or shared experts), GQA heads and the family's own options: Qwen3-MoE's
+    dense layers, per-head qk-norm width, bias and windowing; Mixtral's sliding window (none,
+    or from one key to past the context) and implicit head_dim; OLMoE's whole-projection
+    qk-norm (head_dim = hidden / heads), bias and norm_topk_prob; gpt-oss's sliding and full
+    layers, window shorter than the context, biases and clamped-SwiGLU constants."""
     layers = rng.randint(1, 4)
     hidden = rng.choice([32, 48, 64, 96, 128])
     experts = rng.randint(2, 16)
     theta = rng.choice([10_000.0, 50_000.0, 1_000_000.0])
-    implicit = {"qwen3_moe": 0.0, "mixtral": 0.6, "olmoe": 1.0}[arch]
+    implicit = {"qwen3_moe": 0.0, "mixtral": 0.6, "olmoe": 1.0, "gpt_oss": 0.0}[arch]
     heads, kv_heads, head_dim = _draw_heads(rng, hidden, implicit)
     out: dict[str, Any] = dict(
         vocab_size=rng.choice([96, 160, 256]),
@@ -271,9 +272,38 @@ def _draw_softmax_family(rng: random.Random, arch: str, context: int) -> dict[st
             norm_topk_prob=rng.random() < 0.3,
             attention_bias=rng.random() < 0.3,
         )
+    elif arch == "gpt_oss":
+        out.update(_draw_gpt_oss(rng, layers, context, theta), head_dim=head_dim)
+        out.update(num_local_experts=experts, intermediate_size=width)
     else:
         raise ValueError(f"unknown arch {arch!r}")
     return out
+
+
+def _draw_gpt_oss(rng: random.Random, layers: int, context: int, theta: float) -> dict[str, Any]:
+    """gpt-oss's own options: `layer_types` (the default alternation or a random mix), a
+    window from 2 keys to shorter than the context, biases on or off, the clamp limit low
+    enough to bite on tiny activations, and the real models' YaRN shape (truncate off)."""
+    kinds = ("sliding_attention", "full_attention")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if rng.random() < 0.5:
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": rng.choice([2.0, 4.0, 32.0]),
+            "original_max_position_embeddings": MAX_POSITIONS // 4,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": rng.random() < 0.3,
+        }
+    return dict(
+        layer_types=[rng.choice(kinds) for _ in range(layers)] if rng.random() < 0.5 else None,
+        sliding_window=rng.randint(2, context - 2),
+        attention_bias=rng.random() < 0.8,
+        swiglu_alpha=rng.choice([1.702, 1.0, 2.5]),
+        swiglu_limit=rng.choice([0.5, 1.0, 2.0, 7.0]),
+        rope_parameters=rope,
+    )
 
 
 def _draw_heads(rng: random.Random, hidden: int, implicit: float) -> tuple[int, int, int | None]:

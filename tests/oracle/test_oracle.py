@@ -140,9 +140,8 @@ def test_softmax_router_ignores_a_stray_selection_bias(oracle_checkpoint, tmp_pa
     shutil.copytree(ref.out_dir, folder)
     shard = folder / "model.safetensors"
     tensors = load_file(str(shard))
-    routers = [
-        name for name in tensors if re.fullmatch(r"model\.layers\.\d+\.\w+\.gate\.weight", name)
-    ]
+    router = re.compile(r"model\.layers\.\d+\.\w+\.(gate|router)\.weight")
+    routers = [name for name in tensors if router.fullmatch(name)]
     assert routers
     for name in routers:
         bias = np.zeros(tensors[name].shape[0], dtype=np.float32)

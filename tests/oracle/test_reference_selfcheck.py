@@ -177,7 +177,8 @@ def test_saved_layout_per_expert(oracle_checkpoint):
 @pytest.mark.parametrize("arch", tm.SOFTMAX_ARCHS)
 def test_saved_layout_softmax_archs(oracle_checkpoint, arch):
     """Per-expert names as the real checkpoints have them (Mixtral's block_sparse_moe
-    w1/w3/w2), one file, no shared expert, no correction bias, no MTP layer."""
+    w1/w3/w2; gpt-oss as colibri convert splits its fused experts), one file, no shared
+    expert, no correction bias, no MTP layer."""
     ref = oracle_checkpoint(arch)
     cfg = tm.tiny_config(arch)
     rows = tm.tensor_table(ref.out_dir)
@@ -203,6 +204,11 @@ def test_saved_layout_softmax_archs(oracle_checkpoint, arch):
         assert table["model.layers.0.self_attn.k_norm.weight"] == (cfg.num_key_value_heads * d,)
     if arch == "qwen3_moe":  # qk-norm per head
         assert table["model.layers.0.self_attn.q_norm.weight"] == (cfg.head_dim,)
+    if arch == "gpt_oss":  # sinks, router bias, the fused expert biases
+        assert table["model.layers.0.self_attn.sinks"] == (cfg.num_attention_heads,)
+        assert table["model.layers.0.mlp.router.bias"] == (n,)
+        assert table["model.layers.0.mlp.experts.gate_up_proj_bias"] == (n, 2 * i)
+        assert table["model.layers.0.mlp.experts.down_proj_bias"] == (n, h)
 
 
 def test_mixtral_window_drops_keys(oracle_checkpoint):
@@ -317,3 +323,31 @@ def test_expert_transform_and_container(oracle_checkpoint):
     assert table[name] == ("U8", (cfg.moe_intermediate_size, cfg.hidden_size))
     assert table[name + ".qs"] == ("F32", (cfg.moe_intermediate_size,))
     assert table["model.layers.1.mlp.shared_experts.gate_proj.weight"][0] == "F32"
+
+
+def test_gpt_oss_fixture_exercises_its_features(oracle_checkpoint):
+    """Each gpt-oss feature the engine must get right changes the reference's logits on the
+    fixture: the attention sinks, the window (shorter than the prompt, on the sliding
+    layers only), the SwiGLU clamp, and the router and expert biases."""
+    ref = oracle_checkpoint("gpt_oss")
+    cfg = tm.tiny_config("gpt_oss")
+    window = cfg.sliding_window
+    assert window < tm.PROMPT_LEN < tm.TF_LEN
+    assert cfg.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    base = _tf_logits(tm.load_reference_model_any(ref.out_dir), ref.tf_ids)
+
+    def changed(edit=None, **config) -> torch.Tensor:
+        model = tm.load_reference_model_any(ref.out_dir, tm.tiny_config("gpt_oss", **config))
+        if edit is not None:
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    edit(layer)
+        return (_tf_logits(model, ref.tf_ids) - base).abs()
+
+    full = changed(layer_types=["full_attention"] * cfg.num_hidden_layers)
+    assert full[:window].max() < 1e-5 and full[window:].max() > 1e-2
+    assert changed(lambda m: m.self_attn.sinks.fill_(-1e4)).max() > 1e-2
+    assert changed(swiglu_limit=1e6).max() > 1e-2
+    assert changed(lambda m: m.mlp.router.bias.zero_()).max() > 1e-2
+    assert changed(lambda m: m.mlp.experts.gate_up_proj_bias.zero_()).max() > 1e-2
+    assert changed(lambda m: m.mlp.experts.down_proj_bias.zero_()).max() > 1e-2

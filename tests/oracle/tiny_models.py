@@ -67,12 +67,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 
+from colibrid.convert import gpt_oss as gpt_oss_convert
+
 # DeepSeek-style MoE (sigmoid router, groups, shared experts, an MTP layer) and softmax-routed
 # MoE without shared experts or MTP.
 SIGMOID_ARCHS = ("glm_moe_dsa", "deepseek_v32", "glm4_moe", "deepseek_v3")
 # The DSA families: the same lightning indexer, RoPE interleaved (GLM-5) or rotate_half (V3.2).
 DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")
-SOFTMAX_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+SOFTMAX_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 ARCHS = SIGMOID_ARCHS + SOFTMAX_ARCHS
 MTP_ARCHS = SIGMOID_ARCHS
 DTYPES = ("f32", "bf16", "fp8")
@@ -98,6 +100,7 @@ DEFAULT_SEEDS = {
     "qwen3_moe": 4,
     "mixtral": 2,
     "olmoe": 5,
+    "gpt_oss": 3,
 }
 
 # Exact ties in the DSA index scores are common on tiny models: a key every index head scores
@@ -120,6 +123,7 @@ _CLASSES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 # Shared by every architecture. eos_token_id is None so generation always yields 20 tokens.
@@ -261,6 +265,31 @@ _SOFTMAX_CONFIG = {
         attention_bias=False,
         clip_qkv=None,
     ),
+    # 3 layers: sliding, full, sliding (GptOssConfig's default layer_types); the window of 8
+    # cuts the 12-token prompt; swiglu_limit 1.5 (7.0 in the real models) so that the clamps
+    # bite on tiny random activations; YaRN as the real models, scaled down.
+    "gpt_oss": dict(
+        _TRUNK,
+        intermediate_size=96,  # the experts' width: 3 MXFP4 blocks of 32
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        sliding_window=8,
+        attention_bias=True,
+        swiglu_alpha=1.702,
+        swiglu_limit=1.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+    ),
 }
 
 
@@ -322,8 +351,11 @@ class OracleReference:
 # ----------------------------------------------------------------------------- initialisation
 
 
-def _init_tensor(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
-    """Deterministic random init by tensor name (works for fused and per-expert names)."""
+def _init_tensor(
+    name: str, shape: tuple, gen: torch.Generator, transposed: bool = False
+) -> torch.Tensor:
+    """Deterministic random init by tensor name (works for fused and per-expert names);
+    ``transposed``: fused experts are stored [E, I, O] (gpt-oss), not [E, O, I]."""
 
     def randn(std):
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std
@@ -334,14 +366,14 @@ def _init_tensor(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
         return torch.linspace(-0.1, 0.1, n, dtype=torch.float32)[perm]
     if name.endswith("norm.weight"):  # RMSNorms, indexer LayerNorm, qk-norm, shared_head.norm
         return 1.0 + randn(0.1)
-    if name.endswith(".bias"):
+    if name.endswith((".bias", "_proj_bias")):  # gpt-oss's fused expert biases too
         return randn(0.2)
+    if name.endswith("self_attn.sinks"):  # gpt-oss: a logit per head, comparable to scores
+        return randn(1.0)
     if name.endswith("embed_tokens.weight"):
         return randn(1.0)
-    if name.endswith("experts.gate_up_proj"):  # fused [E, 2I, H]
-        return randn(1.0 / math.sqrt(shape[-1]))
-    if name.endswith("experts.down_proj"):  # fused [E, H, I]
-        return randn(1.0 / math.sqrt(shape[-1]))
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # fused [E, O, I]
+        return randn(1.0 / math.sqrt(shape[-2] if transposed else shape[-1]))
     if len(shape) == 2:  # [out, in] linear
         return randn(1.0 / math.sqrt(shape[1]))
     raise ValueError(f"no init rule for {name} {shape}")
@@ -350,8 +382,9 @@ def _init_tensor(name: str, shape: tuple, gen: torch.Generator) -> torch.Tensor:
 def _init_model(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        transposed = model.config.model_type == "gpt_oss"
         for name, p in model.named_parameters():
-            p.copy_(_init_tensor(name, tuple(p.shape), gen))
+            p.copy_(_init_tensor(name, tuple(p.shape), gen, transposed))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(_init_tensor(name, tuple(b.shape), gen))
@@ -399,6 +432,8 @@ def is_routed_expert(name: str) -> bool:
 
 def router_name(arch: str, layer: int) -> str:
     """The stored router weight of a MoE layer."""
+    if arch == "gpt_oss":
+        return f"model.layers.{layer}.mlp.router.weight"
     module = "block_sparse_moe" if arch == "mixtral" else "mlp"
     return f"model.layers.{layer}.{module}.gate.weight"
 
@@ -421,7 +456,7 @@ def n_experts(config) -> int:
 
 def expert_width(config) -> int:
     """A routed expert's FFN width (Mixtral and OLMoE call it intermediate_size)."""
-    if config.model_type in ("mixtral", "olmoe"):
+    if config.model_type in ("mixtral", "olmoe", "gpt_oss"):
         return config.intermediate_size
     return config.moe_intermediate_size
 
@@ -445,6 +480,7 @@ def _fp8_eligible(name: str, t: torch.Tensor) -> bool:
         "lm_head.weight",
         "mlp.gate.weight",
         "block_sparse_moe.gate.weight",
+        "mlp.router.weight",
         "weights_proj.weight",
         "eh_proj.weight",
         "shared_head.head.weight",
@@ -520,6 +556,46 @@ def _encode(
     return stored, effective
 
 
+def split_gpt_oss(tensors: dict) -> dict:
+    """gpt-oss's fused expert tensors as per-expert matrices (the converter's split)."""
+    out = {}
+    for name, t in tensors.items():
+        if gpt_oss_convert.is_fused(name):
+            for k, v in gpt_oss_convert.split_fused(name, t.float().numpy()).items():
+                out[k] = torch.from_numpy(v)
+        else:
+            out[name] = t
+    return out
+
+
+_PER_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
+)
+
+
+def fuse_gpt_oss(tensors: dict) -> dict:
+    """The inverse of ``split_gpt_oss`` (float32): transformers' fused layout back, so the
+    reference model loads what the engine's folder holds."""
+    out, parts = {}, {}
+    for name, t in tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+        else:
+            parts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t.float()
+    for prefix, mats in parts.items():
+        n = 1 + max(e for e, _ in mats)
+        gate_up = []
+        for e in range(n):
+            gate, up = mats[(e, "gate")].T, mats[(e, "up")].T  # [D, F] each
+            gate_up.append(torch.stack([gate, up], dim=-1).reshape(gate.shape[0], -1))
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up).contiguous()
+        out[f"{prefix}.down_proj"] = torch.stack(
+            [mats[(e, "down")].T for e in range(n)]
+        ).contiguous()
+    return out
+
+
 def dequantize_folder_tensors(folder: Path) -> dict:
     """All tensors of an oracle folder as float32 (fp8 blocks dequantised, scale_inv dropped)."""
     raw = {}
@@ -564,11 +640,13 @@ def load_reference_model_any(folder: Path, config=None):
     transformers' fp8 loader needs accelerate/GPU)."""
     folder = Path(folder)
     cfg = json.loads((folder / "config.json").read_text())
-    if "quantization_config" not in cfg:
+    if "quantization_config" not in cfg and cfg["model_type"] != "gpt_oss":
         return load_reference_model(folder, config)
     tensors = dequantize_folder_tensors(folder)
+    if cfg["model_type"] == "gpt_oss":  # the folder holds the per-expert split
+        tensors = fuse_gpt_oss(tensors)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg.pop("quantization_config")
+        cfg.pop("quantization_config", None)
         (Path(tmp) / "config.json").write_text(json.dumps(cfg))
         n = cfg["num_hidden_layers"]
         main = {k: v for k, v in tensors.items() if not k.startswith(f"model.layers.{n}.")}
@@ -651,8 +729,10 @@ class _Probe:
         self.dsa_rows_selecting = 0
         cfg = model.config
         hook = self._softmax_router_hook if cfg.model_type in SOFTMAX_ARCHS else self._router_hook
+        if cfg.model_type == "gpt_oss":
+            hook = self._logit_router_hook
         for i, layer in enumerate(model.model.layers):
-            gate = getattr(layer.mlp, "gate", None)
+            gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
             if gate is not None:
                 self.handles.append(gate.register_forward_hook(hook(i, gate)))
             idx = getattr(layer.self_attn, "indexer", None)
@@ -676,6 +756,22 @@ class _Probe:
             nxt = probs.masked_fill(sel, -math.inf).max(-1).values
             if probs.shape[-1] > topk_idx.shape[-1]:
                 self.router_margin = min(self.router_margin, float((kth - nxt).min()))
+            self.routing.setdefault(layer_idx, []).extend(
+                tuple(sorted(r)) for r in topk_idx.tolist()
+            )
+
+        return hook
+
+    def _logit_router_hook(self, layer_idx, gate):
+        # gpt-oss: top-k of the (biased) logits; margin between the k-th and the next
+        def hook(mod, args, out):
+            logits, _, topk_idx = out
+            srt = logits.float().sort(dim=-1, descending=True).values
+            k = topk_idx.shape[-1]
+            if srt.shape[-1] > k:
+                self.router_margin = min(
+                    self.router_margin, float((srt[:, k - 1] - srt[:, k]).min())
+                )
             self.routing.setdefault(layer_idx, []).extend(
                 tuple(sorted(r)) for r in topk_idx.tolist()
             )
@@ -855,6 +951,8 @@ def build_checkpoint(
         files = sorted(stage.glob("*.safetensors"))
         assert [f.name for f in files] == ["model.safetensors"], files
         main = load_file(str(files[0]))
+        if arch == "gpt_oss":  # stored as colibri convert writes it, per expert
+            main = split_gpt_oss(main)
         mtp = {}
         if with_mtp:
             mtp = _mtp_tensors(main, config, torch.Generator().manual_seed(seed + 1))
@@ -865,6 +963,8 @@ def build_checkpoint(
         eff_dir = Path(tmp) / "effective"
         eff_dir.mkdir()
         shutil.copy(stage / "config.json", eff_dir / "config.json")
+        if arch == "gpt_oss":
+            effective = fuse_gpt_oss(effective)
         save_file(effective, str(eff_dir / "model.safetensors"), metadata={"format": "pt"})
         ref_model = load_reference_model(eff_dir)
         tf_logits, greedy, greedy_logits, diag, tf_ids = _reference(

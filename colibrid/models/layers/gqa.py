@@ -1,6 +1,7 @@
-"""Grouped-query attention (GLM-4.x, Qwen3-MoE, Mixtral, OLMoE): q/k/v projections with
-optional bias, optional qk RMSNorm (per head, or over the whole projection as OLMoE has
-it), partial rotate_half RoPE, an optional sliding window, KV cached per KV head.
+"""Grouped-query attention (GLM-4.x, Qwen3-MoE, Mixtral, OLMoE, gpt-oss): q/k/v projections
+with optional bias, optional qk RMSNorm (per head, or over the whole projection as OLMoE has
+it), partial rotate_half RoPE, an optional sliding window, optional attention sinks
+(gpt-oss), KV cached per KV head.
 
 Shape legend: S new rows, T cached keys, H query heads, G KV heads, d head dim.
 """
@@ -13,6 +14,7 @@ import numpy as np
 
 from colibrid.backends.base import GQAWeights, KernelFamily
 from colibrid.models.base import Linear, Ops, Step, WeightSource
+from colibrid.models.layers.sinks import attend_with_sinks
 
 
 @dataclass(frozen=True)
@@ -20,8 +22,9 @@ class GQAShape:
     """A GQA block's shape and options. ``bias``: q/k/v biases; ``o_bias``: an o_proj bias
     too (Qwen3-MoE and OLMoE put one on every projection, GLM-4.x never on o_proj);
     ``qk_norm_whole``: the qk norms span the whole projection (OLMoE) rather than a head;
-    ``window``: a sliding window of keys (Mixtral; Qwen3-MoE with `use_sliding_window`),
-    None for every causal key."""
+    ``window``: a sliding window of keys (Mixtral; Qwen3-MoE with `use_sliding_window`;
+    gpt-oss's sliding layers), None for every causal key; ``sinks``: a learned logit per
+    query head joins each softmax's denominator (gpt-oss, ``self_attn.sinks`` [H])."""
 
     hidden: int
     heads: int
@@ -33,6 +36,7 @@ class GQAShape:
     o_bias: bool = False
     qk_norm_whole: bool = False
     window: int | None = None
+    sinks: bool = False
 
 
 class GQAAttention:
@@ -58,6 +62,7 @@ class GQAAttention:
             k_span = s.kv_heads * s.head_dim if s.qk_norm_whole else s.head_dim
             self.q_norm = src.vector(f"{prefix}.q_norm.weight", (q_span,))
             self.k_norm = src.vector(f"{prefix}.k_norm.weight", (k_span,))
+        self.sinks = src.vector(f"{prefix}.sinks", (s.heads,)) if s.sinks else None
         self.scale = np.float32(s.head_dim**-0.5)
         projections = (self.q_proj, self.k_proj, self.v_proj)
         self.block = GQAWeights(
@@ -88,16 +93,21 @@ class GQAAttention:
         selection: np.ndarray | None = None,
     ) -> tuple[np.ndarray, None]:
         """Returns the attention output [S, D]; GQA has no sparse key selection."""
+        s = self.shape
         arrays = cache.arrays_for(layer, x.shape[0])
-        out = self.ops.gqa_attention(
-            self.block,
-            rope,
-            x,
-            (arrays["k"], arrays["v"]),
-            step.start,
-            float(self.scale),
-            step.family,
-        )
+        caches = (arrays["k"], arrays["v"])
+        if self.sinks is not None:  # no backend block has sinks: the ops one by one
+            q = project_qkv(self.ops, self.block, rope, x, caches, step.start, step.family)
+            keys, values = caches
+            end = step.start + x.shape[0]
+            attended = attend_with_sinks(
+                q, keys[:end], values[:end], self.sinks, float(self.scale), step.start, s.window
+            )
+            out = self.ops.matmul(self.block.o, attended, step.family)
+        else:
+            out = self.ops.gqa_attention(
+                self.block, rope, x, caches, step.start, float(self.scale), step.family
+            )
         if self.o_proj.bias is not None:  # outside the block: added to its output as is
             out += self.o_proj.bias
         return out, None
@@ -114,6 +124,24 @@ def gqa_attention_each(
     family: KernelFamily,
 ) -> np.ndarray:
     """`Ops.gqa_attention` one op at a time: the definition a backend's block must match."""
+    keys, values = caches
+    q = project_qkv(ops, block, rope, x, caches, start, family)
+    end = start + x.shape[0]
+    out = ops.attend_gqa(q, keys[:end], values[:end], scale, start, block.window)  # [S, H * d]
+    return ops.matmul(block.o, out, family)
+
+
+def project_qkv(
+    ops: Ops,
+    block: GQAWeights,
+    rope: tuple[np.ndarray, np.ndarray],
+    x: np.ndarray,
+    caches: tuple[np.ndarray, np.ndarray],
+    start: int,
+    family: KernelFamily,
+) -> np.ndarray:
+    """The block up to the attention: q/k/v (+ biases, qk norms), RoPE, k and v written to
+    cache rows [start, start + S). Returns the rotated queries [S, H, d]."""
     keys, values = caches
     rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[2]
     q, k, v = ops.matmul_many([block.q, block.k, block.v], x, family)
@@ -133,6 +161,4 @@ def gqa_attention_each(
     q = ops.rope_half(q, cos, sin)
     keys[start : start + rows] = ops.rope_half(k, cos, sin)
     values[start : start + rows] = v
-    end = start + rows
-    out = ops.attend_gqa(q, keys[:end], values[:end], scale, start, block.window)  # [S, H * d]
-    return ops.matmul(block.o, out, family)
+    return q

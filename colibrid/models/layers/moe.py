@@ -66,7 +66,7 @@ class MoE:
         arithmetic on small models.
         """
         rows, top_k = len(ids), len(ids[0])
-        plan = _plan(ids)
+        plan = plan_rows(ids)
         width = top_k + (self.shared is not None)  # ranks per row, the shared expert last
         parts = np.empty((rows * width, x.shape[1]), dtype=np.float32)  # [S * rank, D]
         shared = self.shared
@@ -110,7 +110,7 @@ def _batch(
     return ExpertBatch(weights, start, row_of, gate_of, dest)
 
 
-def _plan(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int], list[int]]]:
+def plan_rows(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int], list[int]]]:
     """For each chosen expert: the rows that chose it, the slot it has in each of them
     and its rank (position in ascending expert order) within each row."""
     plan: dict[int, tuple[list[int], list[int], list[int]]] = {}

@@ -10,6 +10,10 @@ chosen experts, normalised to sum 1 when `norm_topk_prob`, then multiplied by
 deterministic. The backend computes it (`Ops.route`); `route_reference` is the rule in
 numpy.
 
+A router with a bias on its logits (gpt-oss: `router.bias`, which moves the gates as well
+as the choice) is the same rule on one more input feature: each row gets a constant 1 and
+the weight the bias as its last column, so every backend's route computes it unchanged.
+
 Shape legend: S rows, D hidden, E experts, K experts per token, G groups.
 """
 
@@ -48,10 +52,14 @@ class Router:
         norm_topk_prob: bool,
         scaling: float,
         softmax: bool = False,
+        logit_bias: np.ndarray | None = None,
         ops: Ops,
     ) -> None:
-        self.weight = weight  # f32 [E, D]
-        self.bias = bias  # f32 [E] or None
+        self.logit_bias = logit_bias is not None
+        if logit_bias is not None:  # [E, D + 1]: the bias as the weight of a constant 1
+            weight = np.concatenate([weight, logit_bias.reshape(-1, 1)], axis=1)
+        self.weight = weight  # f32 [E, D], or [E, D + 1] with a logit bias
+        self.bias = bias  # f32 [E] or None: selection only
         self.rule = RouteRule(
             top_k, n_group, topk_group, norm_topk_prob, float(scaling), softmax=softmax
         )
@@ -66,14 +74,22 @@ class Router:
         return self.weight.shape[0]
 
     def route(self, h: np.ndarray) -> Route:
-        experts, gates = self.ops.route(h, self.weight, self.bias, self.rule, self.top_k)
+        experts, gates = self.ops.route(
+            self._input(h), self.weight, self.bias, self.rule, self.top_k
+        )
         return Route(experts=experts, gates=gates)
+
+    def _input(self, h: np.ndarray) -> np.ndarray:
+        """h [S, D], with a constant 1 appended to each row when the logits have a bias."""
+        if not self.logit_bias:
+            return h
+        return np.concatenate([h, np.ones((h.shape[0], 1), dtype=np.float32)], axis=1)
 
     def candidates(self, h: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` best experts per row by the selection score, best first [S, n]: the
         top-k that `route` picks, then the runners-up (PILOT's ranked guesses)."""
         n = max(self.top_k, min(n, self.n_experts))
-        return self.ops.route(h, self.weight, self.bias, self.rule, n)[0]
+        return self.ops.route(self._input(h), self.weight, self.bias, self.rule, n)[0]
 
 
 def route_reference(

@@ -1,0 +1,195 @@
+"""`colibri convert` of gpt-oss checkpoints as OpenAI and transformers store them: the
+experts fused per layer (``mlp.experts.gate_up_proj`` [E, D, 2F] with gate and up
+interleaved, ``down_proj`` [E, F, D]), in float or as MXFP4 (``*_blocks`` packed e2m1 +
+``*_scales`` e8m0 per 32 inputs, [out, in] orientation).
+
+The MXFP4 source is encoded here with independent numpy maths and checked against
+transformers' own dequantiser (integrations/mxfp4.py), so the nibble order and layout the
+converter reads are transformers'. Its reference is transformers on the dequantised
+experts: MXFP4 -> f32 experts (``--bits 32``) is lossless, so the container equals the one
+converted from the dequantised float source byte for byte and the engine reproduces the
+reference token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiny_models
+import torch
+from quant_reference import EXACT_FLAGS
+from safetensors.numpy import save_file
+from safetensors.torch import load_file
+
+from colibri_cli.main import main
+from colibrid.backends.base import KernelFamily
+from colibrid.convert.inspect import inspect
+from colibrid.engine.engine import Engine
+from colibrid.engine.generate import teacher_forced_argmax
+from colibrid.formats import quant
+from colibrid.store.checkpoint import Checkpoint
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+
+
+def mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., I] float -> (blocks U8 [..., I/32, 16], scales U8 [..., I/32]): per 32 inputs
+    the smallest power of two 2^k with absmax / 2^k <= 6, each value rounded to the nearest
+    e2m1 magnitude (ties to the lower code), sign in bit 3; the even element low."""
+    g = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
+    absmax = np.abs(g).max(axis=-1)
+    k = np.ceil(np.log2(np.maximum(absmax, 1e-30) / 6.0)).astype(np.int64)
+    k = np.clip(k, -127, 127)
+    scaled = np.abs(g) / np.exp2(k)[..., None]
+    code = np.abs(scaled[..., None] - E2M1).argmin(axis=-1)  # 0..7
+    code = code | np.where(g < 0, 8, 0)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    return packed, (k + 127).astype(np.uint8)
+
+
+def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    signed = np.concatenate([E2M1, -E2M1])
+    vals = np.stack([signed[blocks & 15], signed[blocks >> 4]], axis=-1).reshape(
+        *blocks.shape[:-1], -1
+    )
+    out = vals * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return out.reshape(*out.shape[:-2], -1).astype(np.float32)
+
+
+def mxfp4_roundtrip(name: str, w: np.ndarray) -> np.ndarray:
+    return mxfp4_decode(*mxfp4_encode(w))
+
+
+def _tensors(folder: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():  # bf16 as its uint16 bits, as stored
+            out[k] = (
+                v.view(torch.int16).numpy().view(np.uint16)
+                if v.dtype == torch.bfloat16
+                else v.numpy()
+            )
+    return out
+
+
+def _source(ref: tiny_models.OracleReference, dst: Path, mxfp4: bool) -> Path:
+    """The oracle folder (per-expert f32 on the MXFP4 grid) re-stored in transformers'
+    fused layout, the experts in f32 or MXFP4."""
+    dst.mkdir()
+    fused = tiny_models.fuse_gpt_oss(load_file(str(ref.out_dir / "model.safetensors")))
+    out = {}
+    for name, t in fused.items():
+        a = t.numpy()
+        if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_encode(np.ascontiguousarray(a.transpose(0, 2, 1)))
+            theirs = _transformers_dequant(blocks, scales)
+            np.testing.assert_array_equal(theirs, a)  # transformers reads what we wrote
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        else:
+            out[name] = a
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((ref.out_dir / "config.json").read_text())
+    if mxfp4:
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _transformers_dequant(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out = convert_moe_packed_tensors(
+        torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+    )
+    return out.numpy()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    base = tmp_path_factory.mktemp("gpt-oss")
+    ref = tiny_models.build_checkpoint(
+        "gpt_oss",
+        base / "oracle",
+        expert_transform=mxfp4_roundtrip,
+        expert_container=lambda name, w: {name: mxfp4_roundtrip(name, w)},
+    )
+    return ref, _source(ref, base / "f32", False), _source(ref, base / "mxfp4", True)
+
+
+def _convert(src: Path, dst: Path, bits: str) -> Path:
+    assert main(["convert", str(src), str(dst), "--bits", bits, *EXACT_FLAGS]) == 0
+    return dst
+
+
+def test_mxfp4_source_converts_losslessly_to_f32_experts(sources, tmp_path: Path) -> None:
+    ref, f32_src, mx_src = sources
+    with Checkpoint.open(mx_src) as ck:
+        assert any(n.endswith("gate_up_proj_blocks") for n in ck.names())
+    from_f32 = _convert(f32_src, tmp_path / "a", "32")
+    from_mx = _convert(mx_src, tmp_path / "b", "32")
+    a, b = _tensors(from_f32), _tensors(from_mx)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    oracle = _tensors(ref.out_dir)  # the per-expert split the engine's oracle runs on
+    for name, w in oracle.items():
+        np.testing.assert_array_equal(b[name], w, err_msg=name)
+    assert "quantization_config" not in json.loads((from_mx / "config.json").read_text())
+
+    engine = Engine.load(from_mx, family=KernelFamily.F32)
+    other = Engine.load(from_f32, family=KernelFamily.F32)
+    try:
+        assert teacher_forced_argmax(engine, ref.tf_ids) == ref.tf_pred
+        logits = engine.new_session().prefill(ref.tf_ids, all_logits=True)
+        same = other.new_session().prefill(ref.tf_ids, all_logits=True)
+        np.testing.assert_array_equal(logits, same)
+    finally:
+        engine.close()
+        other.close()
+
+
+def test_mxfp4_source_converts_losslessly_to_bf16_experts(sources, tmp_path: Path) -> None:
+    """bf16 holds e2m1 x 2^k exactly: the experts are the f32 container's at half the size."""
+    ref, _, mx_src = sources
+    dst = _convert(mx_src, tmp_path / "d", "16")
+    report = inspect(dst)
+    config = tiny_models.tiny_config("gpt_oss")
+    assert report.formats["expert"] == {"bf16": 3 * config.num_local_experts * 3}
+    stored, oracle = _tensors(dst), _tensors(ref.out_dir)
+    for name, w in oracle.items():
+        if tiny_models.is_routed_expert(name):
+            assert stored[name].dtype == np.uint16
+            np.testing.assert_array_equal(quant.bf16_to_f32(stored[name]), w, err_msg=name)
+    engine = Engine.load(dst, family=KernelFamily.F32)
+    try:
+        assert teacher_forced_argmax(engine, ref.tf_ids) == ref.tf_pred
+    finally:
+        engine.close()
+
+
+def test_mxfp4_source_converts_to_int4_experts(sources, tmp_path: Path, capsys) -> None:
+    """The default (int4-g64 experts) requantises the MXFP4 values, saying so: a container
+    the engine loads, the router and the fused expert biases kept in f32."""
+    _, _, mx_src = sources
+    dst = tmp_path / "c"
+    assert main(["convert", str(mx_src), str(dst), *EXACT_FLAGS]) == 0
+    assert "--bits 16 keeps them exactly" in capsys.readouterr().err
+    report = inspect(dst)
+    config = tiny_models.tiny_config("gpt_oss")
+    n_routed = 3 * config.num_local_experts * config.num_hidden_layers
+    assert report.formats["expert"] == {"int4-g64": n_routed}
+    assert set(report.formats["f32"]) == {"f32"}
+    engine = Engine.load(dst, family=KernelFamily.F32)
+    engine.close()
+
+
+def test_unconverted_fused_checkpoint_is_refused_with_a_hint(sources, tmp_path: Path) -> None:
+    _, f32_src, _ = sources
+    folder = tmp_path / "raw"
+    shutil.copytree(f32_src, folder)
+    with pytest.raises(Exception, match="colibri convert"):
+        Engine.load(folder, family=KernelFamily.F32)
