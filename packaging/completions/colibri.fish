@@ -103,7 +103,7 @@ complete -c colibri -n '_shtab_colibri_using pull' -l from -x -d 'demo only: bui
 complete -c colibri -n '_shtab_colibri_using pull' -l dense -d 'with demo: build '"'"'demo-dense'"'"' instead (the GGUF'"'"'s dense model, what `colibri bench peer` runs beside llama.cpp)'
 complete -c colibri -n '_shtab_colibri_using pull' -l force -d 'rebuild the demo, or replace a model already installed under the name'
 complete -c colibri -n '_shtab_colibri_using pull' -l allow-int4-mtp -d 'allow --mtp-bits 4 (a lossy draft layer; refused by default)'
-complete -c colibri -n '_shtab_colibri_using pull' -l bits -xka "4 8" -d 'routed experts'
+complete -c colibri -n '_shtab_colibri_using pull' -l bits -xka "4 8 16 32" -d 'routed experts (16: bf16, 32: f32; lossless for MXFP4 sources such as gpt-oss)'
 complete -c colibri -n '_shtab_colibri_using pull' -l group-size -x -d 'int4 group size (0 = one scale per row; default 64)'
 complete -c colibri -n '_shtab_colibri_using pull' -l io-bits -xka "4 8 32" -d 'embeddings and lm_head (32 = keep f32; default 8)'
 complete -c colibri -n '_shtab_colibri_using pull' -l attn-bits -xka "4 8 32" -d 'attention and DSA indexer (32 = keep f32; default 4)'
@@ -156,7 +156,7 @@ complete -c colibri -n '_shtab_colibri_using completion' -l for -xka "colibri co
 complete -c colibri -n '_shtab_colibri_using completion; and test $_shtab_colibri_npos -eq 0' -ka "bash zsh fish" -d 'the shell the script is for'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a convert -d 'convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container'
 complete -c colibri -n '_shtab_colibri_using convert' -s h -l help -d 'show this help message and exit'
-complete -c colibri -n '_shtab_colibri_using convert' -l bits -xka "4 8" -d 'routed experts'
+complete -c colibri -n '_shtab_colibri_using convert' -l bits -xka "4 8 16 32" -d 'routed experts (16: bf16, 32: f32; lossless for MXFP4 sources such as gpt-oss)'
 complete -c colibri -n '_shtab_colibri_using convert' -l group-size -x -d 'int4 group size (0 = one scale per row; default 64)'
 complete -c colibri -n '_shtab_colibri_using convert' -l io-bits -xka "4 8 32" -d 'embeddings and lm_head (32 = keep f32; default 8)'
 complete -c colibri -n '_shtab_colibri_using convert' -l attn-bits -xka "4 8 32" -d 'attention and DSA indexer (32 = keep f32; default 4)'
@@ -175,7 +175,7 @@ complete -c colibri -n '_shtab_colibri_using config' -l toml -d 'a commented exa
 complete -c colibri -n '_shtab_colibri_using config' -l markdown -d 'the table of docs/configuration.md'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a synth -d 'write a synthetic container with real per-layer shapes for benchmarks'
 complete -c colibri -n '_shtab_colibri_using synth' -s h -l help -d 'show this help message and exit'
-complete -c colibri -n '_shtab_colibri_using synth' -l shape -xka "glm4-air glm4-tiny glm5 qwen3-235b tiny" -d shape
+complete -c colibri -n '_shtab_colibri_using synth' -l shape -xka "deepseek-v32 glm4-air glm4-tiny glm5 gpt-oss-120b qwen3-235b tiny" -d shape
 complete -c colibri -n '_shtab_colibri_using synth' -l layers -x -d layers
 complete -c colibri -n '_shtab_colibri_using synth' -l experts -x -d experts
 complete -c colibri -n '_shtab_colibri_using synth' -l seed -x -d seed
