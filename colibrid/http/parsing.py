@@ -2,7 +2,8 @@
 
 GLM-style output: an optional ``<think>…</think>`` block first (the reasoning), then the
 answer, then zero or more ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>
-</tool_call>`` blocks (a JSON ``{"name": …, "arguments": …}`` body is accepted too).
+</tool_call>`` blocks (a JSON ``{"name": …, "arguments": …}`` body is accepted too: Qwen3's
+form), or DeepSeek-V3/V3.1's calls between its ``<｜tool▁calls▁begin｜>`` tokens.
 `OutputSplitter.feed` returns pieces as soon as they are certain, holding back only a
 tail that could still turn out to be the start of a tag; `finish` flushes and parses the
 tool calls. Which parts are looked for is decided from the chat template (`Features`);
@@ -17,6 +18,15 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 THINK_OPEN, THINK_CLOSE, TOOL_OPEN = "<think>", "</think>", "<tool_call>"
+# DeepSeek-V3 / V3.1: calls between special tokens, `function<sep>name` + a fenced JSON block
+# (V3) or `name<sep>` + the JSON (V3.1)
+DEEPSEEK_TOOLS_OPEN = "<｜tool▁calls▁begin｜>"
+# Either starts the calls, whatever the family: a grammar-forced call is always written
+# in the `<tool_call>{json}` form (http.structured), and neither occurs in plain text.
+TOOL_OPENERS = (TOOL_OPEN, DEEPSEEK_TOOLS_OPEN)
+_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.S)
+_DEEPSEEK_SEP = "<｜tool▁sep｜>"
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*(?:```)?$", re.S)
 HARMONY_CHANNEL = "<|channel|>"
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -72,6 +82,8 @@ def _value(text: str) -> Any:
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every well-formed call in `text` (an unterminated last block is accepted)."""
+    if text.startswith(DEEPSEEK_TOOLS_OPEN):
+        return parse_deepseek_calls(text)
     calls = []
     for body in _CALL.findall(text):
         body = body.strip()
@@ -95,6 +107,25 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         name = body.split("<arg_key>", 1)[0].strip()
         if name and "<" not in name and "\n" not in name:
             args = {k.strip(): _value(v.strip()) for k, v in _ARG.findall(body)}
+            calls.append(ToolCall(name, args))
+    return calls
+
+
+def parse_deepseek_calls(text: str) -> list[ToolCall]:
+    """DeepSeek-V3's `function<sep>NAME\n```json\nARGS\n```` and V3.1's `NAME<sep>ARGS`
+    calls; one whose arguments are not a JSON object is dropped."""
+    calls = []
+    for body in _DEEPSEEK_CALL.findall(text):
+        head, sep, rest = body.partition(_DEEPSEEK_SEP)
+        if not sep:
+            continue
+        name, args_text = head.strip(), rest.strip()
+        if name == "function":  # V3: the name opens the rest, the arguments are fenced
+            name, _, args_text = args_text.partition("\n")
+            name, args_text = name.strip(), args_text.strip()
+        fenced = _FENCE.match(args_text)
+        args = _value(fenced.group(1) if fenced else args_text)
+        if name and "<" not in name and isinstance(args, dict):
             calls.append(ToolCall(name, args))
     return calls
 
@@ -141,7 +172,7 @@ class OutputSplitter:
                 else:
                     self.mode = "content"
             elif self.mode == "reasoning":
-                self._until(THINK_CLOSE, "reasoning", "content", out, final)
+                self._until((THINK_CLOSE,), "reasoning", "content", out, final)
                 if self.mode == "content":
                     self.after_reasoning = True
             elif self.mode == "content":
@@ -151,9 +182,9 @@ class OutputSplitter:
                     if not self.buf:
                         break
                 if self.features.tools:
-                    self._until(TOOL_OPEN, "content", "tools", out, final)
-                    if self.mode == "tools":
-                        self.tool_text = TOOL_OPEN
+                    opener = self._until(TOOL_OPENERS, "content", "tools", out, final)
+                    if opener is not None:
+                        self.tool_text = opener
                 else:
                     out.append(("content", self.buf))
                     self.buf = ""
@@ -165,17 +196,21 @@ class OutputSplitter:
         return [p for p in out if p[1]]
 
     def _until(
-        self, tag: str, kind: str, then: str, out: list[tuple[str, str]], final: bool
-    ) -> None:
-        at = self.buf.find(tag)
-        if at >= 0:
+        self, tags: tuple[str, ...], kind: str, then: str, out: list[tuple[str, str]], final: bool
+    ) -> str | None:
+        """Emit `kind` text up to the first of `tags` and switch to `then` (returning the tag
+        found), or emit all but a tail that could still begin one of them."""
+        found = [(at, tag) for tag in tags if (at := self.buf.find(tag)) >= 0]
+        if found:
+            at, tag = min(found)
             out.append((kind, self.buf[:at]))
             self.buf = self.buf[at + len(tag) :]
             self.mode = then
-            return
-        keep = 0 if final else held_tag_prefix(self.buf, tag)
+            return tag
+        keep = 0 if final else max(held_tag_prefix(self.buf, tag) for tag in tags)
         out.append((kind, self.buf[: len(self.buf) - keep]))
         self.buf = self.buf[len(self.buf) - keep :]
+        return None
 
 
 class Splitter(Protocol):

@@ -65,6 +65,44 @@ def test_malformed_call_stays_text_and_json_calls_parse() -> None:
     assert [(c.name, c.arguments) for c in calls] == [("f", {"a": [1]}), ("g", {"q": "hi there"})]
 
 
+# DeepSeek-V3 (`function<sep>name` + fenced JSON) and V3.1 (`name<sep>` + JSON) calls
+DEEPSEEK_V3 = (
+    "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜>'
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n"
+    '```json\n{"tz": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+DEEPSEEK_V31 = (
+    "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time'
+    '<｜tool▁sep｜>{"tz": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+)
+
+
+@pytest.mark.parametrize("split", [split_all, by_char])
+@pytest.mark.parametrize("text", [DEEPSEEK_V3, DEEPSEEK_V31], ids=["v3", "v3.1"])
+def test_deepseek_tool_calls(split, text: str) -> None:
+    reasoning, content, calls = split(text, BOTH)
+    assert (reasoning, content) == ("", "Let me check.")
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}),
+        ("get_time", {"tz": "CET"}),
+    ]
+
+
+def test_deepseek_call_cut_short_or_malformed() -> None:
+    cut = DEEPSEEK_V31[: DEEPSEEK_V31.index("<｜tool▁call▁begin｜>get_time")]
+    assert [c.name for c in split_all(cut + "<｜tool▁call▁begin｜>get_ti", BOTH)[2]] == [
+        "get_weather"
+    ]
+    bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>not json<｜tool▁call▁end｜>"
+    assert split_all("x " + bad, BOTH) == ("", "x " + bad, [])
+    # a grammar-forced call keeps the <tool_call> form on every family
+    assert [c.name for c in split_all('<tool_call>{"name": "f", "arguments": {}}', BOTH)[2]] == [
+        "f"
+    ]
+
+
 def test_features_from_template() -> None:
     assert Features.of_template("{% if tools %}{% endif %}<think>") == BOTH
     assert Features.of_template(None) == Features()
