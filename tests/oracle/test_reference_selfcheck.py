@@ -134,7 +134,8 @@ def test_fp8_files_hold_fp8_blocks(oracle_checkpoint):
             o, i = table[n][1]
             s_dt, s_shape = table[n + "_scale_inv"]
             assert s_dt == "F32" and s_shape == (-(-o // 128), -(-i // 128)), n
-        assert any(table[n + "_scale_inv"][1] != (1, 1) for n in fp8)  # multi-block weights
+        if any(max(table[n][1]) > 128 for n in fp8):  # multi-block weights (not gpt-oss's)
+            assert any(table[n + "_scale_inv"][1] != (1, 1) for n in fp8)
         for n, (dt, _) in table.items():
             if n.endswith(
                 (
