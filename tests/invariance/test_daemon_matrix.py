@@ -41,9 +41,9 @@ Running it:
   `colibrid generate --pin auto|all` on tiny GLM-5. Alone:
   ``pytest -q tests/invariance/test_daemon_matrix.py``.
 * the full matrix (marker `matrix`, skipped by default): models {demo, glm_moe_dsa,
-  deepseek_v32, deepseek_v3, qwen3_moe, mixtral, olmoe} x cache {1, 2, 8} x PILOT {on, off}
-  x O_DIRECT {on, off} x profile {empty, warmed}, MEMWATCH shrink cells, and the `colibrid
-  generate` pin matrix:
+  deepseek_v32, deepseek_v3, qwen3_moe, mixtral, olmoe, gpt_oss} x cache {1, 2, 8} x PILOT
+  {on, off} x O_DIRECT {on, off} x profile {empty, warmed}, MEMWATCH shrink cells, and the
+  `colibrid generate` pin matrix:
   ``COLIBRI_MATRIX=1 pytest -q tests/invariance/test_daemon_matrix.py`` (or
   ``pytest -q -m matrix tests/invariance``).
 """
@@ -68,7 +68,16 @@ from matrix_support import (
     status,
 )
 
-KINDS = ("demo", "glm_moe_dsa", "deepseek_v32", "deepseek_v3", "qwen3_moe", "mixtral", "olmoe")
+KINDS = (
+    "demo",
+    "glm_moe_dsa",
+    "deepseek_v32",
+    "deepseek_v3",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "gpt_oss",
+)
 
 
 @dataclass(frozen=True)
