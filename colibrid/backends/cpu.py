@@ -104,8 +104,9 @@ class CpuOps:
         scale: float,
         start: int,
         window: int | None = None,
+        sinks: np.ndarray | None = None,
     ) -> np.ndarray:
-        return native.attend_gqa(_f32(q), keys, values, scale, start, window)
+        return native.attend_gqa(_f32(q), keys, values, scale, start, window, sinks)
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))

@@ -68,6 +68,7 @@ def _attend(
     scale: float,
     start: int,
     window: int | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """Causal GQA attention (NumpyOps.attend_gqa's layout): q [S, H, d] at positions
     start.., keys/values [T, G, d]; returns [S, H * d]. Masked keys score EXCLUDED, as in
@@ -84,9 +85,14 @@ def _attend(
     if window is not None:
         visible = mx.logical_and(visible, mx.arange(t)[None, :] > position - window)
     scores = mx.where(visible[None], scores, EXCLUDED)
-    scores = scores - mx.max(scores, axis=-1, keepdims=True)
-    probs = mx.exp(scores)
-    probs = probs / mx.sum(probs, axis=-1, keepdims=True)
+    top = mx.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:  # one more logit per head, in the maximum and the sum only
+        top = mx.maximum(top, sinks[:, None, None])
+    probs = mx.exp(scores - top)
+    total = mx.sum(probs, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + mx.exp(sinks[:, None, None] - top)
+    probs = probs / total
     out = probs.reshape(kv_heads, group * rows, t) @ values.transpose(1, 0, 2)
     return out.reshape(heads, rows, d).transpose(1, 0, 2).reshape(rows, heads * d)
 
@@ -251,8 +257,10 @@ class MlxOps:
         scale: float,
         start: int,
         window: int | None = None,
+        sinks: np.ndarray | None = None,
     ) -> np.ndarray:
-        return _run(_attend(_in(q), _in(keys), _in(values), scale, start, window))[0]
+        s = None if sinks is None else _in(sinks)
+        return _run(_attend(_in(q), _in(keys), _in(values), scale, start, window, s))[0]
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         """A row lookup, no arithmetic worth a device: done on the host."""

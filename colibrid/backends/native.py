@@ -685,13 +685,15 @@ def attend_gqa(
     scale: float,
     start: int,
     window: int | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Causal grouped-query attention: q float32 [S, H, d] at positions start..start+S-1,
     keys and values float32 [T, G, d] (C-contiguous, T >= start + S); returns [S, H * d].
 
     Query head h reads KV head h // (H / G); with ``window`` the row at position p sees
-    keys t > p - window only. Softmax in float32 with the row's maximum subtracted; every
-    (row, head) is computed alone, so S rows equal S one-row calls."""
+    keys t > p - window only; ``sinks`` float32 [H] adds a logit per head to the softmax
+    that attends to nothing (gpt-oss). Softmax in float32 with the row's maximum
+    subtracted; every (row, head) is computed alone, so S rows equal S one-row calls."""
     if not isinstance(q, np.ndarray) or q.ndim != 3:
         raise ValueError("q must be a 3-D [S, H, d] numpy array")
     s, h, d = q.shape
@@ -706,9 +708,25 @@ def attend_gqa(
             f"attention shapes disagree: q {q.shape}, keys {keys.shape}, start {start}"
         )
     span = _window(window)
+    sink_ptr = ffi.NULL
+    if sinks is not None:
+        _check_array("sinks", sinks, np.float32, (h,))
+        sink_ptr = _fptr(sinks)
     out = np.empty((s, h * d), dtype=np.float32)
     rc = lib.colibri_attend_gqa(
-        _fptr(q), s, h, d, _fptr(keys), _fptr(values), t, g, float(scale), start, span, _fptr(out)
+        _fptr(q),
+        s,
+        h,
+        d,
+        _fptr(keys),
+        _fptr(values),
+        t,
+        g,
+        float(scale),
+        start,
+        span,
+        sink_ptr,
+        _fptr(out),
     )
     _raise_rc(rc)
     return out

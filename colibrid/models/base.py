@@ -169,10 +169,13 @@ class Ops(Protocol):
         scale: float,
         start: int,
         window: int | None = None,
+        sinks: np.ndarray | None = None,
     ) -> np.ndarray:
         """Causal attention of q [S, H, d] (positions start..) over the cached keys and
         values [T, G, d]; query head h reads KV head h // (H / G); with ``window`` the row
-        at position p sees keys t > p - window only. Returns [S, H * d]."""
+        at position p sees keys t > p - window only; ``sinks`` [H] is one more logit per
+        head in the softmax, attending to nothing (gpt-oss; layers.sinks is the rule).
+        Returns [S, H * d]."""
         ...
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray: ...

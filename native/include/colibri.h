@@ -110,9 +110,12 @@ int colibri_route(const float *h, int S, int D, const float *w, const float *bia
  * over keys and values [T, G, d] (a sequence's cache, T >= start + S); query head h reads
  * KV head h / (H / G); out [S, H, d]. window > 0 limits the row at position p to the keys
  * t > p - window (a sliding window of `window` keys, its own included); 0 means all causal
- * keys. Each (row, head) is computed alone, in a fixed order. */
+ * keys. sinks [H] (or NULL): a logit per query head that joins the row's softmax (its
+ * maximum and its sum) and attends to nothing (gpt-oss). Each (row, head) is computed
+ * alone, in a fixed order. */
 int colibri_attend_gqa(const float *q, int S, int H, int d, const float *k, const float *v, int T,
-                       int G, float scale, int start, int window, float *out);
+                       int G, float scale, int start, int window, const float *sinks,
+                       float *out);
 
 /* A GQA attention block: q = x Wq^T (+bq), k, v likewise (one dispatch); RMSNorm of q and k
  * when q_norm/k_norm are given (both or neither): per head over d, or with norm_whole over

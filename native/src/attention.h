@@ -14,6 +14,8 @@ typedef struct {
     int S, H, G, d, T, start;
     int window; /* > 0: the row at position p sees keys t > p - window only */
     float scale;
+    const float *sinks; /* [H] or NULL: a logit per head that joins the softmax's denominator */
+    int heads_per_job;  /* query heads of one KV head computed together (they share its keys) */
     _Atomic int rc;
 } attn_ctx;
 

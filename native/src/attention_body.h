@@ -129,54 +129,85 @@ static void exp_shifted(float *p, int n, float top) {
     for (; t < n; t++) p[t] = exp_one(p[t] - top);
 }
 
-/* out[0, d) = sum_t p[t] v_t in t order from zero (v_t = v + t * stride), 32 outputs
- * held in registers across t; the tail one output at a time, in the same order. */
-static void weighted_sum(float *out, const float *p, const float *v, size_t stride, int n, int d) {
-    int e0 = 0;
-    for (; e0 + 32 <= d; e0 += 32) {
-        vf acc[32 / VW];
-        for (int j = 0; j < 32 / VW; j++) acc[j] = splat(0.0f);
-        for (int t = 0; t < n; t++) {
-            const vf w = splat(p[t]);
-            const float *vt = v + t * stride + e0;
-            for (int j = 0; j < 32 / VW; j++) acc[j] += w * loadv(vt + VW * j);
-        }
-        for (int j = 0; j < 32 / VW; j++) storev(out + e0 + VW * j, acc[j]);
+/* The softmax of one head's scores p[0, n) in place: scaled, maximum subtracted, exp,
+ * divided by the sum, a sink joining the maximum and the sum. */
+static void softmax_scores(const attn_ctx *c, int h, float *p, int n) {
+    float top = c->sinks ? c->sinks[h] : -INFINITY;
+    for (int t = 0; t < n; t++) {
+        p[t] *= c->scale;
+        top = p[t] > top ? p[t] : top;
     }
-    for (int e = e0; e < d; e++) {
-        float acc = 0.0f;
-        for (int t = 0; t < n; t++) acc += p[t] * v[t * stride + e];
-        out[e] = acc;
-    }
+    exp_shifted(p, n, top);
+    float sum = sum8(p, n);
+    if (c->sinks) sum += exp_one(c->sinks[h] - top); /* the sink's share is dropped */
+    for (int t = 0; t < n; t++) p[t] /= sum;
 }
 
-/* One job: one query head of one row (scores, softmax, weighted values). */
+#define RUN_MAX 8 /* heads whose weighted sums share one pass over the values */
+
+/* out_j[0, d) = sum_t p_j[t] v_t for `heads` heads at once (p_j = p + j * n, out_j = out
+ * + j * d), each value vector loaded once for all of them. Per output element: from zero,
+ * in t order, one multiply and one add (no fused multiply-add), whatever the width. */
+static void weighted_sums(float *out, const float *p, int heads, const float *v, size_t stride,
+                          int n, int d) {
+    int e0 = 0;
+    if (heads == 1) /* one head: 32 outputs a pass, four add chains in flight */
+        for (; e0 + 32 <= d; e0 += 32) {
+            vf acc[32 / VW];
+            for (int b = 0; b < 32 / VW; b++) acc[b] = splat(0.0f);
+            for (int t = 0; t < n; t++) {
+                const vf w = splat(p[t]);
+                const float *vt = v + t * stride + e0;
+                for (int b = 0; b < 32 / VW; b++) acc[b] += w * loadv(vt + VW * b);
+            }
+            for (int b = 0; b < 32 / VW; b++) storev(out + e0 + VW * b, acc[b]);
+        }
+    else /* a run: one vector of outputs a pass for each head, the values loaded once */
+        for (; e0 + VW <= d; e0 += VW) {
+            vf acc[RUN_MAX];
+            for (int j = 0; j < heads; j++) acc[j] = splat(0.0f);
+            for (int t = 0; t < n; t++) {
+                const vf vt = loadv(v + t * stride + e0);
+                for (int j = 0; j < heads; j++) acc[j] += splat(p[(size_t)j * n + t]) * vt;
+            }
+            for (int j = 0; j < heads; j++) storev(out + (size_t)j * d + e0, acc[j]);
+        }
+    for (int j = 0; j < heads; j++)
+        for (int e = e0; e < d; e++) {
+            float acc = 0.0f;
+            for (int t = 0; t < n; t++) acc += p[(size_t)j * n + t] * v[t * stride + e];
+            out[(size_t)j * d + e] = acc;
+        }
+}
+
+/* One job: a run of heads_per_job query heads (of one KV head) of one row. */
 void ATTEND_ONE(void *ctx, int job) {
     attn_ctx *c = ctx;
-    const int s = job / c->H, h = job % c->H, g = h / (c->H / c->G), d = c->d;
+    const int per = c->heads_per_job, runs = c->H / per, d = c->d;
+    const int s = job / runs, h0 = (job % runs) * per, g = h0 / (c->H / c->G);
     const int end = c->start + s + 1 < c->T ? c->start + s + 1 : c->T;
     const int first = c->window > 0 && end > c->window ? end - c->window : 0;
     const int visible = end - first; /* keys [first, end) */
     const size_t kstride = (size_t)c->G * d;
-    const float *q = c->q + ((size_t)s * c->H + h) * d;
+    const float *q = c->q + ((size_t)s * c->H + h0) * d;
     const float *k = c->k + (size_t)first * kstride + (size_t)g * d;
     const float *v = c->v + (size_t)first * kstride + (size_t)g * d;
-    float *out = c->out + ((size_t)s * c->H + h) * d;
-    float *p = colibri_scores_buffer((size_t)visible);
+    float *p = colibri_scores_buffer((size_t)visible * per);
     if (p == NULL) {
         atomic_store(&c->rc, -2);
         return;
     }
     int t = 0;
-    for (; t + 4 <= visible; t += 4) dot4(q, k + t * kstride, kstride, d, p + t);
-    for (; t < visible; t++) p[t] = dot(q, k + t * kstride, d);
-    float top = -INFINITY;
-    for (t = 0; t < visible; t++) {
-        p[t] *= c->scale;
-        top = p[t] > top ? p[t] : top;
+    for (; t + 4 <= visible; t += 4)
+        for (int j = 0; j < per; j++)
+            dot4(q + (size_t)j * d, k + t * kstride, kstride, d, p + (size_t)j * visible + t);
+    for (; t < visible; t++)
+        for (int j = 0; j < per; j++)
+            p[(size_t)j * visible + t] = dot(q + (size_t)j * d, k + t * kstride, d);
+    for (int j = 0; j < per; j++) softmax_scores(c, h0 + j, p + (size_t)j * visible, visible);
+    float *out = c->out + ((size_t)s * c->H + h0) * d; /* the run's heads are adjacent */
+    for (int j = 0; j < per; j += RUN_MAX) {
+        const int heads = per - j < RUN_MAX ? per - j : RUN_MAX;
+        weighted_sums(out + (size_t)j * d, p + (size_t)j * visible, heads, v, kstride, visible, d);
     }
-    exp_shifted(p, visible, top);
-    const float sum = sum8(p, visible);
-    for (t = 0; t < visible; t++) p[t] /= sum;
-    weighted_sum(out, p, v, kstride, visible, d);
 }

@@ -58,7 +58,7 @@ int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
     if ((rc = colibri_rope_half(k, S, G, d, cos, sin, half, krows))) return rc;
     memcpy(vrows, v, nk * sizeof(float));
     rc = colibri_attend_gqa(q, S, H, d, kcache, vcache, start + S, G, scale, start, window,
-                            attn);
+                            NULL, attn);
     if (rc) return rc;
     return colibri_matmul(wo, family, attn, S, out);
 }

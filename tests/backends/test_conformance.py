@@ -198,6 +198,13 @@ def test_norms_rope_attend_and_rank_sum(ops) -> None:
     windowed = ops.attend_gqa(q, keys, values, 0.2, 6, 3)
     _close(windowed, ref.attend_gqa(q, keys, values, 0.2, 6, 3))
     assert not np.allclose(windowed, ref.attend_gqa(q, keys, values, 0.2, 6))
+    # gpt-oss's sinks: one logit per head in the softmax (one large enough to take most of
+    # a head's weight), with and without a window
+    sinks = np.array([-1.0, 0.5, 8.0, 2.0], dtype=np.float32)
+    for window in (None, 3):
+        sunk = ops.attend_gqa(q, keys, values, 0.2, 6, window, sinks)
+        _close(sunk, ref.attend_gqa(q, keys, values, 0.2, 6, window, sinks))
+        assert not np.allclose(sunk, ref.attend_gqa(q, keys, values, 0.2, 6, window))
     parts = rng.standard_normal((3, 4, 64), dtype=np.float32)
     _close(ops.rank_sum(parts), ref.rank_sum(parts))
 

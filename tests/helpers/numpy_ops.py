@@ -18,6 +18,7 @@ from colibrid.models.layers.gqa import gqa_attention_each
 from colibrid.models.layers.norm import rms_norm
 from colibrid.models.layers.rope import apply_half
 from colibrid.models.layers.router import route_reference
+from colibrid.models.layers.sinks import attend_with_sinks
 
 
 class NumpyOps:
@@ -87,9 +88,13 @@ class NumpyOps:
         scale: float,
         start: int,
         window: int | None = None,
+        sinks: np.ndarray | None = None,
     ) -> np.ndarray:
         """Grouped-query attention in numpy: the KV heads' query heads stacked as rows of
-        one batched matmul (the engine's own path before the native kernel)."""
+        one batched matmul (the engine's own path before the native kernel); with sinks,
+        the rule of layers.sinks."""
+        if sinks is not None:
+            return attend_with_sinks(q, keys, values, sinks, scale, start, window)
         rows, heads, d = q.shape
         kv_heads = keys.shape[1]
         group = heads // kv_heads

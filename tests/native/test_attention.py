@@ -27,7 +27,7 @@ def _inputs(s: int, h: int, g: int, d: int, t: int, seed: int = 0):
     return q, cache[:t], values[:t]
 
 
-def _reference(q, keys, values, scale: float, start: int, window: int | None = None):
+def _reference(q, keys, values, scale: float, start: int, window: int | None = None, sinks=None):
     s, h, d = q.shape
     group = h // keys.shape[1]
     out = np.zeros((s, h, d))
@@ -38,9 +38,37 @@ def _reference(q, keys, values, scale: float, start: int, window: int | None = N
             k = keys[first:visible, head // group].astype(np.float64)
             v = values[first:visible, head // group].astype(np.float64)
             scores = k @ q[row, head].astype(np.float64) * scale
-            p = np.exp(scores - scores.max())
-            out[row, head] = (p / p.sum()) @ v
+            top = scores.max() if sinks is None else max(scores.max(), float(sinks[head]))
+            p = np.exp(scores - top)
+            total = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[head]) - top))
+            out[row, head] = (p / total) @ v
     return out.reshape(s, h * d)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_join_the_softmax_rows_alone_every_isa(case: tuple[int, ...], window) -> None:
+    """gpt-oss's sinks: close to the float64 rule; S rows equal one-row calls; every ISA
+    gives the same bits; without sinks the bits are those of the plain kernel."""
+    s, h, g, d, t = case
+    q, keys, values = _inputs(s, h, g, d, t, seed=4)
+    sinks = np.linspace(-2.0, 6.0, h, dtype=np.float32)
+    start = t - s
+    got = native.attend_gqa(q, keys, values, d**-0.5, start, window, sinks)
+    want = _reference(q, keys, values, d**-0.5, start, window, sinks)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for row in range(s):
+        end = start + row + 1
+        one = native.attend_gqa(
+            q[row : row + 1], keys[:end], values[:end], d**-0.5, start + row, window, sinks
+        )
+        assert np.array_equal(got[row : row + 1], one)
+    for isa in native.available_isas():
+        with native.use_isa(isa):
+            again = native.attend_gqa(q, keys, values, d**-0.5, start, window, sinks)
+            assert np.array_equal(again.view(np.uint32), got.view(np.uint32)), isa
+    with pytest.raises(ValueError, match="sinks"):
+        native.attend_gqa(q, keys, values, 1.0, start, window, sinks[:-1])
 
 
 @pytest.mark.parametrize("case", CASES)

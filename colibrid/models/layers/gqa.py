@@ -14,7 +14,6 @@ import numpy as np
 
 from colibrid.backends.base import GQAWeights, KernelFamily
 from colibrid.models.base import Linear, Ops, Step, WeightSource
-from colibrid.models.layers.sinks import attend_with_sinks
 
 
 @dataclass(frozen=True)
@@ -96,12 +95,12 @@ class GQAAttention:
         s = self.shape
         arrays = cache.arrays_for(layer, x.shape[0])
         caches = (arrays["k"], arrays["v"])
-        if self.sinks is not None:  # no backend block has sinks: the ops one by one
+        if self.sinks is not None:  # the fused blocks have no sinks: the ops one by one
             q = project_qkv(self.ops, self.block, rope, x, caches, step.start, step.family)
             keys, values = caches
             end = step.start + x.shape[0]
-            attended = attend_with_sinks(
-                q, keys[:end], values[:end], self.sinks, float(self.scale), step.start, s.window
+            attended = self.ops.attend_gqa(
+                q, keys[:end], values[:end], float(self.scale), step.start, s.window, self.sinks
             )
             out = self.ops.matmul(self.block.o, attended, step.family)
         else:

@@ -1,10 +1,9 @@
 """Attention with sinks (gpt-oss): each query head has a learned logit that joins the
 softmax's denominator and attends to nothing, so a head can put weight "nowhere".
 
-Why in numpy here rather than in a backend: no backend's attention kernel takes a sink,
-and the arithmetic is small next to the experts'. Each row is computed alone over exactly
-the keys it can see (as the MLA block does), so a row gets the same bits whether it is
-decoded alone or shares a prefill.
+This is the rule in numpy, one row at a time over exactly the keys it can see: the
+reference the backends' `Ops.attend_gqa(..., sinks=)` are held to (the native kernel adds
+the sink to the row's maximum and, after the keys, to its sum; MLX the same in a graph).
 
 Shape legend: S new rows (positions start..start+S-1), T cached keys, H query heads,
 G KV heads, d head dim.
