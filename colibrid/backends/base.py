@@ -84,7 +84,8 @@ class GQAWeights:
     ``qk_norm_whole``: the norms span each row's whole q and k projections (OLMoE, weights
     [H * d] and [G * d]) instead of each head (GLM-4.x, Qwen3-MoE, weights [d]).
     ``window``: a row at position p attends to keys t > p - window only (Mixtral's
-    ``sliding_window``); None means every causal key."""
+    ``sliding_window``); None means every causal key. ``sinks`` [H]: a logit per query
+    head that joins each row's softmax and attends to nothing (gpt-oss)."""
 
     q: QuantWeight
     k: QuantWeight
@@ -95,3 +96,4 @@ class GQAWeights:
     eps: float = 1e-6
     qk_norm_whole: bool = False
     window: int | None = None
+    sinks: np.ndarray | None = None

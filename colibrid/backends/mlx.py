@@ -80,10 +80,10 @@ def _attend(
     q_g = q.transpose(1, 0, 2).reshape(kv_heads, group * rows, d)
     scores = (q_g @ keys.transpose(1, 2, 0)) * np.float32(scale)
     scores = scores.reshape(heads, rows, t)
-    position = (start + mx.arange(rows))[:, None]
-    visible = mx.arange(t)[None, :] <= position
+    key, position = mx.arange(t)[None, :], (start + mx.arange(rows))[:, None]
+    visible = key <= position
     if window is not None:
-        visible = mx.logical_and(visible, mx.arange(t)[None, :] > position - window)
+        visible = mx.logical_and(visible, key > position - window)
     scores = mx.where(visible[None], scores, EXCLUDED)
     top = mx.max(scores, axis=-1, keepdims=True)
     if sinks is not None:  # one more logit per head, in the maximum and the sum only
@@ -230,7 +230,10 @@ class MlxOps:
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         all_k = mx.concatenate([_in(keys[:start]), k]) if start else k
         all_v = mx.concatenate([_in(values[:start]), v]) if start else v
-        out = mlx_weight(block.o).matmul(_attend(q, all_k, all_v, scale, start, block.window))
+        sinks = None if block.sinks is None else _in(block.sinks)
+        out = mlx_weight(block.o).matmul(
+            _attend(q, all_k, all_v, scale, start, block.window, sinks)
+        )
         y, new_k, new_v = _run(out, k, v)
         keys[start : start + rows] = new_k
         values[start : start + rows] = new_v

@@ -566,6 +566,7 @@ class _GQAStatic(NamedTuple):
     norm_ptrs: list
     heads: int
     window: int  # 0: every causal key
+    sinks: object  # float pointer to [heads], or NULL
 
 
 def gqa_attention(
@@ -626,6 +627,7 @@ def gqa_attention(
         ffi.from_buffer("float[]", values),
         int(start),
         static.window,
+        static.sinks,
         float(scale),
         _fptr(out),
     )
@@ -666,7 +668,11 @@ def _gqa_static(block: GQAWeights, family: KernelFamily, g: int, d: int) -> _GQA
             _check_array(f"qk_norm[{k}]", w, np.float32, (n,))
             norm_ptrs[k] = _fptr(w)
     window = _window(block.window)
-    return _GQAStatic((_code(family), g, d), views, bias_ptrs, norm_ptrs, heads, window)
+    sinks = ffi.NULL
+    if block.sinks is not None:
+        _check_array("sinks", block.sinks, np.float32, (heads,))
+        sinks = _fptr(block.sinks)
+    return _GQAStatic((_code(family), g, d), views, bias_ptrs, norm_ptrs, heads, window, sinks)
 
 
 def _window(window: int | None) -> int:

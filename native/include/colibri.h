@@ -122,15 +122,16 @@ int colibri_attend_gqa(const float *q, int S, int H, int d, const float *k, cons
  * each row's whole projection (H * d for q, G * d for k, weights of those lengths);
  * rotate_half RoPE of q and k by cos/sin [S, half]; k and v written to rows
  * [start, start + S) of the caches [*, G, d]; attention of q over rows [0, start + S)
- * (within `window` keys when > 0, as colibri_attend_gqa); out [S, O] = attn Wo^T.
- * Bit-identical to those calls made one by one. */
+ * (within `window` keys when > 0, with the per-head `sinks` when not NULL, as
+ * colibri_attend_gqa); out [S, O] = attn Wo^T. Bit-identical to those calls made one by
+ * one. */
 int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
                           const colibri_weight *wv, const colibri_weight *wo, int family,
                           const float *bq, const float *bk, const float *bv,
                           const float *q_norm, const float *k_norm, int norm_whole, float eps,
                           const float *cos, const float *sin, int half, const float *x, int S,
                           int H, int G, int d, float *kcache, float *vcache, int start,
-                          int window, float scale, float *out);
+                          int window, const float *sinks, float scale, float *out);
 
 /* Best read bandwidth in GB/s over `repeats` passes of a buffer of nbytes. */
 double colibri_membw_probe(size_t nbytes, int threads, int repeats);

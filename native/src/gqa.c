@@ -21,7 +21,7 @@ int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
                           const float *q_norm, const float *k_norm, int norm_whole, float eps,
                           const float *cos, const float *sin, int half, const float *x, int S,
                           int H, int G, int d, float *kcache, float *vcache, int start,
-                          int window, float scale, float *out) {
+                          int window, const float *sinks, float scale, float *out) {
     if (!wq || !wk || !wv || !wo || !x || !kcache || !vcache || !out || !cos || !sin || S < 1 ||
         H < 1 || G < 1 || d < 1 || H % G || start < 0 || half < 1 || 2 * half > d ||
         (!q_norm) != (!k_norm) || window < 0)
@@ -58,7 +58,7 @@ int colibri_gqa_attention(const colibri_weight *wq, const colibri_weight *wk,
     if ((rc = colibri_rope_half(k, S, G, d, cos, sin, half, krows))) return rc;
     memcpy(vrows, v, nk * sizeof(float));
     rc = colibri_attend_gqa(q, S, H, d, kcache, vcache, start + S, G, scale, start, window,
-                            NULL, attn);
+                            sinks, attn);
     if (rc) return rc;
     return colibri_matmul(wo, family, attn, S, out);
 }

@@ -149,9 +149,12 @@ def test_expert_swiglu_and_apply_experts(ops, fmt: str) -> None:
 @pytest.mark.parametrize("rows,start", [(1, 0), (1, 17), (5, 3)])
 # Qwen3-MoE's per-head qk-norm; OLMoE's norms over the whole projections with Mixtral's
 # sliding window (shorter than the context, so it cuts keys)
-@pytest.mark.parametrize("whole,window", [(False, None), (True, 4)])
+# ... and gpt-oss's sinks with a window
+@pytest.mark.parametrize(
+    "whole,window,sinks", [(False, None, False), (True, 4, False), (False, 4, True)]
+)
 def test_gqa_attention_block(
-    ops, fmt: str, rows: int, start: int, whole: bool, window: int | None
+    ops, fmt: str, rows: int, start: int, whole: bool, window: int | None, sinks: bool
 ) -> None:
     heads, kv_heads, d, hidden, cap = 4, 2, 32, 128, 24
     rng = np.random.default_rng(rows + start)
@@ -165,6 +168,7 @@ def test_gqa_attention_block(
         qk_norm=tuple(rng.uniform(0.5, 1.5, n).astype(np.float32) for n in (q_span, k_span)),
         qk_norm_whole=whole,
         window=window,
+        sinks=np.linspace(-1.0, 3.0, heads, dtype=np.float32) if sinks else None,
     )
     angles = rng.uniform(0, 6.3, (rows, 8)).astype(np.float32)  # partial RoPE: 16 of 32 dims
     rope = (np.cos(angles), np.sin(angles))

@@ -153,45 +153,34 @@ _COMMON = dict(
     num_nextn_predict_layers=1,
 )
 
+# The DSA families' tiny MLA + indexer shapes (GLM-5 and DeepSeek-V3.2 alike).
+_DSA = dict(
+    num_key_value_heads=4,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    attention_bias=False,
+    index_topk=8,  # < 12-token prompt, < 32-token TF sequence: the indexer really selects
+    index_head_dim=32,
+    index_n_heads=8,
+)
+
 _ARCH_CONFIG = {
     "glm_moe_dsa": dict(
-        num_key_value_heads=4,
-        q_lora_rank=96,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
+        _DSA,
         rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=False,
-        index_topk=8,  # < 12-token prompt, < 32-token TF sequence: the indexer really selects
-        index_head_dim=32,
-        index_n_heads=8,
         # layer 2 reuses layer 1's top-k ("shared"); GLM-5 configs without index_topk_freq /
         # index_topk_pattern give all-"full".
         indexer_types=["full", "full", "shared"],
     ),
-    # GLM-5's tiny shapes; every layer runs its indexer (V3.2 has no "shared" layers)
-    "deepseek_v32": dict(
-        num_key_value_heads=4,
-        q_lora_rank=96,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=False,
-        index_topk=8,  # < 12-token prompt, < 32-token TF sequence: the indexer really selects
-        index_head_dim=32,
-        index_n_heads=8,
-    ),
+    # every layer runs its indexer (V3.2 has no "shared" layers)
+    "deepseek_v32": dict(_DSA, rms_norm_eps=1e-6),
     "glm4_moe": dict(
         num_key_value_heads=2,  # GQA 4:2
         head_dim=48,  # explicit, != hidden/heads (like GLM-4.5: 5120/96 with head_dim 128)

@@ -74,6 +74,7 @@ class GQAAttention:
             eps=s.eps,
             qk_norm_whole=s.qk_norm_whole,
             window=s.window,
+            sinks=self.sinks,
         )
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
@@ -92,21 +93,16 @@ class GQAAttention:
         selection: np.ndarray | None = None,
     ) -> tuple[np.ndarray, None]:
         """Returns the attention output [S, D]; GQA has no sparse key selection."""
-        s = self.shape
         arrays = cache.arrays_for(layer, x.shape[0])
-        caches = (arrays["k"], arrays["v"])
-        if self.sinks is not None:  # the fused blocks have no sinks: the ops one by one
-            q = project_qkv(self.ops, self.block, rope, x, caches, step.start, step.family)
-            keys, values = caches
-            end = step.start + x.shape[0]
-            attended = self.ops.attend_gqa(
-                q, keys[:end], values[:end], float(self.scale), step.start, s.window, self.sinks
-            )
-            out = self.ops.matmul(self.block.o, attended, step.family)
-        else:
-            out = self.ops.gqa_attention(
-                self.block, rope, x, caches, step.start, float(self.scale), step.family
-            )
+        out = self.ops.gqa_attention(
+            self.block,
+            rope,
+            x,
+            (arrays["k"], arrays["v"]),
+            step.start,
+            float(self.scale),
+            step.family,
+        )
         if self.o_proj.bias is not None:  # outside the block: added to its output as is
             out += self.o_proj.bias
         return out, None
@@ -123,24 +119,6 @@ def gqa_attention_each(
     family: KernelFamily,
 ) -> np.ndarray:
     """`Ops.gqa_attention` one op at a time: the definition a backend's block must match."""
-    keys, values = caches
-    q = project_qkv(ops, block, rope, x, caches, start, family)
-    end = start + x.shape[0]
-    out = ops.attend_gqa(q, keys[:end], values[:end], scale, start, block.window)  # [S, H * d]
-    return ops.matmul(block.o, out, family)
-
-
-def project_qkv(
-    ops: Ops,
-    block: GQAWeights,
-    rope: tuple[np.ndarray, np.ndarray],
-    x: np.ndarray,
-    caches: tuple[np.ndarray, np.ndarray],
-    start: int,
-    family: KernelFamily,
-) -> np.ndarray:
-    """The block up to the attention: q/k/v (+ biases, qk norms), RoPE, k and v written to
-    cache rows [start, start + S). Returns the rotated queries [S, H, d]."""
     keys, values = caches
     rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[2]
     q, k, v = ops.matmul_many([block.q, block.k, block.v], x, family)
@@ -160,4 +138,8 @@ def project_qkv(
     q = ops.rope_half(q, cos, sin)
     keys[start : start + rows] = ops.rope_half(k, cos, sin)
     values[start : start + rows] = v
-    return q
+    end = start + rows
+    out = ops.attend_gqa(
+        q, keys[:end], values[:end], scale, start, block.window, block.sinks
+    )  # [S, H * d]
+    return ops.matmul(block.o, out, family)

@@ -419,23 +419,43 @@ ALWAYS_INLINE void reduce16(const __m512 t[16], float out[16]) {
     for (int k = 0; k < 16; k++) out[row_of[k]] = tmp[k];
 }
 
-/* Row o's four accumulators pre-added ((a0 + a1) + (a2 + a3)), as finish() reduces them. */
-ALWAYS_INLINE __m512 partials_1(const mm_job *j, int o, const float *x, float *scale) {
+/* Row o against n activation rows (n <= NS): each row's four accumulators pre-added
+ * ((a0 + a1) + (a2 + a3)), as finish() reduces them, into t[0..n). */
+ALWAYS_INLINE void partials_n(const mm_job *j, int o, const float *const *x, int n, __m512 t[NS],
+                              float *scale) {
     const colibri_weight *w = j->w;
     const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
     __m512 a[NS][4];
-    const float *xs[1] = {x};
     *scale = 1.0f;
     switch (w->fmt) {
-    case COLIBRI_FMT_F32: acc_plain_n(COLIBRI_FMT_F32, row, w->I, xs, 1, a); break;
-    case COLIBRI_FMT_BF16: acc_plain_n(COLIBRI_FMT_BF16, row, w->I, xs, 1, a); break;
+    case COLIBRI_FMT_F32: acc_plain_n(COLIBRI_FMT_F32, row, w->I, x, n, a); break;
+    case COLIBRI_FMT_BF16: acc_plain_n(COLIBRI_FMT_BF16, row, w->I, x, n, a); break;
     case COLIBRI_FMT_Q8:
-        acc_plain_n(COLIBRI_FMT_Q8, row, w->I, xs, 1, a);
+        acc_plain_n(COLIBRI_FMT_Q8, row, w->I, x, n, a);
         *scale = w->scales[o];
         break;
-    default: acc_q4_n(j, row, w->scales + (size_t)o * j->G, xs, 1, a); break;
+    default: acc_q4_n(j, row, w->scales + (size_t)o * j->G, x, n, a); break;
     }
-    return _mm512_add_ps(_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[0][2], a[0][3]));
+    for (int m = 0; m < n; m++)
+        t[m] = _mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]), _mm512_add_ps(a[m][2], a[m][3]));
+}
+
+/* Output rows o..o+15 against n activation rows (1 at decode, NS in prefill): the 16 rows'
+ * partials of each activation row share one reduce16 (the per-output horizontal sum was
+ * an eighth of a matvec); every output sees dot_rows_1/4's accumulation and finish()'s
+ * reduction, so the bits are those of the row-at-a-time path. y[m] is activation row m's
+ * output row. */
+ALWAYS_INLINE void tile16_n(const mm_job *j, int o, const float *const *x, int n, float *const *y) {
+    __m512 t[NS][16], p[NS];
+    float scale[16], sum[16];
+    for (int k = 0; k < 16; k++) {
+        partials_n(j, o + k, x, n, p, &scale[k]);
+        for (int m = 0; m < n; m++) t[m][k] = p[m];
+    }
+    for (int m = 0; m < n; m++) {
+        reduce16(t[m], sum);
+        for (int k = 0; k < 16; k++) y[m][o + k] = scale[k] * sum[k];
+    }
 }
 
 /* Decode (S < NS): 16 output rows at a time share one reduction; the rest one by one. */
@@ -445,57 +465,24 @@ static void f32_rows_small(const mm_job *j, int o0, int o1) {
         const float *x = j->xp + (size_t)s * j->ldx;
         float *y = j->y + (size_t)s * w->O;
         int o = o0;
-        for (; o + 16 <= o1; o += 16) {
-            __m512 t[16];
-            float scale[16], sum[16];
-            for (int k = 0; k < 16; k++) t[k] = partials_1(j, o + k, x, &scale[k]);
-            reduce16(t, sum);
-            for (int k = 0; k < 16; k++) y[o + k] = scale[k] * sum[k];
-        }
+        for (; o + 16 <= o1; o += 16) tile16_n(j, o, &x, 1, &y);
         for (; o < o1; o++) dot_rows_1(j, o, &x, y + o);
     }
 }
 
-/* Row o against NS activation rows: each row's four accumulators pre-added
- * ((a0 + a1) + (a2 + a3)), as finish() reduces them, into t[n]. */
-ALWAYS_INLINE void partials_ns(const mm_job *j, int o, const float *const *x, __m512 t[NS], float *scale) {
-    const colibri_weight *w = j->w;
-    const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
-    __m512 a[NS][4];
-    *scale = 1.0f;
-    switch (w->fmt) {
-    case COLIBRI_FMT_F32: acc_plain_n(COLIBRI_FMT_F32, row, w->I, x, NS, a); break;
-    case COLIBRI_FMT_BF16: acc_plain_n(COLIBRI_FMT_BF16, row, w->I, x, NS, a); break;
-    case COLIBRI_FMT_Q8:
-        acc_plain_n(COLIBRI_FMT_Q8, row, w->I, x, NS, a);
-        *scale = w->scales[o];
-        break;
-    default: acc_q4_n(j, row, w->scales + (size_t)o * j->G, x, NS, a); break;
-    }
-    for (int n = 0; n < NS; n++) t[n] = _mm512_add_ps(_mm512_add_ps(a[n][0], a[n][1]), _mm512_add_ps(a[n][2], a[n][3]));
-}
-
-/* Prefill, 16 output rows at a time: NS activation rows' partials of 16 rows share one
- * reduce16 per activation row (the per-output horizontal sum was an eighth of prefill);
- * every output sees dot_rows_4's accumulation and finish()'s reduction, so the bits are
- * those of the row-at-a-time path. */
+/* Prefill, 16 output rows at a time over activation rows [s0, s1): NS rows per tile, the
+ * rest one by one. */
 static void f32_tile16(const mm_job *j, int o, int s0, int s1) {
     const colibri_weight *w = j->w;
     int s = s0;
     for (; s + NS <= s1; s += NS) {
         const float *x[NS];
-        for (int n = 0; n < NS; n++) x[n] = j->xp + (size_t)(s + n) * j->ldx;
-        __m512 t[NS][16], p[NS];
-        float scale[16], sum[16];
-        for (int k = 0; k < 16; k++) {
-            partials_ns(j, o + k, x, p, &scale[k]);
-            for (int n = 0; n < NS; n++) t[n][k] = p[n];
+        float *y[NS];
+        for (int m = 0; m < NS; m++) {
+            x[m] = j->xp + (size_t)(s + m) * j->ldx;
+            y[m] = j->y + (size_t)(s + m) * w->O;
         }
-        for (int n = 0; n < NS; n++) {
-            reduce16(t[n], sum);
-            float *y = j->y + (size_t)(s + n) * w->O + o;
-            for (int k = 0; k < 16; k++) y[k] = scale[k] * sum[k];
-        }
+        tile16_n(j, o, x, NS, y);
     }
     for (; s < s1; s++) {
         const float *x = j->xp + (size_t)s * j->ldx;
