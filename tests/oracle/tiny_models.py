@@ -153,8 +153,8 @@ _COMMON = dict(
     num_nextn_predict_layers=1,
 )
 
-# The DSA families' tiny MLA + indexer shapes (GLM-5 and DeepSeek-V3.2 alike).
-_DSA = dict(
+# The MLA families' tiny attention and grouped routing (DeepSeek-V3, V3.2, GLM-5 alike).
+_MLA = dict(
     num_key_value_heads=4,
     q_lora_rank=96,
     kv_lora_rank=64,
@@ -166,6 +166,10 @@ _DSA = dict(
     routed_scaling_factor=2.5,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     attention_bias=False,
+)
+# ... plus the DSA indexer (GLM-5 and DeepSeek-V3.2).
+_DSA = dict(
+    _MLA,
     index_topk=8,  # < 12-token prompt, < 32-token TF sequence: the indexer really selects
     index_head_dim=32,
     index_n_heads=8,
@@ -197,21 +201,7 @@ _ARCH_CONFIG = {
         attention_bias=True,
         use_qk_norm=True,
     ),
-    "deepseek_v3": dict(
-        num_key_value_heads=4,
-        q_lora_rank=96,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        n_group=4,
-        topk_group=2,
-        routed_scaling_factor=2.5,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rope_interleave=True,
-        attention_bias=False,
-    ),
+    "deepseek_v3": dict(_MLA, rms_norm_eps=1e-6, rope_interleave=True),
 }
 
 
