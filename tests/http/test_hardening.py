@@ -194,6 +194,9 @@ def test_slow_headers_are_cut_off(home) -> None:
                     break
             except TimeoutError:
                 pass
+            except OSError:  # the server's close can arrive as a reset: cut off all the same
+                closed = True
+                break
     assert closed and time.monotonic() - started < 4
 
 
