@@ -234,7 +234,7 @@ void colibri_prepare_into(mm_job *j, int family, const float *x, int S, void *me
         int32_t *gsum = (int32_t *)((uint8_t *)xs + up64((size_t)S * sizeof(float)));
         for (int s = 0; s < S; s++) {
             int8_t *q = qx + (size_t)s * j->ldx;
-            colibri_quant_row(x + (size_t)s * I, I, q, j->ldx, xs + s);
+            (ops->quant_row ? ops->quant_row : colibri_quant_row)(x + (size_t)s * I, I, q, j->ldx, xs + s);
             for (int g = 0; g < j->G; g++) {
                 int32_t t = 0;
                 const int i1 = (g + 1) * j->gsz < I ? (g + 1) * j->gsz : I;

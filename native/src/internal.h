@@ -62,6 +62,10 @@ typedef struct isa_ops {
     prep_f32_fn prep_f32;
     prep_i8_fn prep_i8;
     int tile; /* output rows per tile: thread chunks are aligned to it */
+    /* The ISA's activation quantiser, or NULL for colibri_quant_row: it must give that
+     * function's bits exactly (the cross-ISA bit-exact tests compare them through the
+     * matmuls), only faster. */
+    void (*quant_row)(const float *x, int I, int8_t *q, size_t ldq, float *xs);
 } isa_ops;
 
 extern const isa_ops colibri_ref_ops;

@@ -21,6 +21,7 @@
 
 #include <immintrin.h>
 #include <limits.h>
+#include <math.h>
 #include <string.h>
 
 /* ------------------------------------------------------------------ prep ---- */
@@ -52,6 +53,39 @@ static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, fl
 
 /* ------------------------------------------------------------- I8 family ---- */
 
+/* colibri_quant_row (ref.c) sixteen lanes at a time, with the same operations so the
+ * same bits: the largest |x| (a maximum is exact in any order; max_ps keeps the running
+ * value when an element is NaN, as the scalar comparison does), the division by the
+ * scale, the clamps (min/max with the constant first, so a NaN passes through as in the
+ * scalar ternaries), NaN to 0, and round-half-even by adding and subtracting 1.5 * 2^23.
+ * A serial step of every integer matmul: the scalar loop was ~3% of a small model's
+ * decode. */
+static void quant_row(const float *x, int I, int8_t *q, size_t ldq, float *xs) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+        vmax = _mm512_max_ps(_mm512_abs_ps(_mm512_maskz_loadu_ps(m, x + i)), vmax);
+    }
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const float s = amax / 127.0f;
+    if (!(s > 0.0f) || isinf(s)) { /* zero row (or non-finite): all-zero codes */
+        colibri_quant_row(x, I, q, ldq, xs);
+        return;
+    }
+    *xs = s;
+    const __m512 vs = _mm512_set1_ps(s), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    for (int i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (I - i)) - 1);
+        __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(m, x + i), vs);
+        v = _mm512_max_ps(lo, _mm512_min_ps(hi, v));
+        v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), v);
+        v = _mm512_sub_ps(_mm512_add_ps(v, magic), magic);
+        _mm512_mask_cvtepi32_storeu_epi8(q + i, m, _mm512_cvttps_epi32(v));
+    }
+    memset(q + I, 0, ldq - (size_t)I);
+}
+
 /* Software prefetch distance along a weight row (rows are contiguous, so it reaches into
  * the next rows of the tile): 1 KiB left DRAM-bound matrices at ~60% of the read probe,
  * 4 KiB (what the AVX2 kernels use) keeps enough lines in flight. */
@@ -62,6 +96,14 @@ static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, fl
 static inline __m512i dot_q4(const uint8_t *p, __mmask64 m, __m512i xe, __m512i xo) {
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     const __m512i w = _mm512_maskz_loadu_epi8(m, p);
+    const __m512i lo = _mm512_and_si512(w, m0f);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f);
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+}
+
+static inline __m512i dot_q4_full(const uint8_t *p, __m512i xe, __m512i xo) {
+    const __m512i m0f = _mm512_set1_epi8(0x0f);
+    const __m512i w = _mm512_loadu_si512(p);
     const __m512i lo = _mm512_and_si512(w, m0f);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f);
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
@@ -218,6 +260,83 @@ static __m512 group_step16(const int32_t *isum, size_t ld, const int32_t *gsum, 
     return acc;
 }
 
+/* 16 rows' dot vectors v[r] (16 int32 lanes each) to chunk sums with lane = row:
+ * C[c] lane r = lanes 4c..4c+3 of v[r] added, i.e. row r's sum over the block's 32
+ * elements of chunk c.  Pairs of rows, then quads, are merged in registers and the
+ * final 4x4 transpose moves whole 128-bit lanes. */
+static inline void chunk_sums16(const __m512i v[16], __m512i C[4]) {
+    __m512i a[8], b[4];
+    for (int k = 0; k < 8; k++) /* lane pair per row pair: [r0 s02, r1 s02, r0 s13, r1 s13] */
+        a[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                                _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+    for (int h = 0; h < 4; h++) /* b[h] 128-bit lane c: chunk c of rows 4h..4h+3 */
+        b[h] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * h], a[2 * h + 1]),
+                                _mm512_unpackhi_epi64(a[2 * h], a[2 * h + 1]));
+    const __m512i u0 = _mm512_shuffle_i32x4(b[0], b[1], 0x44), u1 = _mm512_shuffle_i32x4(b[0], b[1], 0xee);
+    const __m512i u2 = _mm512_shuffle_i32x4(b[2], b[3], 0x44), u3 = _mm512_shuffle_i32x4(b[2], b[3], 0xee);
+    C[0] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    C[1] = _mm512_shuffle_i32x4(u0, u2, 0xdd);
+    C[2] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    C[3] = _mm512_shuffle_i32x4(u1, u3, 0xdd);
+}
+
+/* One tile of up to 16 rows of a grouped Q4 weight (group size a multiple of 32) on
+ * activation row s, lane = output row: every 64-byte block of the 16 rows is dotted,
+ * reduced to chunk sums in registers (chunk_sums16) and each group's sum goes straight into
+ * the reference float step
+ *     acc = acc + (float)(isum - 8 * gsum[g]) * (wscale * xs)     g = 0, 1, ...
+ * with the tile's scales transposed once (wsT[g] lane r).  No per-row group sums are
+ * stored and no transpose of them is needed, so short rows (a small model's 576-wide
+ * experts are 4.5 blocks) cost what long ones do per byte. */
+static __m512 q4_tile16(const mm_job *j, const uint8_t *const rows[16], const int8_t *x,
+                        const __m512 *wsT, int s) {
+    const size_t nbytes = j->wrow, pf = 16 * nbytes; /* the next tile's same position */
+    const int nblocks = (int)((nbytes + 63) / 64), cpg = j->gsz / 32;
+    const int nchunks = (j->w->I + 31) / 32;
+    const __m512 xs = _mm512_set1_ps(j->xs[s]);
+    const int32_t *gsum = j->gsum + (size_t)s * j->G;
+    __m512 acc = _mm512_setzero_ps();
+    __m512i cur = _mm512_setzero_si512();
+    int g = 0;
+    for (int b = 0; b < nblocks; b++) {
+        const size_t off = (size_t)b * 64;
+        const __mmask64 m = tail_mask64(nbytes - off);
+        const __m512i xe = _mm512_loadu_si512(x + 2 * off), xo = _mm512_loadu_si512(x + 2 * off + 64);
+        __m512i v[16], C[4];
+        if (m == ~(__mmask64)0) /* a whole block: plain loads */
+            for (int r = 0; r < 16; r++) {
+                _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
+                v[r] = dot_q4_full(rows[r] + off, xe, xo);
+            }
+        else
+            for (int r = 0; r < 16; r++) v[r] = dot_q4(rows[r] + off, m, xe, xo);
+        chunk_sums16(v, C);
+        for (int c = 0; c < 4; c++) {
+            const int k = 4 * b + c; /* chunk index along the row */
+            if (k >= nchunks) break;
+            cur = _mm512_add_epi32(cur, C[c]);
+            if ((k + 1) % cpg && k + 1 < nchunks) continue; /* the group goes on */
+            const __m512i iv = _mm512_sub_epi32(cur, _mm512_set1_epi32(gsum[g] << 3));
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(iv), _mm512_mul_ps(wsT[g], xs)));
+            cur = _mm512_setzero_si512();
+            g++;
+        }
+    }
+    return acc;
+}
+
+/* The scales of a tile's rows, transposed: out[g] lane r = ws[r][g]. */
+static void transpose_scales(const float *const ws[16], int G, __m512 *out) {
+    for (int g0 = 0; g0 < G; g0 += 16) {
+        const int n = G - g0 < 16 ? G - g0 : 16;
+        const __mmask16 m = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
+        __m512 in[16], col[16];
+        for (int r = 0; r < 16; r++) in[r] = _mm512_maskz_loadu_ps(m, ws[r] + g0);
+        transpose16(in, col);
+        for (int k = 0; k < n; k++) out[g0 + k] = col[k];
+    }
+}
+
 #define ISUM_LD (MAX_GROUPS + 32)
 
 static void i8_rows(const mm_job *j, int o0, int o1) {
@@ -227,9 +346,27 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
         colibri_ref_i8_rows(j, o0, o1);
         return;
     }
+    const int sb = colibri_x_block_rows(j, 1, 1);
+    if (q4 && j->G > 1) { /* grouped Q4: lane = row all the way (q4_tile16) */
+        __m512 wsT[MAX_GROUPS];
+        for (int o = o0; o < o1; o += 16) {
+            const int n = o1 - o < 16 ? o1 - o : 16;
+            const float *ws[16];
+            const uint8_t *rows[16];
+            for (int r = 0; r < 16; r++) { /* lanes past n repeat row o: computed, not stored */
+                ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
+                rows[r] = (const uint8_t *)w->data + (size_t)(o + (r < n ? r : 0)) * j->wrow;
+            }
+            transpose_scales(ws, j->G, wsT);
+            for (int s = 0; s < j->S; s++) {
+                const __m512 acc = q4_tile16(j, rows, j->qxp + (size_t)s * j->ldx, wsT, s);
+                _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, (__mmask16)((1u << n) - 1), acc);
+            }
+        }
+        return;
+    }
     int32_t isum[16 * ISUM_LD]; /* 16 rows of group sums (stack: ~66 KB) */
     const int shift = q4 ? 3 : 7; /* the unsigned offset: 8 or 128 */
-    const int sb = colibri_x_block_rows(j, 1, 1);
     for (int s0 = 0; s0 < j->S; s0 += sb) {
         const int s1 = j->S - s0 < sb ? j->S : s0 + sb;
         for (int o = o0; o < o1; o += 16) {
@@ -520,4 +657,4 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
     }
 }
 
-const isa_ops colibri_avx512_ops = {"avx512vnni", f32_rows, i8_rows, prep_f32, prep_i8, 16};
+const isa_ops colibri_avx512_ops = {"avx512vnni", f32_rows, i8_rows, prep_f32, prep_i8, 16, quant_row};
