@@ -42,6 +42,19 @@ class SwiGLUWeights(Protocol):
     down: QuantWeight
 
 
+class ResidentExperts:
+    """Every routed expert of one MoE layer, held in memory for good, indexed by expert id:
+    what a store hands ``Ops.moe`` so the whole layer is one backend call. An object of
+    its own (not a bare list) so a backend may keep its prepared form of the layer on it
+    for as long as the layer lives, and no longer."""
+
+    def __init__(self, experts: Sequence[SwiGLUWeights]) -> None:
+        self.experts = experts
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+
 @dataclass(frozen=True)
 class ExpertBatch:
     """Experts to apply in one call and where each result goes.

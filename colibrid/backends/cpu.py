@@ -7,7 +7,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from colibrid.backends import calibrate, native
-from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
+from colibrid.backends.base import (
+    ExpertBatch,
+    GQAWeights,
+    KernelFamily,
+    ResidentExperts,
+    RouteRule,
+    SwiGLUWeights,
+)
 from colibrid.formats.quant import dequantize_rows
 from colibrid.formats.weights import QuantWeight, WeightLayout
 
@@ -63,6 +70,20 @@ class CpuOps:
 
     def rank_sum(self, parts: np.ndarray) -> np.ndarray:
         return native.rank_sum(parts)
+
+    def moe(
+        self,
+        x: np.ndarray,
+        weight: np.ndarray,
+        bias: np.ndarray | None,
+        rule: RouteRule,
+        layer: ResidentExperts,
+        shared: SwiGLUWeights | None,
+        family: KernelFamily,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        return native.moe(
+            _f32(x), _f32(weight), None if bias is None else _f32(bias), rule, layer, shared, family
+        )
 
     def route(
         self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int

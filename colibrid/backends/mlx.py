@@ -18,8 +18,16 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 import numpy as np
 
-from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
+from colibrid.backends.base import (
+    ExpertBatch,
+    GQAWeights,
+    KernelFamily,
+    ResidentExperts,
+    RouteRule,
+    SwiGLUWeights,
+)
 from colibrid.backends.mlx_weights import mlx_weight
+from colibrid.backends.moe_plan import moe_each
 from colibrid.errors import BackendError
 from colibrid.formats.quant import dequantize_rows
 from colibrid.formats.weights import QuantWeight, WeightLayout
@@ -170,6 +178,19 @@ class MlxOps:
         for r in range(p.shape[1]):
             total = total + p[:, r]
         return _run(total)[0]
+
+    def moe(
+        self,
+        x: np.ndarray,
+        weight: np.ndarray,
+        bias: np.ndarray | None,
+        rule: RouteRule,
+        layer: ResidentExperts,
+        shared: SwiGLUWeights | None,
+        family: KernelFamily,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The layer from this backend's route, apply_experts and rank_sum (moe_each)."""
+        return moe_each(self, x, weight, bias, rule, layer, shared, family)
 
     def route(
         self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int

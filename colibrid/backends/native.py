@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from colibrid.backends import native_build
-from colibrid.backends.base import GQAWeights, KernelFamily, RouteRule
+from colibrid.backends.base import GQAWeights, KernelFamily, ResidentExperts, RouteRule
 from colibrid.formats.weights import QuantWeight, WeightFormat
 
 ISA_NAMES = ("ref", "avx2", "avx512vnni", "neon")
@@ -555,6 +555,76 @@ def route(
     )
     _raise_rc(rc)
     return ids.astype(np.int64), gates
+
+
+def _layer_views(layer: ResidentExperts, family: KernelFamily, width: int) -> object:
+    """The C array of every expert's three views (3E pointers), built once per layer and
+    family and kept on the layer object, which lives as long as its weights."""
+    cache = getattr(layer, "_native_views", None)
+    code = _code(family)
+    if cache is None:
+        cache = [None, None]
+        layer._native_views = cache  # type: ignore[attr-defined]
+    if cache[code] is None or cache[code][1] != width:
+        views: list[object] = []
+        for k, w in enumerate(layer.experts):
+            views += _expert_views(w, family, k, width)
+        cache[code] = (ffi.new("colibri_weight *[]", views), width)
+    return cache[code][0]
+
+
+def moe(
+    x: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    rule: RouteRule,
+    layer: ResidentExperts,
+    shared: object | None,
+    family: KernelFamily,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A resident MoE layer in one call (colibri_moe): (ids int32 [S, top_k], out [S, D]).
+
+    x float32 [S, D]; weight float32 [E, D] and bias [E] (or None) route as `route` with
+    n = top_k; ``layer.experts[e]`` has .gate/.up/.down; ``shared`` likewise or None."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise ValueError("x must be a 2-D [S, D] numpy array")
+    s, d = x.shape
+    _check_array("x", x, np.float32, (s, d))
+    e = len(layer)
+    _check_array("weight", weight, np.float32, (e, d))
+    if bias is not None:
+        _check_array("bias", bias, np.float32, (e,))
+    if s < 1 or not 1 <= rule.top_k <= e:
+        raise ValueError(f"router arguments disagree: x {x.shape}, {e} experts, top_k {rule.top_k}")
+    views = _layer_views(layer, family, d)
+    shared_views = (
+        ffi.NULL
+        if shared is None
+        else ffi.new("colibri_weight *[]", list(_expert_views(shared, family, e, d)))
+    )
+    ids = np.empty((s, rule.top_k), dtype=np.int32)
+    out = np.empty((s, d), dtype=np.float32)
+    rc = lib.colibri_moe(
+        views,
+        e,
+        shared_views,
+        _code(family),
+        _fptr(x),
+        s,
+        d,
+        _fptr(weight),
+        ffi.NULL if bias is None else _fptr(bias),
+        rule.n_group,
+        rule.topk_group,
+        rule.top_k,
+        int(rule.softmax),
+        int(rule.norm),
+        float(rule.scaling),
+        ffi.from_buffer("int32_t[]", ids),
+        ffi.from_buffer("float[]", out),
+    )
+    _raise_rc(rc)
+    return ids, out
 
 
 class _GQAStatic(NamedTuple):

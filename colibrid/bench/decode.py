@@ -56,6 +56,7 @@ class CountingOps:
         "matmul_blocks",
         "expert_swiglu",
         "apply_experts",
+        "moe",
         "gqa_attention",
         "embed",
     )
@@ -120,6 +121,15 @@ class CountingOps:
             if batch.start[e + 1] > batch.start[e]:
                 self._count(w.gate, w.up, w.down)
         return self.inner.apply_experts(batch, x, out, family)
+
+    def moe(self, x, weight, bias, rule, layer, shared, family):  # noqa: ANN001, ANN201
+        ids, out = self.inner.moe(x, weight, bias, rule, layer, shared, family)
+        for e in sorted(set(ids.ravel().tolist())):  # each chosen expert is read once
+            w = layer.experts[e]
+            self._count(w.gate, w.up, w.down)
+        if shared is not None:
+            self._count(shared.gate, shared.up, shared.down)
+        return ids, out
 
     def gqa_attention(self, block, *args):  # noqa: ANN001, ANN002, ANN201
         self._count(block.q, block.k, block.v, block.o)

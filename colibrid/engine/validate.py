@@ -68,6 +68,9 @@ class _NoExperts:
     def record(self, layer: int, experts: Any) -> None:
         return None
 
+    def resident(self, layer: int) -> Any:
+        return None
+
 
 class Validated(NamedTuple):
     """What `validate` found: the config's arguments, every tensor expected and its stored

@@ -15,7 +15,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
+from colibrid.backends.base import (
+    ExpertBatch,
+    GQAWeights,
+    KernelFamily,
+    ResidentExperts,
+    RouteRule,
+    SwiGLUWeights,
+)
 from colibrid.errors import ConfigError
 from colibrid.formats.weights import QuantWeight, WeightLayout
 
@@ -50,6 +57,9 @@ class ExpertSource(Protocol):
         """Lists of (expert, weights) pairs: first every expert in memory now (possibly
         none), then one or more at a time as reads land; a list is valid until the next
         one is asked for. Misses start reading in this call."""
+
+    def resident(self, layer: int) -> ResidentExperts | None:
+        """All of the layer's experts when they stay in memory for good, else None."""
 
 
 def apply_experts_each(
@@ -121,6 +131,23 @@ class Ops(Protocol):
 
     def rank_sum(self, parts: np.ndarray) -> np.ndarray:
         """parts [S, R, D] summed over R in order, starting from zero: [S, D]."""
+        ...
+
+    def moe(
+        self,
+        x: np.ndarray,
+        weight: np.ndarray,
+        bias: np.ndarray | None,
+        rule: RouteRule,
+        layer: ResidentExperts,
+        shared: SwiGLUWeights | None,
+        family: KernelFamily,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A MoE layer whose experts are all in memory, in one call, routed by the
+        router ``weight``, ``bias`` and ``rule`` (as `route`): (the routed ids
+        [S, top_k] best first, the layer's output [S, D]), bit-identical to
+        ``layers.moe.moe_each`` (route, the chosen experts and the shared one through
+        apply_experts, rank_sum)."""
         ...
 
     def route(

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from colibrid.backends.base import ResidentExperts
 from colibrid.store.experts import ExpertLayout, ExpertWeights
 from colibrid.store.pins import PinController
 from colibrid.store.telemetry import Counters, StoreStats
@@ -49,6 +50,10 @@ class ExpertStore(Protocol):
     ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Lists of pairs: every expert in memory now (possibly none), then misses as
         they land; each list valid until the next is asked for (the model's form)."""
+
+    def resident(self, layer: int) -> ResidentExperts | None:
+        """Every expert of ``layer`` when all of them stay in memory (the resident store),
+        so the model may run the layer in one ``Ops.moe`` call; None where experts move."""
 
     def hint(self, layer: int, experts: Sequence[int]) -> int:
         """PILOT: ``layer`` will probably choose ``experts``; returns reads started."""

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from colibrid.backends.base import ResidentExperts
 from colibrid.errors import ColibriError, ModelLoadError
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import PROJECTIONS, ExpertLayout, ExpertWeights, check_template
@@ -49,6 +50,7 @@ class ResidentExpertStore:
             layer: [self._load(checkpoint, layer, e, template) for e in range(layout.n_experts)]
             for layer, template in sorted(templates.items())
         }
+        self._layers = {layer: ResidentExperts(row) for layer, row in self._experts.items()}
         profiled = [la for la in self._experts if la not in layout.draft_layers]
         self.recorder = UsageRecorder(max(profiled, default=-1) + 1, layout.n_experts, profiled)
         self.counts = self.recorder.counts
@@ -91,6 +93,9 @@ class ResidentExpertStore:
         self, layer: int, experts: Sequence[int]
     ) -> Iterator[list[tuple[int, ExpertWeights]]]:
         return iter([[(int(e), self.get(layer, int(e))) for e in experts]])  # all in memory
+
+    def resident(self, layer: int) -> ResidentExperts | None:
+        return self._layers.get(layer)  # every expert stays: the layer is one Ops.moe call
 
     def record(self, layer: int, experts: Sequence[int]) -> None:
         if layer in self.layout.draft_layers:  # served, but no part of the usage profile

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
+from colibrid.backends.base import ResidentExperts
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.completions import Completions
 from colibrid.store.experts import ExpertLayout, ExpertWeights
@@ -239,6 +240,9 @@ class TieredStore:
         for group in self._served().serve(layer, keys, streaming=False):
             out.update(group)
         return [out[e] for e in keys]
+
+    def resident(self, layer: int) -> ResidentExperts | None:
+        return None  # experts move between tiers: each layer asks for its own, as it routes
 
     def iter_groups(
         self, layer: int, experts: Sequence[int]

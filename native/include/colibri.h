@@ -78,6 +78,17 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
                     int D, const int *start, const int *rows, const float *gates,
                     const int *dest, int R, float *out);
 
+/* A MoE layer whose routed experts are all in memory: experts[3e..3e+2] are expert e's gate,
+ * up and down (e < E), shared (3 pointers) or NULL. Routes the S rows of x [S, D] with
+ * router [E, D] and bias as colibri_route (n = K), writes the chosen ids [S, K] (best
+ * first), applies each chosen expert to its rows and the shared expert to every row as
+ * colibri_experts, and sums each row's results in ascending expert order, the shared one
+ * last, as colibri_rank_sum: out [S, D]. Bit-identical to those three calls. */
+int colibri_moe(const colibri_weight *const *experts, int E, const colibri_weight *const *shared,
+                int family, const float *x, int S, int D, const float *router,
+                const float *bias, int n_group, int topk_group, int K, int softmax, int norm,
+                float scaling, int32_t *ids, float *out);
+
 /* out[s, :] = ((0 + parts[s, 0, :]) + parts[s, 1, :]) + ... over r < R, parts [S, R, D]:
  * the rank-ordered sum that makes a MoE result independent of expert arrival order. */
 int colibri_rank_sum(const float *parts, int S, int R, int D, float *out);

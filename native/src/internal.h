@@ -91,8 +91,9 @@ int colibri_run_jobs(const mm_job *jobs, int n, int family);
 /* Per-calling-thread buffer k (< COLIBRI_ARENAS) of at least n bytes, 64-byte aligned,
  * reused by the next call from the same thread: what a batched call carves its job
  * descriptions (0) and work buffers (1) from, and a composed block (gqa.c) its
- * activations (2), so a warm decode allocates nothing. */
-#define COLIBRI_ARENAS 3
+ * activations (2) and a resident MoE layer (moe.c) its plan and partial sums (3), so a
+ * warm decode allocates nothing. */
+#define COLIBRI_ARENAS 4
 void *colibri_arena(int k, size_t n);
 
 /* Reference single-output kernels: the bit-exact oracle for the integer paths and

@@ -15,7 +15,13 @@ import tiny_models
 from helpers.numpy_ops import NumpyOps
 from test_oracle import greedy
 
-from colibrid.backends.base import ExpertBatch, GQAWeights, KernelFamily, RouteRule
+from colibrid.backends.base import (
+    ExpertBatch,
+    GQAWeights,
+    KernelFamily,
+    ResidentExperts,
+    RouteRule,
+)
 from colibrid.engine.backend import make_ops, mlx_installed
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import teacher_forced_argmax
@@ -143,6 +149,30 @@ def test_expert_swiglu_and_apply_experts(ops, fmt: str) -> None:
     ops.apply_experts(batch, x, got, F32)
     apply_experts_each(NumpyOps(), batch, x, want, F32)
     _close(got, want)
+
+
+# GLM/DeepSeek sigmoid routing with a selection bias and groups; Qwen3/Mixtral softmax
+@pytest.mark.parametrize(
+    "rule,biased,shared",
+    [
+        (RouteRule(2, 2, 1, True, 2.5), True, True),
+        (RouteRule(3, 1, 1, False, 1.0, softmax=True), False, False),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_moe_layer(ops, rule: RouteRule, biased: bool, shared: bool, rows: int) -> None:
+    """The resident layer in one call against the numpy reference's route + experts + sum."""
+    d, f, n = 128, 96, 8
+    layer = ResidentExperts([_Expert("int4-g64", d, f, seed=10 * k) for k in range(n)])
+    rng = np.random.default_rng(rows)
+    weight = rng.standard_normal((n, d), dtype=np.float32) * np.float32(0.2)
+    bias = rng.uniform(-0.1, 0.1, n).astype(np.float32) if biased else None
+    common = _Expert("int8", d, f, seed=99) if shared else None
+    x = _x(rows, d)
+    ids, out = ops.moe(x, weight, bias, rule, layer, common, F32)
+    want_ids, want = NumpyOps().moe(x, weight, bias, rule, layer, common, F32)
+    assert np.array_equal(np.asarray(ids), want_ids)
+    _close(out, want)
 
 
 @pytest.mark.parametrize("fmt", ["f32", "int8", "int4-g64"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from colibrid.backends.base import ExpertBatch, KernelFamily
+from colibrid.backends.moe_plan import moe_each
 from colibrid.formats.quant import dequantize, dequantize_rows
 from colibrid.formats.weights import QuantWeight
 from colibrid.models.base import apply_experts_each, rank_sum_each
@@ -63,6 +64,9 @@ class NumpyOps:
 
     def rank_sum(self, parts: np.ndarray) -> np.ndarray:
         return rank_sum_each(parts)
+
+    def moe(self, x, weight, bias, rule, layer, shared, family):  # noqa: ANN001, ANN201
+        return moe_each(self, x, weight, bias, rule, layer, shared, family)
 
     def route(self, h, weight, bias, rule, n):  # noqa: ANN001, ANN201
         return route_reference(h, weight, bias, rule, n)

@@ -10,7 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from colibrid.backends.base import ExpertBatch, KernelFamily
+from colibrid.backends.base import ExpertBatch, KernelFamily, ResidentExperts, RouteRule
+from colibrid.backends.moe_plan import moe_each
 from colibrid.formats.weights import WeightFormat
 from colibrid.models.base import apply_experts_each, rank_sum_each
 
@@ -390,3 +391,54 @@ def test_rank_sum_rejects_bad_input(kit):
         with pytest.raises(ValueError, match=match):
             kit.native.rank_sum(parts)
         assert what
+
+
+# ---- moe: the resident layer in one call --------------------------------------------
+
+# (routed experts, rule, selection bias, shared expert): GLM/DeepSeek's grouped sigmoid
+# routing with a bias and a shared expert; softmax routing with no shared expert; a top-k
+# as large as the expert count (every expert chosen by every row)
+MOE_SETS = {
+    "grouped-sigmoid": (16, RouteRule(4, 4, 2, True, 2.5), True, True),
+    "softmax": (8, RouteRule(2, softmax=True), False, False),
+    "every-expert": (4, RouteRule(4, norm=False), False, True),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("s", [1, 3, 17])
+@pytest.mark.parametrize("name", list(MOE_SETS))
+def test_moe_equals_route_experts_and_rank_sum(kit, isa, family, nthreads, s, name):
+    """colibri_moe gives the ids and the bits of the three calls the MoE block makes for
+    a layer whose experts stream (moe_each on the same backend)."""
+    setup(kit, isa, nthreads)
+    n, rule, biased, with_shared = MOE_SETS[name]
+    d, f = 128, 192
+    layer = ResidentExperts([expert(kit, d, f, Q4G64, seed=10 * k) for k in range(n)])
+    shared = expert(kit, d, 256, ((Q8, 0), (Q4, 64), (Q4, 32)), seed=7) if with_shared else None
+    rng = np.random.default_rng(s)
+    weight = rng.standard_normal((n, d), dtype=np.float32) * np.float32(0.3)
+    bias = rng.uniform(-0.2, 0.2, n).astype(np.float32) if biased else None
+    x = rng.standard_normal((s, d), dtype=np.float32)
+    ops = cpu.CpuOps()
+    ids, out = ops.moe(x, weight, bias, rule, layer, shared, family)
+    want_ids, want = moe_each(ops, x, weight, bias, rule, layer, shared, family)
+    assert np.array_equal(ids, want_ids)
+    assert_bits_equal(out, want, name)
+
+
+def test_moe_rejects_bad_input(kit):
+    d, f, n = 64, 64, 4
+    layer = ResidentExperts([expert(kit, d, f, Q4G64, seed=k) for k in range(n)])
+    weight = np.ones((n, d), np.float32)
+    x = np.ones((1, d), np.float32)
+    fam = KernelFamily.F32
+    with pytest.raises(ValueError, match="weight"):
+        kit.native.moe(x, np.ones((n + 1, d), np.float32), None, RouteRule(2), layer, None, fam)
+    with pytest.raises(ValueError, match="top_k"):
+        kit.native.moe(x, weight, None, RouteRule(n + 1), layer, None, fam)
+    with pytest.raises(ValueError, match="float32"):
+        kit.native.moe(x.astype(np.float64), weight, None, RouteRule(2), layer, None, fam)
+    with pytest.raises(ValueError, match="rejected"):  # 4 experts do not split in 3 groups
+        kit.native.moe(x, weight, None, RouteRule(2, 3, 1), layer, None, fam)

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
+from colibrid.backends.moe_plan import plan_rows
 from colibrid.models.base import ExpertSource, Ops
-from colibrid.models.layers.moe import MoE, plan_rows
+from colibrid.models.layers.moe import MoE
 from colibrid.models.layers.router import Router
 
 
@@ -62,6 +63,7 @@ class BiasedMoE(MoE):
         glu: ClampedGLU,
     ) -> None:
         super().__init__(layer, router, experts, ops, None)
+        self.fused = False  # biased experts and a clamped GLU: its own combine below
         self.biases = biases
         self.glu = glu
 

@@ -8,7 +8,9 @@ and the contributions are summed per row in ascending expert order, so the resul
 not depend on the order in which experts arrive (cache hits first, disk reads later) —
 placement never changes a token. The shared expert runs while the routed misses are being
 read (the store dispatches them when asked) and is added last, as it always was. A group of
-experts is one backend call, so a resident layer costs one call however many experts.
+experts is one backend call; a layer whose experts all stay in memory (the resident
+store) is a single ``Ops.moe`` call, router and combine included, which computes exactly
+what the three steps compute (``moe_each``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from colibrid.backends.base import ExpertBatch, KernelFamily
+from colibrid.backends.base import KernelFamily
+from colibrid.backends.moe_plan import combine
 from colibrid.models.base import ExpertSource, Ops
 from colibrid.models.layers.mlp import MLP
 from colibrid.models.layers.router import Router
@@ -33,8 +36,17 @@ class MoE:
         self.experts = experts
         self.ops = ops
         self.shared = shared
+        # Ops.moe computes this class's combine with the router's plain logits; a router
+        # with a logit bias, or a subclass combining otherwise, clears it.
+        self.fused = not router.logit_bias
 
     def __call__(self, x: np.ndarray, family: KernelFamily) -> np.ndarray:
+        resident = self.experts.resident(self.layer) if self.fused else None
+        if resident is not None:
+            r = self.router
+            ids, out = self.ops.moe(x, r.weight, r.bias, r.rule, resident, self.shared, family)
+            self.experts.record(self.layer, sorted(set(ids.ravel().tolist())))
+            return out
         route = self.router.route(x)
         ids = route.experts.tolist()  # [S][K] as Python ints, planned over below
         groups = self.fetch(ids)  # misses start streaming now
@@ -65,62 +77,4 @@ class MoE:
         a few microseconds, where numpy's argsort and scatter cost more than the experts'
         arithmetic on small models.
         """
-        rows, top_k = len(ids), len(ids[0])
-        plan = plan_rows(ids)
-        width = top_k + (self.shared is not None)  # ranks per row, the shared expert last
-        parts = np.empty((rows * width, x.shape[1]), dtype=np.float32)  # [S * rank, D]
-        shared = self.shared
-        for group in groups:
-            batch = _batch(group, plan, gates, width, shared, rows)
-            shared = None
-            self.ops.apply_experts(batch, x, parts, family)
-        if shared is not None:  # the store delivered no group at all
-            self.ops.apply_experts(_batch([], plan, gates, width, shared, rows), x, parts, family)
-        return self.ops.rank_sum(parts.reshape(rows, width, x.shape[1]))
-
-
-def _batch(
-    group: list[tuple[int, Any]],
-    plan: dict[int, tuple[list[int], list[int], list[int]]],
-    gates: list[list[float]],
-    width: int,
-    shared: MLP | None,
-    rows: int,
-) -> ExpertBatch:
-    """The pairs of a group's experts (and of the shared expert, when given)."""
-    weights: list[Any] = []
-    start = [0]
-    row_of: list[int] = []
-    gate_of: list[float] = []
-    dest: list[int] = []
-    for expert, w in group:
-        row_idx, slot_idx, rank_idx = plan[expert]
-        weights.append(w)
-        for row, slot, rank in zip(row_idx, slot_idx, rank_idx, strict=True):
-            row_of.append(row)
-            gate_of.append(gates[row][slot])
-            dest.append(row * width + rank)
-        start.append(len(row_of))
-    if shared is not None:
-        weights.append(shared)
-        row_of.extend(range(rows))
-        gate_of.extend([1.0] * rows)
-        dest.extend(row * width + width - 1 for row in range(rows))
-        start.append(len(row_of))
-    return ExpertBatch(weights, start, row_of, gate_of, dest)
-
-
-def plan_rows(ids: list[list[int]]) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """For each chosen expert: the rows that chose it, the slot it has in each of them
-    and its rank (position in ascending expert order) within each row."""
-    plan: dict[int, tuple[list[int], list[int], list[int]]] = {}
-    for row, chosen in enumerate(ids):
-        rank_of = {e: r for r, e in enumerate(sorted(chosen))}
-        for slot, expert in enumerate(chosen):
-            entry = plan.get(expert)
-            if entry is None:
-                entry = plan[expert] = ([], [], [])
-            entry[0].append(row)
-            entry[1].append(slot)
-            entry[2].append(rank_of[expert])
-    return plan
+        return combine(self.ops, x, ids, gates, groups, self.shared, family)
