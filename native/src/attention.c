@@ -50,8 +50,10 @@ int colibri_attend_gqa(const float *q, int S, int H, int d, const float *k, cons
     const double work = (double)S * H * T * d;
     chunk_fn one = colibri_attend_one_v4;
 #if defined(__x86_64__) || defined(_M_X64)
-    if (colibri_get_isa() == COLIBRI_ISA_AVX2 || colibri_get_isa() == COLIBRI_ISA_AVX512VNNI)
+    if (colibri_get_isa() == COLIBRI_ISA_AVX2)
         one = colibri_attend_one_avx2; /* the same arithmetic, eight lanes at a time */
+    if (colibri_get_isa() == COLIBRI_ISA_AVX512VNNI)
+        one = colibri_attend_one_avx512; /* and sixteen where lanes never meet */
 #endif
     colibri_pool_for(S * (H / per), work < (double)(1 << 17) ? 1 : nt, one, &c);
     return atomic_load(&c.rc);

@@ -25,6 +25,7 @@ float *colibri_scores_buffer(size_t n);
 void colibri_attend_one_v4(void *ctx, int job);
 #if defined(__x86_64__) || defined(_M_X64)
 void colibri_attend_one_avx2(void *ctx, int job);
+void colibri_attend_one_avx512(void *ctx, int job);
 #endif
 
 #endif

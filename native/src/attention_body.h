@@ -13,7 +13,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* WVW: the width of the loops whose lanes never meet (the weighted sums over values, the
+ * division by the softmax sum), which may be wider than the reductions' VW: a lane's
+ * arithmetic is the same at any width. */
+#ifndef WVW
+#define WVW VW
+#endif
+
 typedef float vf __attribute__((vector_size(4 * VW)));
+typedef float wf __attribute__((vector_size(4 * WVW)));
 #define NV8 (8 / VW) /* vectors per eight floats */
 
 static inline vf loadv(const float *p) {
@@ -27,6 +35,19 @@ static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
 static inline vf splat(float w) {
     const vf zero = {0};
     return zero + w; /* a scalar operand is broadcast to every lane */
+}
+
+static inline wf loadw(const float *p) {
+    wf r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+static inline void storew(float *p, wf x) { memcpy(p, &x, sizeof x); }
+
+static inline wf splatw(float w) {
+    const wf zero = {0};
+    return zero + w;
 }
 
 static inline float reduce8(const float acc[8]) {
@@ -140,7 +161,9 @@ static void softmax_scores(const attn_ctx *c, int h, float *p, int n) {
     exp_shifted(p, n, top);
     float sum = sum8(p, n);
     if (c->sinks) sum += exp_one(c->sinks[h] - top); /* the sink's share is dropped */
-    for (int t = 0; t < n; t++) p[t] /= sum;
+    int t = 0;
+    for (; t + WVW <= n; t += WVW) storew(p + t, loadw(p + t) / splatw(sum));
+    for (; t < n; t++) p[t] /= sum;
 }
 
 #define RUN_MAX 8 /* heads whose weighted sums share one pass over the values */
@@ -151,27 +174,27 @@ static void softmax_scores(const attn_ctx *c, int h, float *p, int n) {
 static void weighted_sums(float *out, const float *p, int heads, const float *v, size_t stride,
                           int n, int d) {
     int e0 = 0;
-    if (heads == 1) /* one head: 32 outputs a pass, four add chains in flight */
-        for (; e0 + 32 <= d; e0 += 32) {
-            vf acc[32 / VW];
-            for (int b = 0; b < 32 / VW; b++) acc[b] = splat(0.0f);
+    if (heads == 1) /* one head: four vectors of outputs a pass, four add chains in flight */
+        for (; e0 + 4 * WVW <= d; e0 += 4 * WVW) {
+            wf acc[4];
+            for (int b = 0; b < 4; b++) acc[b] = splatw(0.0f);
             for (int t = 0; t < n; t++) {
-                const vf w = splat(p[t]);
+                const wf w = splatw(p[t]);
                 const float *vt = v + t * stride + e0;
-                for (int b = 0; b < 32 / VW; b++) acc[b] += w * loadv(vt + VW * b);
+                for (int b = 0; b < 4; b++) acc[b] += w * loadw(vt + WVW * b);
             }
-            for (int b = 0; b < 32 / VW; b++) storev(out + e0 + VW * b, acc[b]);
+            for (int b = 0; b < 4; b++) storew(out + e0 + WVW * b, acc[b]);
         }
-    else /* a run: one vector of outputs a pass for each head, the values loaded once */
-        for (; e0 + VW <= d; e0 += VW) {
-            vf acc[RUN_MAX];
-            for (int j = 0; j < heads; j++) acc[j] = splat(0.0f);
-            for (int t = 0; t < n; t++) {
-                const vf vt = loadv(v + t * stride + e0);
-                for (int j = 0; j < heads; j++) acc[j] += splat(p[(size_t)j * n + t]) * vt;
-            }
-            for (int j = 0; j < heads; j++) storev(out + (size_t)j * d + e0, acc[j]);
+    for (; e0 + WVW <= d; e0 += WVW) { /* a run (or what one head has left): one vector of
+                                           outputs a pass for each head, values loaded once */
+        wf acc[RUN_MAX];
+        for (int j = 0; j < heads; j++) acc[j] = splatw(0.0f);
+        for (int t = 0; t < n; t++) {
+            const wf vt = loadw(v + t * stride + e0);
+            for (int j = 0; j < heads; j++) acc[j] += splatw(p[(size_t)j * n + t]) * vt;
         }
+        for (int j = 0; j < heads; j++) storew(out + (size_t)j * d + e0, acc[j]);
+    }
     for (int j = 0; j < heads; j++)
         for (int e = e0; e < d; e++) {
             float acc = 0.0f;
