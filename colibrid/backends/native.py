@@ -557,20 +557,52 @@ def route(
     return ids.astype(np.int64), gates
 
 
-def _layer_views(layer: ResidentExperts, family: KernelFamily, width: int) -> object:
-    """The C array of every expert's three views (3E pointers), built once per layer and
-    family and kept on the layer object, which lives as long as its weights."""
-    cache = getattr(layer, "_native_views", None)
+class _MoEStatic(NamedTuple):
+    """A resident layer's checked C side for one family, width, shared expert and router:
+    every expert's three views (3E pointers), the shared expert's, the router's pointers."""
+
+    key: tuple[int, int, int, int, int]  # family code, width, ids of shared, weight, bias
+    held: tuple[object, ...]  # the objects whose ids make the key, kept alive with it
+    views: object
+    shared: object
+    weight: object
+    bias: object
+
+
+def _moe_static(
+    layer: ResidentExperts,
+    shared: object | None,
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    family: KernelFamily,
+    width: int,
+) -> _MoEStatic:
+    """Built once per layer (and kept on it, which lives as long as its weights): building
+    3E views and checking the router was most of a decode step's wrapper time."""
     code = _code(family)
-    if cache is None:
-        cache = [None, None]
-        layer._native_views = cache  # type: ignore[attr-defined]
-    if cache[code] is None or cache[code][1] != width:
-        views: list[object] = []
-        for k, w in enumerate(layer.experts):
-            views += _expert_views(w, family, k, width)
-        cache[code] = (ffi.new("colibri_weight *[]", views), width)
-    return cache[code][0]
+    key = (code, width, id(shared), id(weight), id(bias))
+    static = getattr(layer, "_native_moe", None)
+    if static is not None and static.key == key:
+        return static
+    e = len(layer)
+    _check_array("weight", weight, np.float32, (e, width))
+    if bias is not None:
+        _check_array("bias", bias, np.float32, (e,))
+    views: list[object] = []
+    for k, w in enumerate(layer.experts):
+        views += _expert_views(w, family, k, width)
+    static = _MoEStatic(
+        key,
+        (shared, weight, bias),
+        ffi.new("colibri_weight *[]", views),
+        ffi.NULL
+        if shared is None
+        else ffi.new("colibri_weight *[]", list(_expert_views(shared, family, e, width))),
+        _fptr(weight),
+        ffi.NULL if bias is None else _fptr(bias),
+    )
+    layer._native_moe = static  # type: ignore[attr-defined]
+    return static
 
 
 def moe(
@@ -590,30 +622,23 @@ def moe(
         raise ValueError("x must be a 2-D [S, D] numpy array")
     s, d = x.shape
     _check_array("x", x, np.float32, (s, d))
-    e = len(layer)
-    _check_array("weight", weight, np.float32, (e, d))
-    if bias is not None:
-        _check_array("bias", bias, np.float32, (e,))
-    if s < 1 or not 1 <= rule.top_k <= e:
-        raise ValueError(f"router arguments disagree: x {x.shape}, {e} experts, top_k {rule.top_k}")
-    views = _layer_views(layer, family, d)
-    shared_views = (
-        ffi.NULL
-        if shared is None
-        else ffi.new("colibri_weight *[]", list(_expert_views(shared, family, e, d)))
-    )
+    if s < 1 or not 1 <= rule.top_k <= len(layer):
+        raise ValueError(
+            f"router arguments disagree: x {x.shape}, {len(layer)} experts, top_k {rule.top_k}"
+        )
+    static = _moe_static(layer, shared, weight, bias, family, d)
     ids = np.empty((s, rule.top_k), dtype=np.int32)
     out = np.empty((s, d), dtype=np.float32)
     rc = lib.colibri_moe(
-        views,
-        e,
-        shared_views,
+        static.views,
+        len(layer),
+        static.shared,
         _code(family),
         _fptr(x),
         s,
         d,
-        _fptr(weight),
-        ffi.NULL if bias is None else _fptr(bias),
+        static.weight,
+        static.bias,
         rule.n_group,
         rule.topk_group,
         rule.top_k,
@@ -621,7 +646,7 @@ def moe(
         int(rule.norm),
         float(rule.scaling),
         ffi.from_buffer("int32_t[]", ids),
-        ffi.from_buffer("float[]", out),
+        _fptr(out),
     )
     _raise_rc(rc)
     return ids, out

@@ -39,12 +39,18 @@ class UsageRecorder:
 
     def record(self, layer: int, experts) -> np.ndarray:
         idx = self.check(layer, experts)
-        selected = np.bincount(idx, minlength=self.n_experts)  # duplicates count twice
-        self.counts[layer] += selected
+        if self.heat is None and idx.size <= 16:
+            # a decode step's few experts: item increments beat a bincount over every expert
+            row = self.counts[layer]
+            for e in experts if isinstance(experts, list) else idx.tolist():
+                row[e] += 1  # duplicates count twice
+        else:
+            selected = np.bincount(idx, minlength=self.n_experts)  # duplicates count twice
+            self.counts[layer] += selected
+            if self.heat is not None:
+                self.heat[layer] += selected
         if self.profile is not None:
             self.profile.record(layer, idx)
-        if self.heat is not None:
-            self.heat[layer] += selected
         if self._followed:
             self._pending.append((layer, idx))
         return idx
