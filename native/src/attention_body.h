@@ -24,31 +24,22 @@ typedef float vf __attribute__((vector_size(4 * VW)));
 typedef float wf __attribute__((vector_size(4 * WVW)));
 #define NV8 (8 / VW) /* vectors per eight floats */
 
-static inline vf loadv(const float *p) {
-    vf r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
+/* Load, store and broadcast for a vector type T (memcpy: no alignment assumed; a scalar
+ * operand of + is broadcast to every lane). */
+#define VECTOR_HELPERS(T, load, store, splat_)                                                    \
+    static inline T load(const float *p) {                                                        \
+        T r;                                                                                      \
+        memcpy(&r, p, sizeof r);                                                                  \
+        return r;                                                                                 \
+    }                                                                                             \
+    static inline void store(float *p, T x) { memcpy(p, &x, sizeof x); }                         \
+    static inline T splat_(float w) {                                                             \
+        const T zero = {0};                                                                       \
+        return zero + w;                                                                          \
+    }
 
-static inline void storev(float *p, vf x) { memcpy(p, &x, sizeof x); }
-
-static inline vf splat(float w) {
-    const vf zero = {0};
-    return zero + w; /* a scalar operand is broadcast to every lane */
-}
-
-static inline wf loadw(const float *p) {
-    wf r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline void storew(float *p, wf x) { memcpy(p, &x, sizeof x); }
-
-static inline wf splatw(float w) {
-    const wf zero = {0};
-    return zero + w;
-}
+VECTOR_HELPERS(vf, loadv, storev, splat)
+VECTOR_HELPERS(wf, loadw, storew, splatw)
 
 static inline float reduce8(const float acc[8]) {
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
