@@ -3,13 +3,14 @@
  * I8 family.  Weights stay unsigned for vpdpbusd: Q4 nibbles are q+8 already, Q8
  * bytes are flipped to q+128; the offset is removed exactly per group with the
  * precomputed activation group sums (isum = dot(q+k, x) - k * sum(x), exact int32).
- * Each weight row is streamed on its own (sequential reads are what the hardware
- * prefetchers follow best); for grouped Q4, 8 consecutive 64-byte blocks of the row
- * are transpose-reduced at once into per-chunk sums and then group sums.  A tile of
- * 16 output rows then runs the reference float step with lane = output row:
+ * A tile of 16 output rows is computed with lane = output row from the dot products
+ * on: every 64-byte block of the 16 rows is dotted, the 16 dot vectors are reduced in
+ * registers to chunk sums (grouped Q4: each group's sum goes straight into the float
+ * step) or accumulated over the whole row and reduced once (per-row formats), and the
+ * reference float step runs 16 outputs an instruction:
  *     acc = acc + (float)isum * (wscale * xs)     for each group in order
- * which is bit-identical to ref.c.  Q4 group sizes that are not multiples of 32 fall
- * back to the reference.
+ * which is bit-identical to ref.c.  The next tile's bytes are prefetched as each block
+ * is read.  Q4 group sizes that are not multiples of 32 fall back to the reference.
  *
  * F32 family.  Nibbles/bytes are widened to 32-bit lanes and turned into f32 through a
  * 16-entry table (vpermps) scaled per group, then FMA'd against a permuted copy of x;
@@ -86,13 +87,6 @@ static void quant_row(const float *x, int I, int8_t *q, size_t ldq, float *xs) {
     memset(q + I, 0, ldq - (size_t)I);
 }
 
-/* Software prefetch distance along a weight row (rows are contiguous, so it reaches into
- * the next rows of the tile): 1 KiB left DRAM-bound matrices at ~60% of the read probe,
- * 4 KiB (what the AVX2 kernels use) keeps enough lines in flight. */
-#ifndef PF_AHEAD
-#define PF_AHEAD 4096
-#endif
-
 static inline __m512i dot_q4(const uint8_t *p, __mmask64 m, __m512i xe, __m512i xo) {
     const __m512i m0f = _mm512_set1_epi8(0x0f);
     const __m512i w = _mm512_maskz_loadu_epi8(m, p);
@@ -109,103 +103,11 @@ static inline __m512i dot_q4_full(const uint8_t *p, __m512i xe, __m512i xo) {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
 }
 
-static inline __m512i dot_q8(const uint8_t *p, __mmask64 m, __m512i x) {
-    const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, p), _mm512_set1_epi8((char)0x80));
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-}
-
 /* Largest group count handled on the fast path (stack buffers); more falls back. */
 #define MAX_GROUPS 1024
 
 static inline __mmask64 tail_mask64(size_t rem) {
     return rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
-}
-
-/* v[k]: 16 int32 partial sums of block k (k < 8).  out[h] 128-bit lane c, element i:
- * the sum of chunk c (32 elements) of block 4h + i. */
-static inline void reduce8(const __m512i v[8], __m512i out[2]) {
-    __m512i a[4];
-    for (int k = 0; k < 4; k++)
-        a[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
-                                _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
-    for (int h = 0; h < 2; h++)
-        out[h] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * h], a[2 * h + 1]),
-                                  _mm512_unpackhi_epi64(a[2 * h], a[2 * h + 1]));
-}
-
-/* Add/store the group sums of 8 blocks (b0..b0+n-1) from their chunk sums. */
-static inline void store_groups8(const mm_job *j, int b0, int n, const __m512i c[2], int32_t *isum) {
-    if (j->gsz == 64) { /* block m: groups 2m (chunks 0+1) and 2m+1 (chunks 2+3) */
-        const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27);
-        const __m512i t0 = _mm512_add_epi32(c[0], _mm512_shuffle_i32x4(c[0], c[0], _MM_SHUFFLE(2, 3, 0, 1)));
-        const __m512i t1 = _mm512_add_epi32(c[1], _mm512_shuffle_i32x4(c[1], c[1], _MM_SHUFFLE(2, 3, 0, 1)));
-        _mm512_storeu_si512(isum + 2 * b0, _mm512_permutex2var_epi32(t0, idx, t1));
-        return;
-    }
-    if (j->gsz == 32) { /* every chunk is a group: 4x4 transpose of each half */
-        const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        _mm512_storeu_si512(isum + 4 * b0, _mm512_permutexvar_epi32(idx, c[0]));
-        _mm512_storeu_si512(isum + 4 * b0 + 16, _mm512_permutexvar_epi32(idx, c[1]));
-        return;
-    }
-    int32_t cs[2][16];
-    _mm512_storeu_si512(cs[0], c[0]);
-    _mm512_storeu_si512(cs[1], c[1]);
-    for (int k = 0; k < n; k++)
-        for (int q = 0; q < 4; q++) {
-            const int e = ((b0 + k) * 4 + q) * 32; /* first element of the chunk */
-            if (e < j->w->I) isum[e / j->gsz] += cs[k >> 2][q * 4 + (k & 3)];
-        }
-}
-
-/* Unsigned group sums dot(q+8, x) of one Q4 row: isum[g] for g < G (isum has room for
- * G + 32 entries).  8 blocks of 64 bytes are transpose-reduced at once (full octets
- * with a constant trip count so everything stays in registers; the last, partial
- * octet with masks), then chunk sums become group sums: in registers for gs 32 and
- * 64, by a scalar loop for other multiples of 32. */
-static void q4_group_sums(const mm_job *j, const uint8_t *row, const int8_t *x, int32_t *isum) {
-    const size_t nbytes = j->wrow;
-    const int nblocks = (int)((nbytes + 63) / 64);
-    if (j->gsz != 64 && j->gsz != 32) memset(isum, 0, (size_t)j->G * sizeof(int32_t));
-    int b0 = 0;
-    __m512i v[8], c[2];
-    for (; (size_t)(b0 + 8) * 64 <= nbytes; b0 += 8) {
-        const uint8_t *p = row + (size_t)b0 * 64;
-        const int8_t *xb = x + (size_t)b0 * 128;
-        for (int k = 0; k < 8; k++) {
-            _mm_prefetch((const char *)p + 64 * k + PF_AHEAD, _MM_HINT_T0);
-            v[k] = dot_q4(p + 64 * k, ~(__mmask64)0, _mm512_loadu_si512(xb + 128 * k),
-                          _mm512_loadu_si512(xb + 128 * k + 64));
-        }
-        reduce8(v, c);
-        store_groups8(j, b0, 8, c, isum);
-    }
-    if (b0 < nblocks) {
-        const int n = nblocks - b0;
-        for (int k = 0; k < 8; k++) {
-            const size_t off = (size_t)(b0 + k) * 64;
-            v[k] = k < n ? dot_q4(row + off, tail_mask64(nbytes - off), _mm512_loadu_si512(x + 2 * off),
-                                  _mm512_loadu_si512(x + 2 * off + 64))
-                         : _mm512_setzero_si512();
-        }
-        reduce8(v, c);
-        store_groups8(j, b0, n, c, isum);
-    }
-}
-
-/* Whole-row unsigned dot for per-row formats: dot(q+k, x), k = 8 (Q4) or 128 (Q8). */
-static int32_t row_sum(const mm_job *j, const uint8_t *row, const int8_t *x, int q4) {
-    const size_t nbytes = j->wrow;
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
-    for (size_t off = 0; off < nbytes; off += 64) {
-        const __mmask64 m = tail_mask64(nbytes - off);
-        _mm_prefetch((const char *)row + off + PF_AHEAD, _MM_HINT_T0);
-        if (q4) a0 = _mm512_add_epi32(a0, dot_q4(row + off, m, _mm512_loadu_si512(x + 2 * off),
-                                                 _mm512_loadu_si512(x + 2 * off + 64)));
-        else if (off & 64) a1 = _mm512_add_epi32(a1, dot_q8(row + off, m, _mm512_loadu_si512(x + off)));
-        else a0 = _mm512_add_epi32(a0, dot_q8(row + off, m, _mm512_loadu_si512(x + off)));
-    }
-    return _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
 }
 
 /* In-register 16x16 transpose: out[k] lane r = in[r] lane k. */
@@ -233,31 +135,6 @@ static inline void transpose16(const __m512 in[16], __m512 out[16]) {
         out[4 + c] = _mm512_shuffle_f32x4(w, w2, 0x88);
         out[12 + c] = _mm512_shuffle_f32x4(w, w2, 0xdd);
     }
-}
-
-/* The reference float step for a tile of 16 outputs (lane = output row):
- *   p[r][g] = (float)(isum[r][g] - corr * gsum[g]) * (ws[r][g] * xs)
- * computed per row 16 groups at a time, transposed so lane r holds row r, then
- *   acc = acc + p[.][g]   for g = 0, 1, ... from acc = 0.0f,
- * i.e. exactly the reference sequence of each output, 16 outputs per instruction. */
-static __m512 group_step16(const int32_t *isum, size_t ld, const int32_t *gsum, const float *const ws[16],
-                           int G, int shift, float xs_s) {
-    const __m512 xs = _mm512_set1_ps(xs_s);
-    __m512 acc = _mm512_setzero_ps();
-    for (int g0 = 0; g0 < G; g0 += 16) {
-        const int n = G - g0 < 16 ? G - g0 : 16;
-        const __mmask16 m = (__mmask16)(n == 16 ? 0xffff : (1u << n) - 1);
-        const __m512i gv = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m, gsum + g0), shift);
-        __m512 p[16], col[16];
-        for (int r = 0; r < 16; r++) {
-            const __m512i iv = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, isum + r * ld + g0), gv);
-            const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ws[r] + g0), xs);
-            p[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), t);
-        }
-        transpose16(p, col);
-        for (int k = 0; k < n; k++) acc = _mm512_add_ps(acc, col[k]);
-    }
-    return acc;
 }
 
 /* 16 rows' dot vectors v[r] (16 int32 lanes each) to chunk sums with lane = row:
@@ -337,8 +214,48 @@ static void transpose_scales(const float *const ws[16], int G, __m512 *out) {
     }
 }
 
-#define ISUM_LD (MAX_GROUPS + 32)
+/* One tile of up to 16 rows of a per-row weight (Q8, or Q4 with one scale a row) on
+ * activation row s, lane = output row: each row's unsigned dot accumulates over the whole
+ * row in a vector of its own, the 16 vectors are reduced once at the end (chunk_sums16 and
+ * three adds), and the reference's single float step follows:
+ *     acc = 0 + (float)(isum - k * sum(x)) * (wscale * xs),   k = 8 (Q4) or 128 (Q8). */
+static __m512 row_tile16(const mm_job *j, const uint8_t *const rows[16], const int8_t *x, __m512 ws,
+                         int s, int q4) {
+    const size_t nbytes = j->wrow, pf = 16 * nbytes; /* the next tile's same position */
+    const __m512i m0f = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    __m512i acc[16], C[4];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_si512();
+    for (size_t off = 0; off < nbytes; off += 64) {
+        const __mmask64 m = tail_mask64(nbytes - off);
+        if (q4) {
+            const __m512i xe = _mm512_loadu_si512(x + 2 * off), xo = _mm512_loadu_si512(x + 2 * off + 64);
+            for (int r = 0; r < 16; r++) {
+                _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
+                const __m512i w = _mm512_maskz_loadu_epi8(m, rows[r] + off);
+                const __m512i lo = _mm512_and_si512(w, m0f);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f);
+                acc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r], lo, xe), hi, xo);
+            }
+        } else {
+            const __m512i xv = _mm512_loadu_si512(x + off);
+            for (int r = 0; r < 16; r++) {
+                _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
+                const __m512i w = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, rows[r] + off), flip);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w, xv);
+            }
+        }
+    }
+    chunk_sums16(acc, C);
+    const __m512i isum = _mm512_add_epi32(_mm512_add_epi32(C[0], C[1]), _mm512_add_epi32(C[2], C[3]));
+    const __m512i iv = _mm512_sub_epi32(isum, _mm512_set1_epi32(j->gsum[s] << (q4 ? 3 : 7)));
+    const __m512 p = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), _mm512_mul_ps(ws, _mm512_set1_ps(j->xs[s])));
+    return _mm512_add_ps(_mm512_setzero_ps(), p);
+}
 
+/* I8 rows: tiles of 16 output rows, lane = row, for every activation row. Grouped Q4 goes
+ * through q4_tile16 (a group's sum straight into the float step), per-row formats through
+ * row_tile16 (one reduction a row); Q4 groups that are not multiples of 32 fall back to
+ * the reference. Lanes past the tile's last row repeat its first: computed, not stored. */
 static void i8_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
     const int q4 = w->fmt == COLIBRI_FMT_Q4;
@@ -346,50 +263,29 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
         colibri_ref_i8_rows(j, o0, o1);
         return;
     }
-    const int sb = colibri_x_block_rows(j, 1, 1);
-    if (q4 && j->G > 1) { /* grouped Q4: lane = row all the way (q4_tile16) */
-        __m512 wsT[MAX_GROUPS];
-        for (int o = o0; o < o1; o += 16) {
-            const int n = o1 - o < 16 ? o1 - o : 16;
-            const float *ws[16];
-            const uint8_t *rows[16];
-            for (int r = 0; r < 16; r++) { /* lanes past n repeat row o: computed, not stored */
-                ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
-                rows[r] = (const uint8_t *)w->data + (size_t)(o + (r < n ? r : 0)) * j->wrow;
-            }
-            transpose_scales(ws, j->G, wsT);
-            for (int s = 0; s < j->S; s++) {
-                const __m512 acc = q4_tile16(j, rows, j->qxp + (size_t)s * j->ldx, wsT, s);
-                _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, (__mmask16)((1u << n) - 1), acc);
-            }
+    const int8_t *xs = q4 ? j->qxp : j->qx;
+    __m512 wsT[MAX_GROUPS];
+    for (int o = o0; o < o1; o += 16) {
+        const int n = o1 - o < 16 ? o1 - o : 16;
+        const __mmask16 keep = (__mmask16)((1u << n) - 1);
+        const float *ws[16];
+        const uint8_t *rows[16];
+        for (int r = 0; r < 16; r++) {
+            ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
+            rows[r] = (const uint8_t *)w->data + (size_t)(o + (r < n ? r : 0)) * j->wrow;
         }
-        return;
-    }
-    int32_t isum[16 * ISUM_LD]; /* 16 rows of group sums (stack: ~66 KB) */
-    const int shift = q4 ? 3 : 7; /* the unsigned offset: 8 or 128 */
-    for (int s0 = 0; s0 < j->S; s0 += sb) {
-        const int s1 = j->S - s0 < sb ? j->S : s0 + sb;
-        for (int o = o0; o < o1; o += 16) {
-            const int n = o1 - o < 16 ? o1 - o : 16;
-            const float *ws[16];
-            for (int r = 0; r < 16; r++) ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
-            /* The tile's scales are read only by the float step, in 16 short strided runs
-             * the hardware prefetcher misses; fetched now they arrive during the sums. */
-            for (int r = 0; r < n; r++)
-                for (size_t k = 0; k < (size_t)j->G * sizeof(float); k += 64)
-                    _mm_prefetch((const char *)ws[r] + k, _MM_HINT_T0);
-            for (int s = s0; s < s1; s++) {
-                const int8_t *x = (q4 ? j->qxp : j->qx) + (size_t)s * j->ldx;
-                for (int r = 0; r < n; r++) { /* one whole row at a time: sequential streams */
-                    const uint8_t *row = (const uint8_t *)w->data + (size_t)(o + r) * j->wrow;
-                    if (j->G == 1) isum[r * ISUM_LD] = row_sum(j, row, x, q4);
-                    else q4_group_sums(j, row, x, isum + r * ISUM_LD);
-                }
-                for (int r = n; r < 16; r++) memset(isum + r * ISUM_LD, 0, (size_t)j->G * sizeof(int32_t));
-                const __m512 acc =
-                    group_step16(isum, ISUM_LD, j->gsum + (size_t)s * j->G, ws, j->G, shift, j->xs[s]);
-                _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, (__mmask16)((1u << n) - 1), acc);
+        if (j->G == 1) {
+            const __m512 wsv = _mm512_mask_loadu_ps(_mm512_set1_ps(w->scales[o]), keep, w->scales + o);
+            for (int s = 0; s < j->S; s++) {
+                const __m512 acc = row_tile16(j, rows, xs + (size_t)s * j->ldx, wsv, s, q4);
+                _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, keep, acc);
             }
+            continue;
+        }
+        transpose_scales(ws, j->G, wsT);
+        for (int s = 0; s < j->S; s++) {
+            const __m512 acc = q4_tile16(j, rows, xs + (size_t)s * j->ldx, wsT, s);
+            _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, keep, acc);
         }
     }
 }
