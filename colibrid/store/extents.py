@@ -19,6 +19,7 @@ keeps such checkpoints resident.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,11 +89,11 @@ class ExpertExtents:
         """Zero-copy QuantWeights over a filled slab (uint8, at least slab_bytes long)."""
         mats = []
         for spec, at, s_at in zip(self.specs, self.data_at, self.scales_at, strict=True):
-            n = int(np.prod(spec.data_shape)) * spec.dtype.itemsize
+            n = math.prod(spec.data_shape) * spec.dtype.itemsize  # np.prod: ~5 µs a call
             data = slab[at : at + n].view(spec.dtype).reshape(spec.data_shape)
             scales = None
             if spec.scales_shape is not None and s_at is not None:
-                m = int(np.prod(spec.scales_shape)) * 4
+                m = math.prod(spec.scales_shape) * 4
                 scales = slab[s_at : s_at + m].view(np.float32).reshape(spec.scales_shape)
             mats.append(QuantWeight(spec.fmt, spec.shape, data, scales, spec.group_size))
         return ExpertWeights(*mats)
