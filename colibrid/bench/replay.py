@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from colibrid.backends.base import KernelFamily
+
 
 def take_pass(store) -> list[tuple[int, list[int]]]:  # noqa: ANN001
     """The routing of the forward pass just run: (layer, experts) per MoE layer."""
@@ -34,11 +36,11 @@ def add_store_flags(p: argparse.ArgumentParser) -> None:
     add_backend_flag(p)
 
 
-def engine_ops(args: argparse.Namespace):  # noqa: ANN201
+def engine_ops(args: argparse.Namespace, family: KernelFamily = KernelFamily.F32):  # noqa: ANN201
     """The ops of the --backend asked for (BackendError, one line, when it cannot run)."""
     from colibrid.engine.backend import make_ops
 
-    return make_ops(args.backend or "auto")
+    return make_ops(args.backend or "auto", family)
 
 
 def store_options(args: argparse.Namespace):  # noqa: ANN201

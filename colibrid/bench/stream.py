@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibrid.backends.base import KernelFamily
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options
 
 
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         "text does (default 0: greedy)",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature)")
+    p.add_argument(
+        "--family",
+        choices=[f.value for f in KernelFamily],
+        default="f32",
+        help="kernel family (i8: int8 activations, lossy, opt-in; on a few cores it computes "
+        "a token's dense and expert matrices faster, which matters once reads overlap)",
+    )
     add_store_flags(p)
     return p
 
@@ -106,7 +114,10 @@ def main(argv: list[str]) -> int:
     from colibrid.engine.engine import Engine
     from colibrid.store.tiered import TieredStore
 
-    engine = Engine.load(args.model, ops=engine_ops(args), store=store_options(args))
+    family = KernelFamily(args.family)
+    engine = Engine.load(
+        args.model, family=family, ops=engine_ops(args, family), store=store_options(args)
+    )
     store = engine.experts
     if not isinstance(store, TieredStore):
         print("bench stream: experts are resident for this model; nothing streams")
@@ -118,6 +129,8 @@ def main(argv: list[str]) -> int:
         f"{threads} threads): {gbs:.2f} GB/s"
     )
     print(store.budget_plan.describe())
+    kind = engine.family.value  # what the passes compute with, as the engine holds it
+    print(f"kernel family: {kind}" + (" (int8 activations: lossy)" if kind == "i8" else ""))
     print(f"slots: {store.plan.describe()}; pins: {store.pins.note}")
     session = engine.new_session()
     next_token = token_picker(args.temperature, args.seed)

@@ -213,6 +213,7 @@ complete -c colibri -n '_shtab_colibri_using bench stream' -l probe-reads -x -d 
 complete -c colibri -n '_shtab_colibri_using bench stream' -l ids -x -d 'prompt ids'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l temperature -x -d 'sample the decoded tokens at this temperature (seeded) instead of greedy: a random-weight synthetic model decoded greedily soon repeats one token, so its routing stops moving and every expert hits; sampling keeps it moving as real text does (default 0: greedy)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l seed -x -d 'sampling seed (with --temperature)'
+complete -c colibri -n '_shtab_colibri_using bench stream' -l family -xka "f32 i8" -d 'kernel family (i8: int8 activations, lossy, opt-in; on a few cores it computes a token'"'"'s dense and expert matrices faster, which matters once reads overlap)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l ram-gb -x -d 'RAM budget (default: 88% of available memory)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l cache -x -d 'experts per layer in the RAM cache (overrides the budget)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l pin -xka "off auto all" -d 'pinned hot store'

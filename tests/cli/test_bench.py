@@ -71,7 +71,8 @@ def test_record_prompts_then_replay_through_a_tiny_cache(chat_model, tmp_path) -
         assert all(rates[n] <= rates["belady"] + 1e-9 for n in names)
 
 
-def test_stream_reports_against_its_own_probe(oracle_checkpoint) -> None:
+@pytest.mark.parametrize("family", ["f32", "i8"])
+def test_stream_reports_against_its_own_probe(oracle_checkpoint, family: str) -> None:
     ref = oracle_checkpoint("deepseek_v3")
     out = colibri(
         "bench",
@@ -86,6 +87,8 @@ def test_stream_reports_against_its_own_probe(oracle_checkpoint) -> None:
         "1",
         "--probe-reads",
         "8",
+        "--family",
+        family,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
@@ -94,6 +97,7 @@ def test_stream_reports_against_its_own_probe(oracle_checkpoint) -> None:
     assert re.search(r"decode: [0-9.]+ tok/s over 4 tokens; hit [0-9.]+%", text)
     assert re.search(r"roofline: [0-9.]+ tok/s .* achieved \d+% of it", text)
     assert re.search(r"stream: PILOT (on|off|auto: [^;]+); recall", text)
+    assert f"kernel family: {family}" in text
 
 
 def test_record_needs_a_model(tmp_path: Path) -> None:
