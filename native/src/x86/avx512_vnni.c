@@ -87,20 +87,14 @@ static void quant_row(const float *x, int I, int8_t *q, size_t ldq, float *xs) {
     memset(q + I, 0, ldq - (size_t)I);
 }
 
-static inline __m512i dot_q4(const uint8_t *p, __mmask64 m, __m512i xe, __m512i xo) {
+/* 64 bytes of a Q4 row (masked past its end: zero nibbles) dotted into acc: the low
+ * nibbles against the even activations, the high ones against the odd (prep_i8). */
+static inline __m512i dot_q4(__m512i acc, const uint8_t *p, __mmask64 m, __m512i xe, __m512i xo) {
     const __m512i m0f = _mm512_set1_epi8(0x0f);
-    const __m512i w = _mm512_maskz_loadu_epi8(m, p);
+    const __m512i w = m == ~(__mmask64)0 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(m, p);
     const __m512i lo = _mm512_and_si512(w, m0f);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f);
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
-}
-
-static inline __m512i dot_q4_full(const uint8_t *p, __m512i xe, __m512i xo) {
-    const __m512i m0f = _mm512_set1_epi8(0x0f);
-    const __m512i w = _mm512_loadu_si512(p);
-    const __m512i lo = _mm512_and_si512(w, m0f);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f);
-    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo);
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xe), hi, xo);
 }
 
 /* Largest group count handled on the fast path (stack buffers); more falls back. */
@@ -180,13 +174,10 @@ static __m512 q4_tile16(const mm_job *j, const uint8_t *const rows[16], const in
         const __mmask64 m = tail_mask64(nbytes - off);
         const __m512i xe = _mm512_loadu_si512(x + 2 * off), xo = _mm512_loadu_si512(x + 2 * off + 64);
         __m512i v[16], C[4];
-        if (m == ~(__mmask64)0) /* a whole block: plain loads */
-            for (int r = 0; r < 16; r++) {
-                _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
-                v[r] = dot_q4_full(rows[r] + off, xe, xo);
-            }
-        else
-            for (int r = 0; r < 16; r++) v[r] = dot_q4(rows[r] + off, m, xe, xo);
+        for (int r = 0; r < 16; r++) {
+            _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
+            v[r] = dot_q4(_mm512_setzero_si512(), rows[r] + off, m, xe, xo);
+        }
         chunk_sums16(v, C);
         for (int c = 0; c < 4; c++) {
             const int k = 4 * b + c; /* chunk index along the row */
@@ -222,21 +213,21 @@ static void transpose_scales(const float *const ws[16], int G, __m512 *out) {
 static __m512 row_tile16(const mm_job *j, const uint8_t *const rows[16], const int8_t *x, __m512 ws,
                          int s, int q4) {
     const size_t nbytes = j->wrow, pf = 16 * nbytes; /* the next tile's same position */
-    const __m512i m0f = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x80);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512i acc[16], C[4];
     for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_si512();
-    for (size_t off = 0; off < nbytes; off += 64) {
-        const __mmask64 m = tail_mask64(nbytes - off);
-        if (q4) {
+    if (q4)
+        for (size_t off = 0; off < nbytes; off += 64) {
+            const __mmask64 m = tail_mask64(nbytes - off);
             const __m512i xe = _mm512_loadu_si512(x + 2 * off), xo = _mm512_loadu_si512(x + 2 * off + 64);
             for (int r = 0; r < 16; r++) {
                 _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
-                const __m512i w = _mm512_maskz_loadu_epi8(m, rows[r] + off);
-                const __m512i lo = _mm512_and_si512(w, m0f);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f);
-                acc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r], lo, xe), hi, xo);
+                acc[r] = dot_q4(acc[r], rows[r] + off, m, xe, xo);
             }
-        } else {
+        }
+    else
+        for (size_t off = 0; off < nbytes; off += 64) {
+            const __mmask64 m = tail_mask64(nbytes - off);
             const __m512i xv = _mm512_loadu_si512(x + off);
             for (int r = 0; r < 16; r++) {
                 _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
@@ -244,7 +235,6 @@ static __m512 row_tile16(const mm_job *j, const uint8_t *const rows[16], const i
                 acc[r] = _mm512_dpbusd_epi32(acc[r], w, xv);
             }
         }
-    }
     chunk_sums16(acc, C);
     const __m512i isum = _mm512_add_epi32(_mm512_add_epi32(C[0], C[1]), _mm512_add_epi32(C[2], C[3]));
     const __m512i iv = _mm512_sub_epi32(isum, _mm512_set1_epi32(j->gsum[s] << (q4 ? 3 : 7)));
@@ -263,28 +253,26 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
         colibri_ref_i8_rows(j, o0, o1);
         return;
     }
-    const int8_t *xs = q4 ? j->qxp : j->qx;
+    const int8_t *qx = q4 ? j->qxp : j->qx; /* the int8 activation rows, laid out per format */
     __m512 wsT[MAX_GROUPS];
     for (int o = o0; o < o1; o += 16) {
         const int n = o1 - o < 16 ? o1 - o : 16;
         const __mmask16 keep = (__mmask16)((1u << n) - 1);
-        const float *ws[16];
         const uint8_t *rows[16];
-        for (int r = 0; r < 16; r++) {
-            ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
-            rows[r] = (const uint8_t *)w->data + (size_t)(o + (r < n ? r : 0)) * j->wrow;
-        }
+        for (int r = 0; r < 16; r++) rows[r] = (const uint8_t *)w->data + (size_t)(o + (r < n ? r : 0)) * j->wrow;
         if (j->G == 1) {
             const __m512 wsv = _mm512_mask_loadu_ps(_mm512_set1_ps(w->scales[o]), keep, w->scales + o);
             for (int s = 0; s < j->S; s++) {
-                const __m512 acc = row_tile16(j, rows, xs + (size_t)s * j->ldx, wsv, s, q4);
+                const __m512 acc = row_tile16(j, rows, qx + (size_t)s * j->ldx, wsv, s, q4);
                 _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, keep, acc);
             }
             continue;
         }
+        const float *ws[16];
+        for (int r = 0; r < 16; r++) ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
         transpose_scales(ws, j->G, wsT);
         for (int s = 0; s < j->S; s++) {
-            const __m512 acc = q4_tile16(j, rows, xs + (size_t)s * j->ldx, wsT, s);
+            const __m512 acc = q4_tile16(j, rows, qx + (size_t)s * j->ldx, wsT, s);
             _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, keep, acc);
         }
     }
