@@ -290,7 +290,7 @@ def shaped(
     if not choice.forced and answer is None:  # the model decides, unconstrained
         return messages, tools, None
     callable_ = callable_tools(tools, choice, param)
-    grammar = output_grammar(answer, callable_, choice)
+    grammar = output_grammar(answer, callable_, choice, features)
     if features.tools:
         return messages, tools, grammar
     return describe_tools(messages, callable_), None, grammar

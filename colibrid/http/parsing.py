@@ -3,7 +3,9 @@
 GLM-style output: an optional ``<think>…</think>`` block first (the reasoning), then the
 answer, then zero or more ``<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>
 </tool_call>`` blocks (a JSON ``{"name": …, "arguments": …}`` body is accepted too: Qwen3's
-form), or DeepSeek-V3/V3.1's calls between its ``<｜tool▁calls▁begin｜>`` tokens.
+form), DeepSeek-V3/V3.1's calls between its ``<｜tool▁calls▁begin｜>`` tokens, or
+DeepSeek-V3.2's DSML block (``<｜DSML｜function_calls>`` holding ``<｜DSML｜invoke name=…>``
+elements, one ``<｜DSML｜parameter name=… string="true|false">`` per argument).
 `OutputSplitter.feed` returns pieces as soon as they are certain, holding back only a
 tail that could still turn out to be the start of a tag; `finish` flushes and parses the
 tool calls. Which parts are looked for is decided from the chat template (`Features`);
@@ -21,11 +23,23 @@ THINK_OPEN, THINK_CLOSE, TOOL_OPEN = "<think>", "</think>", "<tool_call>"
 # DeepSeek-V3 / V3.1: calls between special tokens, `function<sep>name` + a fenced JSON block
 # (V3) or `name<sep>` + the JSON (V3.1)
 DEEPSEEK_TOOLS_OPEN = "<｜tool▁calls▁begin｜>"
-# Either starts the calls, whatever the family: a grammar-forced call is always written
-# in the `<tool_call>{json}` form (http.structured), and neither occurs in plain text.
-TOOL_OPENERS = (TOOL_OPEN, DEEPSEEK_TOOLS_OPEN)
+# DeepSeek-V3.2: DSML markup in plain text (fullwidth bars), every argument a parameter
+# element whose `string` attribute says whether its body is raw text or a JSON value
+DSML = "｜DSML｜"
+DSML_OPEN = f"<{DSML}function_calls>"
+DSML_CLOSE = f"</{DSML}function_calls>"
+# Any of these starts the calls, whatever the family (none occurs in plain text): a
+# grammar-forced call is written in the template's own syntax where http.structured
+# knows it (DSML), else in the `<tool_call>{json}` form.
+TOOL_OPENERS = (TOOL_OPEN, DEEPSEEK_TOOLS_OPEN, DSML_OPEN)
 _DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.S)
 _DEEPSEEK_SEP = "<｜tool▁sep｜>"
+_DSML_INVOKE = re.compile(rf'<{DSML}invoke\s+name="([^"<>]*)"\s*>(.*?)(?:</{DSML}invoke>|$)', re.S)
+_DSML_PARAMETER = re.compile(
+    rf'<{DSML}parameter\s+name="([^"<>]*)"\s+string="(true|false)"\s*>(.*?)'
+    rf"</{DSML}parameter>",
+    re.S,
+)
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*(?:```)?$", re.S)
 HARMONY_CHANNEL = "<|channel|>"
 _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
@@ -40,6 +54,7 @@ class Features:
     think: bool = False
     think_open: bool = False  # the generation prompt opens `<think>`: output starts inside it
     harmony: bool = False  # gpt-oss's channels (<|channel|>analysis / final)
+    dsml: bool = False  # DeepSeek-V3.2's DSML tool calls: a forced call is written in them
 
     @classmethod
     def of_template(cls, template: Any, generation_prompt: str | None = None) -> Features:
@@ -52,6 +67,7 @@ class Features:
             think=opens or THINK_OPEN in text or "thinking" in text,
             think_open=opens,
             harmony=HARMONY_CHANNEL in text,
+            dsml=DSML in text,
         )
 
 
@@ -84,6 +100,8 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every well-formed call in `text` (an unterminated last block is accepted)."""
     if text.startswith(DEEPSEEK_TOOLS_OPEN):
         return parse_deepseek_calls(text)
+    if text.startswith(DSML_OPEN):
+        return parse_dsml_calls(text)
     calls = []
     for body in _CALL.findall(text):
         body = body.strip()
@@ -127,6 +145,22 @@ def parse_deepseek_calls(text: str) -> list[ToolCall]:
         args = _value(fenced.group(1) if fenced else args_text)
         if name and "<" not in name and isinstance(args, dict):
             calls.append(ToolCall(name, args))
+    return calls
+
+
+def parse_dsml_calls(text: str) -> list[ToolCall]:
+    """DeepSeek-V3.2's DSML calls: each ``invoke`` element a call, each ``parameter`` in it
+    an argument, its body taken as it is (``string="true"``) or as JSON (``"false"``; a
+    body that is not JSON stays text). An invoke cut short keeps its whole parameters;
+    one without a name is dropped."""
+    calls = []
+    for name, body in _DSML_INVOKE.findall(text):
+        args = {
+            key: (value if raw == "true" else _value(value.strip()))
+            for key, raw, value in _DSML_PARAMETER.findall(body)
+        }
+        if name.strip():
+            calls.append(ToolCall(name.strip(), args))
     return calls
 
 

@@ -6,9 +6,11 @@ OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and a
 answer parses by construction:
 
 * a JSON answer is the schema's JSON and nothing else;
-* a forced call is written in the tool-call syntax `parsing` reads back,
-  ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``, with the arguments
-  constrained by that tool's `parameters` schema (a Lark grammar with ``%json{...}``);
+* a forced call is written in a tool-call syntax `parsing` reads back, with the arguments
+  constrained by that tool's `parameters` schema (a Lark grammar with ``%json{...}``):
+  the template's own DSML block for DeepSeek-V3.2 (one parameter element per argument,
+  for a schema that is an object of named properties), else
+  ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``;
 * with tools on ``auto`` and a JSON answer asked for, either one is allowed.
 
 A model whose chat template cannot show tools is told about them in a system note when a
@@ -20,6 +22,7 @@ one is a 400 naming its field before any token is generated.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +30,7 @@ from typing import Any
 from colibrid.engine.constraint import Grammar, styled_schema
 from colibrid.errors import RequestError
 from colibrid.http.errors import bad_request
-from colibrid.http.parsing import TOOL_OPEN
+from colibrid.http.parsing import DSML, DSML_CLOSE, DSML_OPEN, TOOL_OPEN, Features
 
 TOOL_CLOSE = "</tool_call>"
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -123,23 +126,108 @@ def _call_rule(index: int, tool: dict[str, Any]) -> str:
     )
 
 
+PLAIN = Features()  # a template whose call syntax is not known: the JSON form
+
+# What may annotate a parameter that is plain text (any string) without constraining it.
+_ANNOTATIONS = {"type", "description", "title", "examples", "default"}
+# What a parameters schema may hold for its arguments to be written as DSML parameters.
+_DSML_OBJECT = _ANNOTATIONS | {"properties", "required", "additionalProperties", "$schema"}
+_DSML_NAME = r"/[A-Za-z_][A-Za-z0-9_.\-]*/"
+_DSML_SAFE = re.compile(r"[^\"<>]+")  # a name an attribute can hold as it is
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _dsml_properties(schema: Any) -> dict[str, Any] | None:
+    """The named properties of a parameters schema DSML can express exactly (an object
+    of properties, the required ones among them), {} for any object; None otherwise."""
+    if schema == ANY_OBJECT:
+        return {}
+    if not isinstance(schema, dict) or schema.get("type") != "object" or set(schema) - _DSML_OBJECT:
+        return None
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    if (
+        not isinstance(properties, dict)
+        or not properties
+        or not isinstance(required, list)
+        or not set(required) <= set(properties)
+        or not all(isinstance(k, str) and _DSML_SAFE.fullmatch(k) for k in properties)
+    ):
+        return None
+    return properties
+
+
+def _dsml_parameter(rule: str, name: str | None, schema: Any) -> str:
+    """Rules for one parameter element: a plain string's body is raw text
+    (``string="true"``, no ``<`` in it), anything else JSON of its schema (``"false"``);
+    `name` None: any name, any JSON value."""
+    head = f'<{DSML}parameter name="'
+    tail = _lit(f"</{DSML}parameter>\n")
+    opened = f'{_lit(head)} {_DSML_NAME} "\\"" ' if name is None else _lit(f'{head}{name}"') + " "
+    plain = isinstance(schema, dict) and schema.get("type") == "string"
+    if plain and not set(schema) - _ANNOTATIONS:
+        text = _lit(' string="true">')
+        return f"{rule}: {opened}{text} /[^<]*/ {tail}\n"
+    value = schema if name is not None else {}
+    json_value = _lit(' string="false">')
+    return (
+        f"{rule}: {opened}{json_value} {rule}_value {tail}\n"
+        f"{rule}_value: %json {json.dumps(styled_schema(value))}\n"
+    )
+
+
+def _dsml_call_rule(index: int, tool: dict[str, Any]) -> str | None:
+    """`call_<i>` as DeepSeek-V3.2 writes a call: the DSML block with one invoke, the
+    declared parameters in order (the optional ones optional), or any named parameters
+    for a schema of any object; None where the schema needs the JSON form."""
+    schema = _parameters(tool)
+    properties = _dsml_properties(schema)
+    name = _function(tool)["name"]
+    if properties is None or not _DSML_SAFE.fullmatch(name):
+        return None
+    head = f'{DSML_OPEN}\n<{DSML}invoke name="{name}">\n'
+    rules, parts = "", []
+    if not properties:
+        rules += _dsml_parameter(f"dsml_{index}_any", None, ANY_OBJECT)
+        parts.append(f"dsml_{index}_any*")
+    required = set(schema.get("required", [])) if isinstance(schema, dict) else set()
+    for j, (key, sub) in enumerate(properties.items()):
+        rules += _dsml_parameter(f"dsml_{index}_{j}", key, sub)
+        parts.append(f"dsml_{index}_{j}" + ("" if key in required else "?"))
+    tail = f"</{DSML}invoke>\n{DSML_CLOSE}"
+    return f"call_{index}: {_lit(head)} {' '.join(parts)} {_lit(tail)}\n{rules}"
+
+
+def _call_rules(tools: Sequence[dict[str, Any]], features: Features) -> str:
+    """A `call_<i>` rule per tool, in the template's own syntax where it is known."""
+    rules = []
+    for i, tool in enumerate(tools):
+        own = _dsml_call_rule(i, tool) if features.dsml else None
+        rules.append(own if own is not None else _call_rule(i, tool))
+    return "".join(rules)
+
+
 def output_grammar(
     answer: dict[str, Any] | bool | None,
     tools: Sequence[dict[str, Any]],
     choice: ToolChoice,
+    features: Features = PLAIN,
 ) -> Grammar | None:
     """The grammar of the whole answer: a forced call (one of `tools`), else the JSON
     `answer` or, with tools on auto, a call instead; None when nothing is constrained.
-    `tools` are the callable ones (`callable_tools`), already checked."""
+    `tools` are the callable ones (`callable_tools`), already checked; `features` say
+    which call syntax the template has."""
     if choice.forced:
-        rules = "".join(_call_rule(i, t) for i, t in enumerate(tools))
+        rules = _call_rules(tools, features)
         start = " | ".join(f"call_{i}" for i in range(len(tools)))
         return Grammar.lark(f"start: {start}\n{rules}", kind="tool_call")
     if answer is None:
         return None
     if not tools or choice.mode == "none":
         return Grammar.json_schema(answer)
-    rules = "".join(_call_rule(i, t) for i, t in enumerate(tools))
+    rules = _call_rules(tools, features)
     calls = " | ".join(f"call_{i}" for i in range(len(tools)))
     answer_rule = f"answer: %json {json.dumps(styled_schema(answer))}\n"
     return Grammar.lark(f"start: answer | {calls}\n{answer_rule}{rules}", kind="json_schema")

@@ -386,3 +386,119 @@ def test_harmony_reaches_both_translators_with_or_without_tools() -> None:
         reply["reasoning_content"] == "The user wants weather."
         and reply["content"] == "Let me check."
     )
+
+
+DSML_FEATURES = Features(tools=True, think=True, dsml=True)
+DEEPSEEK_V32 = (
+    "Let me check.\n\n<｜DSML｜function_calls>\n"
+    '<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris, "the" city</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="where" string="false">{"lat": 48.9, "tags": ["a"]}'
+    "</｜DSML｜parameter>\n"
+    "</｜DSML｜invoke>\n"
+    '<｜DSML｜invoke name="get_time">\n'
+    '<｜DSML｜parameter name="tz" string="true"> CET </｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n"
+    "</｜DSML｜function_calls>"
+)
+
+
+@pytest.mark.parametrize("split", [split_all, by_char])
+def test_deepseek_v32_dsml_tool_calls(split) -> None:
+    """DeepSeek-V3.2: each invoke a call; a `string="true"` body is the text as it is, a
+    `"false"` one is JSON."""
+    reasoning, content, calls = split("<think>weather</think>" + DEEPSEEK_V32, DSML_FEATURES)
+    assert (reasoning, content) == ("weather", "Let me check.\n\n")
+    assert [(c.name, c.arguments) for c in calls] == [
+        (
+            "get_weather",
+            {"city": 'Paris, "the" city', "days": 3, "where": {"lat": 48.9, "tags": ["a"]}},
+        ),
+        ("get_time", {"tz": " CET "}),
+    ]
+    # the markup is found whatever the template said (none of it occurs in plain text)
+    assert [c.name for c in split(DEEPSEEK_V32, BOTH)[2]] == ["get_weather", "get_time"]
+
+
+def test_dsml_cut_short_or_malformed() -> None:
+    cut = DEEPSEEK_V32[: DEEPSEEK_V32.index('<｜DSML｜parameter name="days"') + 20]
+    ((call,),) = [split_all(cut, DSML_FEATURES)[2]]
+    assert (call.name, call.arguments) == ("get_weather", {"city": 'Paris, "the" city'})
+    loose = (
+        '<｜DSML｜function_calls><｜DSML｜invoke name="f">'
+        '<｜DSML｜parameter name="n" string="false">not json</｜DSML｜parameter>'
+    )
+    assert [(c.name, c.arguments) for c in parse_tool_calls(loose)] == [("f", {"n": "not json"})]
+    nameless = '<｜DSML｜function_calls><｜DSML｜invoke name=""></｜DSML｜invoke>'
+    assert split_all("x " + nameless, DSML_FEATURES) == ("", "x " + nameless, [])
+    assert Features.of_template("{{ '<｜DSML｜function_calls>' }}{% if tools %}{% endif %}").dsml
+    assert not Features.of_template("{% if tools %}<tool_call>{% endif %}").dsml
+
+
+def test_a_forced_call_on_a_dsml_template_is_written_in_dsml() -> None:
+    """DeepSeek-V3.2's template: a forced call is the model's own DSML block, each declared
+    argument a parameter (plain strings as text, the rest JSON of their schema), optional
+    ones optional; a schema DSML cannot state keeps the JSON form."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "where"},
+                    "days": {"type": "integer", "minimum": 1},
+                    "unit": {"enum": ["c", "f"]},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    }
+    free = {"type": "function", "function": {"name": "note"}}
+    nested = {
+        "type": "function",
+        "function": {"name": "pick", "parameters": {"anyOf": [{"type": "object"}]}},
+    }
+    hi = [{"role": "user", "content": "weather?"}]
+    body = {
+        "model": "m",
+        "messages": hi,
+        "tools": [weather, free, nested],
+        "tool_choice": "required",
+    }
+    grammar = openai.chat_plan(body, features=DSML_FEATURES, **COMMON).request.grammar
+
+    def dsml(name: str, *params: str) -> str:
+        inner = "".join(p + "\n" for p in params)
+        return (
+            f'<｜DSML｜function_calls>\n<｜DSML｜invoke name="{name}">\n{inner}'
+            "</｜DSML｜invoke>\n</｜DSML｜function_calls>"
+        )
+
+    city = '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>'
+    days = '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>'
+    unit = '<｜DSML｜parameter name="unit" string="false">"c"</｜DSML｜parameter>'
+    call = dsml("get_weather", city, days, unit)
+    assert accepts(grammar, call) and accepts(grammar, dsml("get_weather", city, unit))
+    ((parsed,),) = [split_all(call, DSML_FEATURES)[2]]
+    assert (parsed.name, parsed.arguments) == (
+        "get_weather",
+        {"city": "Paris", "days": 3, "unit": "c"},
+    )
+    assert not accepts(grammar, dsml("get_weather", city))  # a required one missing
+    assert not accepts(grammar, dsml("get_weather", city, days.replace("3", "0"), unit))
+    assert not accepts(grammar, dsml("get_weather", city, unit.replace('"c"', '"k"')))
+    assert not accepts(grammar, dsml("get_weather", unit, city))  # declared order
+    assert not accepts(grammar, dsml("get_weather", city.replace("Paris", "<b>"), unit))
+    # any object: any named parameters, JSON values
+    anything = '<｜DSML｜parameter name="text" string="false">"hi"</｜DSML｜parameter>'
+    assert accepts(grammar, dsml("note")) and accepts(grammar, dsml("note", anything, anything))
+    # a schema DSML cannot state exactly: the JSON form, held to the schema
+    assert accepts(grammar, '<tool_call>{"name": "pick", "arguments": {}}</tool_call>')
+    assert not accepts(grammar, '<tool_call>{"name": "pick", "arguments": []}</tool_call>')
+    assert not accepts(grammar, '<tool_call>{"name": "note", "arguments": {}}</tool_call>')
+    # other templates keep the JSON form for every tool
+    grammar = openai.chat_plan(body, features=BOTH, **COMMON).request.grammar
+    assert not accepts(grammar, call)
+    assert accepts(grammar, '<tool_call>{"name": "note", "arguments": {}}</tool_call>')

@@ -94,7 +94,7 @@ def test_json_schema_answers_validate_greedy_and_sampled(oai) -> None:
         choice = answer.choices[0]
         assert choice.finish_reason == "stop", (name, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), schema)
-    r = ask(oai, "A cat, as JSON.", max_tokens=96, response_format={"type": "json_object"})
+    r = ask(oai, "A cat, as JSON.", max_tokens=200, response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # a JSON object the model did not close within max_tokens: never a success
@@ -274,3 +274,66 @@ def test_serve_bad_grammars_are_bad_request_and_ask_reports_the_mask_cost(home, 
     assert r.returncode == 1 and "BAD_REQUEST: invalid Lark grammar" in r.stderr
     r = home.colibri("ask", "--regex", "(yes|no)", "Is Paris in France?")
     assert r.returncode == 0 and r.stdout.strip() in ("yes", "no")
+
+
+# DeepSeek-V3.2's call syntax in a template the demo's tokenizer can spell: the daemon reads
+# DSML from it and writes a forced call as the model's own DSML block.
+DSML_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call: {{ tools | tojson }}. A call is "
+    '<｜DSML｜function_calls><｜DSML｜invoke name="..."> with one <｜DSML｜parameter> '
+    "per argument.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_forced_call_on_a_dsml_template_comes_back_as_a_call(
+    demo_container: Path, tmp_path
+) -> None:
+    """The real daemon on the demo weights under a DSML template: a required or named call
+    is generated in DSML (the grammar's), parsed back into OpenAI's tool_calls, streamed
+    or not, with arguments valid for the tool's schema."""
+    model = tmp_path / "models" / MODEL
+    model.mkdir(parents=True)
+    for f in demo_container.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / "chat_template.jinja").write_text(DSML_TEMPLATE)
+    port = free_port()
+    h = Home(tmp_path / "home", model, http=f"127.0.0.1:{port}", shutdown_grace_s=1.0)
+    h.start()
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        for seed, choice in enumerate(
+            ["required", {"type": "function", "function": {"name": "get_time"}}]
+        ):
+            r = ask(
+                client,
+                "What's the weather in Paris?",
+                max_tokens=200,
+                seed=seed,
+                tools=TOOLS,
+                tool_choice=choice,
+            )
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
+            (call,) = r.choices[0].message.tool_calls
+            assert choice == "required" or call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+            assert not r.choices[0].message.content  # the DSML block is the call, not text
+        chunks = list(
+            ask(
+                client,
+                "What time is it in Oslo?",
+                max_tokens=200,
+                stream=True,
+                tools=TOOLS,
+                tool_choice="required",
+            )
+        )
+        streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+        assert len(streamed) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+        arguments = json.loads(streamed[0].function.arguments)
+        jsonschema.validate(arguments, SCHEMA_OF[streamed[0].function.name])
+    finally:
+        h.close()
