@@ -234,6 +234,11 @@ class TextCodec:
         """Text of `ids`; keeps special tokens by default, as transformers' `decode` does."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def special_token_names(self) -> frozenset[str]:
+        """The tokenizer's special tokens (what a grammar may name as tokens)."""
+        added = self._tok.get_added_tokens_decoder().values()
+        return frozenset(t.content for t in added if t.special)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -112,7 +112,8 @@ class HttpApp:
             codec = self.state.host.codec
             templates = codec.chat_templates if codec is not None else None
             prompt = codec.generation_prompt() if codec is not None else None
-            self._features = (name, Features.of_template(templates, prompt))
+            specials = codec.special_token_names() if codec is not None else frozenset()
+            self._features = (name, Features.of_template(templates, prompt, specials))
         return self._features[1]
 
     def _installed(self) -> list[str]:

@@ -54,21 +54,50 @@ class Features:
     think: bool = False
     think_open: bool = False  # the generation prompt opens `<think>`: output starts inside it
     harmony: bool = False  # gpt-oss's channels (<|channel|>analysis / final)
-    dsml: bool = False  # DeepSeek-V3.2's DSML tool calls: a forced call is written in them
+    # the syntax a forced call is written in (http.structured): "json" (`<tool_call>{…}`),
+    # "dsml" (DeepSeek-V3.2), "harmony" (gpt-oss), "deepseek_v3" or "deepseek_v31"; the
+    # last three only where the tokenizer has their markers as special tokens
+    call_syntax: str = "json"
 
     @classmethod
-    def of_template(cls, template: Any, generation_prompt: str | None = None) -> Features:
+    def of_template(
+        cls,
+        template: Any,
+        generation_prompt: str | None = None,
+        specials: frozenset[str] = frozenset(),
+    ) -> Features:
         """From the template's source and, where known, the prompt it renders for a chat
-        (`TextCodec.generation_prompt`)."""
+        (`TextCodec.generation_prompt`) and the tokenizer's special tokens."""
         text = json.dumps(template) if isinstance(template, dict) else str(template or "")
         opens = generation_prompt is not None and generation_prompt.rstrip().endswith(THINK_OPEN)
+        harmony = HARMONY_CHANNEL in text
         return cls(
             tools="tools" in text,
             think=opens or THINK_OPEN in text or "thinking" in text,
             think_open=opens,
-            harmony=HARMONY_CHANNEL in text,
-            dsml=DSML in text,
+            harmony=harmony,
+            call_syntax=_call_syntax(text, harmony, specials),
         )
+
+
+HARMONY_CALL_TOKENS = frozenset({"<|channel|>", "<|constrain|>", "<|message|>"})
+DEEPSEEK_CALL_TOKENS = frozenset(
+    {DEEPSEEK_TOOLS_OPEN, "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"}
+    | {"<｜tool▁calls▁end｜>"}
+)
+
+
+def _call_syntax(text: str, harmony: bool, specials: frozenset[str]) -> str:
+    """The template's own call syntax where a grammar can write it (Features.call_syntax):
+    DSML is plain text; Harmony's and DeepSeek-V3's markers are special tokens, which a
+    grammar can only name if the tokenizer has them."""
+    if DSML in text:
+        return "dsml"
+    if harmony and HARMONY_CALL_TOKENS <= specials:
+        return "harmony"
+    if DEEPSEEK_TOOLS_OPEN in text and DEEPSEEK_CALL_TOKENS <= specials:
+        return "deepseek_v3" if "```json" in text else "deepseek_v31"  # V3 fences the JSON
+    return "json"
 
 
 @dataclass(frozen=True)

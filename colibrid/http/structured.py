@@ -8,8 +8,10 @@ answer parses by construction:
 * a JSON answer is the schema's JSON and nothing else;
 * a forced call is written in a tool-call syntax `parsing` reads back, with the arguments
   constrained by that tool's `parameters` schema (a Lark grammar with ``%json{...}``):
-  the template's own DSML block for DeepSeek-V3.2 (one parameter element per argument,
-  for a schema that is an object of named properties), else
+  the template's own syntax where it has one a grammar can write (`Features.call_syntax`:
+  DeepSeek-V3.2's DSML block, one parameter element per argument, for a schema that is
+  an object of named properties; gpt-oss's Harmony commentary message; DeepSeek-V3/V3.1's
+  call tokens; the special tokens named as tokens), else
   ``<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>``;
 * with tools on ``auto`` and a JSON answer asked for, either one is allowed.
 
@@ -121,8 +123,7 @@ def _call_rule(index: int, tool: dict[str, Any]) -> str:
     head += '"arguments": '
     return (
         f"call_{index}: {json.dumps(head, ensure_ascii=False)} args_{index} "
-        f"{json.dumps('}' + TOOL_CLOSE)}\n"
-        f"args_{index}: %json {json.dumps(styled_schema(_parameters(tool)))}\n"
+        f"{json.dumps('}' + TOOL_CLOSE)}\n" + _args_rule(index, tool)
     )
 
 
@@ -200,11 +201,59 @@ def _dsml_call_rule(index: int, tool: dict[str, Any]) -> str | None:
     return f"call_{index}: {_lit(head)} {' '.join(parts)} {_lit(tail)}\n{rules}"
 
 
+_TOKEN_SAFE = re.compile(r"[^\s\"<>]+")  # a name that reads back between special tokens
+
+
+def _args_rule(index: int, tool: dict[str, Any]) -> str:
+    return f"args_{index}: %json {json.dumps(styled_schema(_parameters(tool)))}\n"
+
+
+def _harmony_call_rule(index: int, tool: dict[str, Any]) -> str | None:
+    """`call_<i>` as gpt-oss writes a call (Harmony): a commentary message to the
+    function, its JSON arguments constrained; the model's `<|call|>` (a stop token) ends it."""
+    name = _function(tool)["name"]
+    if not _TOKEN_SAFE.fullmatch(name):
+        return None
+    header = _lit(f"commentary to=functions.{name} ")
+    return (
+        f'call_{index}: <|channel|> {header} <|constrain|> "json" <|message|> args_{index}\n'
+        + _args_rule(index, tool)
+    )
+
+
+def _deepseek_call_rule(index: int, tool: dict[str, Any], fenced: bool) -> str | None:
+    """`call_<i>` between DeepSeek-V3's call tokens: `function<sep>NAME` and the JSON in a
+    fence (V3), or `NAME<sep>` and the JSON (V3.1)."""
+    name = _function(tool)["name"]
+    if not _TOKEN_SAFE.fullmatch(name):
+        return None
+    if fenced:
+        head = f'"function" <｜tool▁sep｜> {_lit(name + chr(10) + "```json" + chr(10))}'
+        args = f"args_{index} {_lit(chr(10) + '```')}"
+    else:
+        head, args = f"{_lit(name)} <｜tool▁sep｜>", f"args_{index}"
+    return (
+        f"call_{index}: <｜tool▁calls▁begin｜> <｜tool▁call▁begin｜> {head} {args} "
+        f"<｜tool▁call▁end｜> <｜tool▁calls▁end｜>\n" + _args_rule(index, tool)
+    )
+
+
+def _own_call_rule(index: int, tool: dict[str, Any], syntax: str) -> str | None:
+    if syntax == "dsml":
+        return _dsml_call_rule(index, tool)
+    if syntax == "harmony":
+        return _harmony_call_rule(index, tool)
+    if syntax in ("deepseek_v3", "deepseek_v31"):
+        return _deepseek_call_rule(index, tool, fenced=syntax == "deepseek_v3")
+    return None
+
+
 def _call_rules(tools: Sequence[dict[str, Any]], features: Features) -> str:
-    """A `call_<i>` rule per tool, in the template's own syntax where it is known."""
+    """A `call_<i>` rule per tool, in the template's own syntax (`Features.call_syntax`)
+    where it can state the tool's call, else in the JSON form."""
     rules = []
     for i, tool in enumerate(tools):
-        own = _dsml_call_rule(i, tool) if features.dsml else None
+        own = _own_call_rule(i, tool, features.call_syntax)
         rules.append(own if own is not None else _call_rule(i, tool))
     return "".join(rules)
 

@@ -12,7 +12,14 @@ from colibrid.engine.constraint import Vocabulary
 from colibrid.errors import ColibriError
 from colibrid.http import anthropic, openai
 from colibrid.http.errors import ApiError
-from colibrid.http.parsing import Features, make_splitter, parse_tool_calls, split_all
+from colibrid.http.parsing import (
+    DEEPSEEK_CALL_TOKENS,
+    HARMONY_CALL_TOKENS,
+    Features,
+    make_splitter,
+    parse_tool_calls,
+    split_all,
+)
 from colibrid.serve.events import Done
 
 BOTH = Features(tools=True, think=True)
@@ -388,7 +395,7 @@ def test_harmony_reaches_both_translators_with_or_without_tools() -> None:
     )
 
 
-DSML_FEATURES = Features(tools=True, think=True, dsml=True)
+DSML_FEATURES = Features(tools=True, think=True, call_syntax="dsml")
 DEEPSEEK_V32 = (
     "Let me check.\n\n<｜DSML｜function_calls>\n"
     '<｜DSML｜invoke name="get_weather">\n'
@@ -432,8 +439,9 @@ def test_dsml_cut_short_or_malformed() -> None:
     assert [(c.name, c.arguments) for c in parse_tool_calls(loose)] == [("f", {"n": "not json"})]
     nameless = '<｜DSML｜function_calls><｜DSML｜invoke name=""></｜DSML｜invoke>'
     assert split_all("x " + nameless, DSML_FEATURES) == ("", "x " + nameless, [])
-    assert Features.of_template("{{ '<｜DSML｜function_calls>' }}{% if tools %}{% endif %}").dsml
-    assert not Features.of_template("{% if tools %}<tool_call>{% endif %}").dsml
+    dsml = Features.of_template("{{ '<｜DSML｜function_calls>' }}{% if tools %}{% endif %}")
+    assert dsml.call_syntax == "dsml"
+    assert Features.of_template("{% if tools %}<tool_call>{% endif %}").call_syntax == "json"
 
 
 def test_a_forced_call_on_a_dsml_template_is_written_in_dsml() -> None:
@@ -502,3 +510,112 @@ def test_a_forced_call_on_a_dsml_template_is_written_in_dsml() -> None:
     grammar = openai.chat_plan(body, features=BOTH, **COMMON).request.grammar
     assert not accepts(grammar, call)
     assert accepts(grammar, '<tool_call>{"name": "note", "arguments": {}}</tool_call>')
+
+
+HARMONY_TEMPLATE = "{% if tools %}{% endif %}<|start|>assistant<|channel|>final<|message|>"
+V3_TEMPLATE = "{% if tools %}<｜tool▁calls▁begin｜>function<｜tool▁sep｜>```json{% endif %}"
+V31_TEMPLATE = "{% if tools %}<｜tool▁calls▁begin｜>name<｜tool▁sep｜>{% endif %}"
+SPECIALS = HARMONY_CALL_TOKENS | DEEPSEEK_CALL_TOKENS
+
+
+def test_the_call_syntax_needs_the_template_and_for_special_tokens_the_tokenizer() -> None:
+    def syntax(template: str, specials: frozenset[str] = SPECIALS) -> str:
+        return Features.of_template(template, None, specials).call_syntax
+
+    assert syntax(HARMONY_TEMPLATE) == "harmony"
+    assert syntax(V3_TEMPLATE) == "deepseek_v3" and syntax(V31_TEMPLATE) == "deepseek_v31"
+    # markers the tokenizer spells as text cannot be named by a grammar: the JSON form
+    for template in (HARMONY_TEMPLATE, V3_TEMPLATE, V31_TEMPLATE):
+        assert syntax(template, frozenset()) == "json"
+    assert syntax("{% if tools %}<tool_call>{% endif %}") == "json"
+
+
+def token_vocabulary() -> tuple[Vocabulary, dict[str, int]]:
+    """The byte tokenizer plus the call syntaxes' special tokens (ids 256 and up)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(byte_tokenizer_json())
+    names = sorted(SPECIALS)
+    tok.add_special_tokens(names)
+    ids = {name: tok.token_to_id(name) for name in names}
+    return Vocabulary(tok.to_str(), tok.get_vocab_size(), frozenset({0})), ids
+
+
+def accepts_tokens(grammar, pieces: list[str]) -> bool:  # noqa: ANN001
+    """Whether `grammar` allows exactly `pieces` (a special token's name is that token,
+    any other piece its bytes) and is complete after them."""
+    vocab, ids = token_vocabulary()
+    c = vocab.constraint(grammar)
+    tokens = [t for p in pieces for t in ([ids[p]] if p in ids else list(p.encode()))]
+    try:
+        for token in tokens:
+            c.apply(np.zeros(vocab.vocab_size, dtype=np.float32))
+            c.advance(token)
+    except ColibriError:
+        return False
+    return c.complete
+
+
+@pytest.mark.parametrize("syntax", ["harmony", "deepseek_v3", "deepseek_v31"])
+def test_a_forced_call_is_written_in_the_templates_special_tokens(syntax: str) -> None:
+    """gpt-oss and DeepSeek-V3/V3.1: the forced call is the model's own token sequence,
+    its arguments held to the schema, and it parses back into the call."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": [weather],
+        "tool_choice": "required",
+    }
+    features = Features(tools=True, harmony=syntax == "harmony", call_syntax=syntax)
+    grammar = openai.chat_plan(body, features=features, **COMMON).request.grammar
+    args = '{"city": "Paris"}'
+    pieces = {
+        "harmony": [
+            "<|channel|>",
+            "commentary to=functions.get_weather ",
+            "<|constrain|>",
+            "json",
+            "<|message|>",
+            args,
+        ],
+        "deepseek_v3": [
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "function",
+            "<｜tool▁sep｜>",
+            "get_weather\n```json\n" + args + "\n```",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>",
+        ],
+        "deepseek_v31": [
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "get_weather",
+            "<｜tool▁sep｜>",
+            args,
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁end｜>",
+        ],
+    }[syntax]
+    assert accepts_tokens(grammar, pieces)
+    assert not accepts_tokens(grammar, [p.replace("Paris", 'Paris", "x": "y') for p in pieces])
+    assert not accepts_tokens(grammar, [p.replace("get_weather", "get_time") for p in pieces])
+    # the markers as text are not the tokens
+    assert not accepts_tokens(grammar, ["".join(pieces)])
+    # and the text the engine decodes (special tokens kept) is the call
+    _, content, calls = split_all("".join(pieces), features)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]

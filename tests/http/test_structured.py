@@ -23,6 +23,8 @@ from pydantic import BaseModel, Field
 from structured_cases import SCHEMAS, closed, text
 
 from colibri_cli.client import Client, ClientError
+from colibrid.engine.tokenizer import TextCodec
+from colibrid.http.parsing import Features
 
 MODEL = "demo"
 WEATHER = {
@@ -276,28 +278,68 @@ def test_serve_bad_grammars_are_bad_request_and_ask_reports_the_mask_cost(home, 
     assert r.returncode == 0 and r.stdout.strip() in ("yes", "no")
 
 
-# DeepSeek-V3.2's call syntax in a template the demo's tokenizer can spell: the daemon reads
-# DSML from it and writes a forced call as the model's own DSML block.
-DSML_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nYou may call: {{ tools | tojson }}. A call is "
-    '<｜DSML｜function_calls><｜DSML｜invoke name="..."> with one <｜DSML｜parameter> '
-    "per argument.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Each family's call syntax in a template the demo's weights can run: DeepSeek-V3.2's DSML is
+# text; Harmony's and DeepSeek-V3's markers are special tokens, given to the demo's tokenizer
+# by renaming some of its unused special tokens (same ids, so the weights still fit).
+CALL_TEMPLATES = {
+    "dsml": '<｜DSML｜function_calls><｜DSML｜invoke name="..."> with one <｜DSML｜parameter> '
+    "per argument",
+    "harmony": "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}",
+    "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}",
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n"
+    "```json\n{...}\n```",
+}
+RENAMED = {  # an unused special token of the demo's tokenizer -> a call syntax's marker
+    "<repo_name>": "<|channel|>",
+    "<reponame>": "<|constrain|>",
+    "<file_sep>": "<|message|>",
+    "<filename>": "<｜tool▁calls▁begin｜>",
+    "<gh_stars>": "<｜tool▁call▁begin｜>",
+    "<issue_start>": "<｜tool▁sep｜>",
+    "<issue_comment>": "<｜tool▁call▁end｜>",
+    "<issue_closed>": "<｜tool▁calls▁end｜>",
+}
 
 
-def test_a_forced_call_on_a_dsml_template_comes_back_as_a_call(
-    demo_container: Path, tmp_path
-) -> None:
-    """The real daemon on the demo weights under a DSML template: a required or named call
-    is generated in DSML (the grammar's), parsed back into OpenAI's tool_calls, streamed
-    or not, with arguments valid for the tool's schema."""
-    model = tmp_path / "models" / MODEL
+def model_with_call_syntax(demo: Path, root: Path, syntax: str) -> Path:
+    """The demo's files (linked) with a chat template showing `syntax` and a tokenizer
+    whose special tokens include its markers."""
+    model = root / "models" / MODEL
     model.mkdir(parents=True)
-    for f in demo_container.iterdir():
-        (model / f.name).symlink_to(f)
-    (model / "chat_template.jinja").write_text(DSML_TEMPLATE)
+    for f in demo.iterdir():
+        if f.name != "tokenizer.json":
+            (model / f.name).symlink_to(f)
+    tokenizer = json.loads((demo / "tokenizer.json").read_text())
+    for added in tokenizer["added_tokens"]:
+        if added["content"] in RENAMED:
+            vocab = tokenizer["model"]["vocab"]
+            vocab[RENAMED[added["content"]]] = vocab.pop(added["content"])
+            added["content"] = RENAMED[added["content"]]
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    (model / "chat_template.jinja").write_text(
+        "{% if tools %}<|im_start|>system\nYou may call: {{ tools | tojson }}. A call is "
+        + CALL_TEMPLATES[syntax]
+        + ".<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return model
+
+
+@pytest.mark.parametrize("syntax", list(CALL_TEMPLATES))
+def test_a_forced_call_in_the_templates_own_syntax_comes_back_as_a_call(
+    demo_container: Path, tmp_path, syntax: str
+) -> None:
+    """The real daemon on the demo weights under a template with DSML, Harmony or
+    DeepSeek-V3/V3.1 calls: a required or named call is generated in that syntax (the
+    grammar's), parsed back into OpenAI's tool_calls, streamed or not, with arguments
+    valid for the tool's schema and no call text left in the content."""
+    model = model_with_call_syntax(demo_container, tmp_path, syntax)
+    codec = TextCodec.load(model)  # what the daemon reads: this syntax, not the JSON form
+    features = Features.of_template(
+        codec.chat_templates, codec.generation_prompt(), codec.special_token_names()
+    )
+    assert features.call_syntax == syntax
     port = free_port()
     h = Home(tmp_path / "home", model, http=f"127.0.0.1:{port}", shutdown_grace_s=1.0)
     h.start()
@@ -305,22 +347,18 @@ def test_a_forced_call_on_a_dsml_template_comes_back_as_a_call(
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
         )
-        for seed, choice in enumerate(
-            ["required", {"type": "function", "function": {"name": "get_time"}}]
-        ):
-            r = ask(
-                client,
-                "What's the weather in Paris?",
-                max_tokens=200,
-                seed=seed,
-                tools=TOOLS,
-                tool_choice=choice,
-            )
-            assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
-            (call,) = r.choices[0].message.tool_calls
-            assert choice == "required" or call.function.name == "get_time"
-            jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
-            assert not r.choices[0].message.content  # the DSML block is the call, not text
+        r = ask(
+            client,
+            "What's the weather in Paris?",
+            max_tokens=200,
+            tools=TOOLS,
+            tool_choice="required",
+        )
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message.content
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+        assert not r.choices[0].message.content
+        named = {"type": "function", "function": {"name": "get_time"}}
         chunks = list(
             ask(
                 client,
@@ -328,12 +366,14 @@ def test_a_forced_call_on_a_dsml_template_comes_back_as_a_call(
                 max_tokens=200,
                 stream=True,
                 tools=TOOLS,
-                tool_choice="required",
+                tool_choice=named,
             )
         )
         streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
-        assert len(streamed) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
-        arguments = json.loads(streamed[0].function.arguments)
-        jsonschema.validate(arguments, SCHEMA_OF[streamed[0].function.name])
+        assert [tc.function.name for tc in streamed] == ["get_time"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(streamed[0].function.arguments), SCHEMA_OF["get_time"])
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == ""
     finally:
         h.close()
