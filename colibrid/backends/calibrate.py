@@ -64,13 +64,22 @@ def _matrix_bytes(layout: WeightLayout, rows: int) -> int:
         WeightFormat.BF16: 2 * i,
         WeightFormat.Q8: i + 4,
         WeightFormat.Q4: (i + 1) // 2 + 4 * -(-i // max(layout.group, 1)),
+        WeightFormat.FP4: (i + 1) // 2 + -(-i // max(layout.group, 1)),
     }[layout.fmt]
     return per_row * rows
 
 
+# Formats one kernel set runs whatever the ISA (FP4: the portable kernels): nothing to pick.
+UNTUNED = frozenset({WeightFormat.FP4})
+
+
 def worth_tuning(layouts: Mapping[WeightLayout, int]) -> dict[WeightLayout, int]:
     """The layouts (with their largest row count) big enough for the kernel to matter."""
-    return {lay: o for lay, o in layouts.items() if _matrix_bytes(lay, o) >= MIN_MATRIX_BYTES}
+    return {
+        lay: o
+        for lay, o in layouts.items()
+        if lay.fmt not in UNTUNED and _matrix_bytes(lay, o) >= MIN_MATRIX_BYTES
+    }
 
 
 def _sample(layout: WeightLayout, rows: int, rng: np.random.Generator) -> QuantWeight:

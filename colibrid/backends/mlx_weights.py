@@ -6,9 +6,10 @@ first into uint32 words. colibri's grouped int4 stores u = q + 8 (even element i
 nibble of a byte), value = q * s, so with b = -8 s the codes are the same and
 little-endian uint32 words over our bytes are MLX's packing exactly: no repacking. Per-row
 int8 maps the same way with 8 bits: u = q + 128 (the int8 byte with its top bit flipped),
-b = -128 s, the row's scale repeated over every group of 64 inputs. Anything that does
-not fit MLX's groups (per-row int4, an I not divisible by the group) is dequantised to
-float32 once, as are bf16 and f32 weights.
+b = -128 s, the row's scale repeated over every group of 64 inputs. FP4 is MLX's own
+"mxfp4" mode: e2m1 codes packed the same way and the same e8m0 scale bytes, as they are.
+Anything that does not fit MLX's groups (per-row int4, an I not divisible by the group)
+is dequantised to float32 once, as are bf16 and f32 weights.
 
 MLX computes s * u + b where colibri computes (u - 8) * s: the two round differently in
 the last bit, so MLX results equal the reference to float tolerance, not bit for bit.
@@ -27,6 +28,9 @@ from colibrid.formats.weights import QuantWeight, WeightFormat
 MLX_GROUPS = (32, 64, 128)
 """Group sizes MLX's affine quantisation supports."""
 
+MLX_MXFP4_GROUP = 32
+"""MLX's mxfp4 mode: 32 e2m1 codes per e8m0 scale byte, as MXFP4 (and FP4) store them."""
+
 Q8_GROUP = 64
 """The group a per-row int8 scale is repeated over (any of MLX_GROUPS dividing I works)."""
 
@@ -43,20 +47,22 @@ class MlxWeight:
     biases: mx.array | None = None
     group_size: int = 0
     bits: int = 0
+    mode: str = "affine"  # or "mxfp4": e8m0 scales, no biases
 
     def rows(self, lo: int, hi: int) -> MlxWeight:
         """Rows [lo, hi) as a weight of their own (a lazy slice, no copy until used)."""
         shape = (hi - lo, self.shape[1])
         if self.dense is not None:
             return MlxWeight(shape, dense=self.dense[lo:hi])
-        assert self.packed is not None and self.scales is not None and self.biases is not None
+        assert self.packed is not None and self.scales is not None
         return MlxWeight(
             shape,
             packed=self.packed[lo:hi],
             scales=self.scales[lo:hi],
-            biases=self.biases[lo:hi],
+            biases=None if self.biases is None else self.biases[lo:hi],
             group_size=self.group_size,
             bits=self.bits,
+            mode=self.mode,
         )
 
     def matmul(self, x: mx.array) -> mx.array:
@@ -73,6 +79,7 @@ class MlxWeight:
             transpose=True,
             group_size=self.group_size,
             bits=self.bits,
+            mode=self.mode,
         )
 
 
@@ -84,6 +91,18 @@ def convert(w: QuantWeight) -> MlxWeight:
         scales = np.ascontiguousarray(w.scales, dtype=np.float32).reshape(o, i // w.group_size)
         words = np.ascontiguousarray(w.data).view(np.uint8).reshape(o, i // 2).view("<u4")
         return _quantised(w.shape, words, scales, 8, w.group_size, 4)
+    if w.fmt is WeightFormat.FP4 and w.group_size == MLX_MXFP4_GROUP and i % 32 == 0:
+        assert w.scales is not None
+        words = np.ascontiguousarray(w.data).view(np.uint8).reshape(o, i // 2).view("<u4")
+        scales = np.ascontiguousarray(w.scales, dtype=np.uint8).reshape(o, i // 32)
+        return MlxWeight(
+            w.shape,
+            packed=mx.array(words),
+            scales=mx.array(scales),
+            group_size=MLX_MXFP4_GROUP,
+            bits=4,
+            mode="mxfp4",
+        )
     if w.fmt is WeightFormat.Q8 and i % Q8_GROUP == 0:
         assert w.scales is not None
         codes = np.ascontiguousarray(w.data).view(np.uint8) ^ np.uint8(0x80)  # q + 128

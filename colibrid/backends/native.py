@@ -22,20 +22,31 @@ import numpy as np
 
 from colibrid.backends import native_build
 from colibrid.backends.base import GQAWeights, KernelFamily, ResidentExperts, RouteRule
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.weights import NIBBLE_FORMATS, QuantWeight, WeightFormat
 
 ISA_NAMES = ("ref", "avx2", "avx512vnni", "neon")
-_FMT_CODE = {WeightFormat.F32: 0, WeightFormat.BF16: 1, WeightFormat.Q8: 2, WeightFormat.Q4: 3}
+_FMT_CODE = {
+    WeightFormat.F32: 0,
+    WeightFormat.BF16: 1,
+    WeightFormat.Q8: 2,
+    WeightFormat.Q4: 3,
+    WeightFormat.FP4: 4,
+}
 _FAMILY_CODE = {KernelFamily.F32: 0, KernelFamily.I8: 1}
 _DATA_DTYPE = {
     WeightFormat.F32: np.float32,
     WeightFormat.BF16: np.uint16,
     WeightFormat.Q8: np.int8,
     WeightFormat.Q4: np.uint8,
+    WeightFormat.FP4: np.uint8,
 }
-# |sum q_w * q_x| <= 128 * 127 * I must fit in int32 for Q8 (8 * 127 * I for Q4).
-MAX_I_Q8 = (2**31 - 1) // (128 * 127)
-MAX_I_Q4 = (2**31 - 1) // (8 * 127)
+# |sum q_w * q_x| <= 128 * 127 * I must fit in int32 for Q8 (8 * 127 * I for Q4, 12 * 127
+# * I for FP4's largest code).
+MAX_I = {
+    WeightFormat.Q8: (2**31 - 1) // (128 * 127),
+    WeightFormat.Q4: (2**31 - 1) // (8 * 127),
+    WeightFormat.FP4: (2**31 - 1) // (12 * 127),
+}
 
 _mod = native_build.load()
 ffi, lib = _mod.ffi, _mod.lib
@@ -168,12 +179,14 @@ def _check_weight(w: QuantWeight, family: KernelFamily, name: str = "w") -> None
     o, i = w.shape
     if o < 1 or i < 1:
         raise ValueError(f"{name}: shape {w.shape} must be positive")
-    cols = -(-i // 2) if w.fmt == WeightFormat.Q4 else i
+    cols = -(-i // 2) if w.fmt in NIBBLE_FORMATS else i
     _check_array(f"{name}.data", w.data, _DATA_DTYPE[w.fmt], (o, cols))
     if w.fmt == WeightFormat.Q4 and (w.group_size < 0 or w.group_size % 2):
         raise ValueError(f"{name}: Q4 group_size must be 0 or an even number >= 2")
-    if w.fmt != WeightFormat.Q4 and w.group_size != 0:
-        raise ValueError(f"{name}: group_size is only meaningful for Q4")
+    if w.fmt == WeightFormat.FP4 and (w.group_size < 2 or w.group_size % 2):
+        raise ValueError(f"{name}: FP4 group_size must be an even number >= 2")
+    if w.fmt not in NIBBLE_FORMATS and w.group_size != 0:
+        raise ValueError(f"{name}: group_size is only meaningful for Q4 and FP4")
     sshape = _scale_shape(w)
     if sshape is None:
         if w.scales is not None:
@@ -183,9 +196,10 @@ def _check_weight(w: QuantWeight, family: KernelFamily, name: str = "w") -> None
             raise ValueError(f"{name}: {w.fmt.value} weights need scales {sshape}")
         if sshape == (o,) and w.scales.shape == (o, 1):
             sshape = (o, 1)
-        _check_array(f"{name}.scales", w.scales, np.float32, sshape)
+        scale_dtype = np.uint8 if w.fmt == WeightFormat.FP4 else np.float32  # e8m0 bytes
+        _check_array(f"{name}.scales", w.scales, scale_dtype, sshape)
     if family == KernelFamily.I8:
-        limit = MAX_I_Q8 if w.fmt == WeightFormat.Q8 else MAX_I_Q4
+        limit = MAX_I.get(w.fmt, i)
         if i > limit:
             raise ValueError(f"{name}: I={i} too large for exact int32 sums (max {limit})")
 
@@ -253,6 +267,7 @@ def _weight_struct(w: QuantWeight) -> object:
     cw.O, cw.I = w.shape
     cw.gs = w.group_size
     cw.data = ffi.cast("const void *", w.data.ctypes.data)
+    # FP4's scales are bytes the kernels read as such (colibri_weight.scales)
     cw.scales = ffi.NULL if w.scales is None else ffi.cast("const float *", w.scales.ctypes.data)
     return cw
 

@@ -60,8 +60,8 @@ SIDE_FILES = (
 )
 DISK_MARGIN = 64 << 20
 MXFP4_NOTE = (
-    "colibri convert: note: the source's experts are MXFP4; --bits {bits} requantises them "
-    "(lossy); --bits 16 keeps them exactly (bf16, about 4x the size)"
+    "colibri convert: note: the source's experts are MXFP4; --mxfp4 convert --bits {bits} "
+    "requantises them (lossy); --mxfp4 keep (the default) stores them as they are"
 )
 
 
@@ -85,6 +85,14 @@ def group_chunks(source: Source, group: Group) -> Iterator[tuple[str, np.ndarray
     for item in group.items:
         t = by_name[item.name]
         fmt = item.fmt
+        if fmt.fp4:  # an MXFP4 matrix as stored: codes, then its e8m0 scale bytes
+            try:
+                qw = source.fp4(t)
+            except ValueError as exc:
+                raise ConvertError(f"tensor {item.name!r}: {exc}") from None
+            yield item.name, qw.data
+            scales.append((item.name + ".qs", qw.scales))
+            continue
         blocks: list[np.ndarray] = []
         for block in source.rows(t):
             if fmt.bits == 32:
@@ -272,15 +280,18 @@ def convert(
         except ColibriError as exc:
             raise ConvertError(f"{source.dir}: {exc}") from None
         n_layers = args.trunk.num_hidden_layers
+        keep = params.mxfp4 == "keep"
         groups = build_groups(
             [(t.name, t.shape) for t in source.tensors],
             n_layers,
             params,
             profile.order if profile else None,
+            frozenset(t.name for t in source.tensors if keep and t.kind == "mxfp4"),
         )
         shards = pack_shards(groups, params)
         state = prepare_dst(dst, params, source.fingerprint())
-        if params.expert_bits in (4, 8) and any(t.kind == "mxfp4" for t in source.tensors):
+        mxfp4 = any(t.kind == "mxfp4" for t in source.tensors)
+        if not keep and params.expert_bits in (4, 8) and mxfp4:
             print(MXFP4_NOTE.format(bits=params.expert_bits), file=sys.stderr)
         total = sum(s.nbytes for s in shards)
         if state.get("complete"):
@@ -308,7 +319,14 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         choices=(4, 8, 16, 32),
-        help="routed experts (16: bf16, 32: f32; lossless for MXFP4 sources such as gpt-oss)",
+        help="routed experts (16: bf16, 32: f32); MXFP4 experts follow --mxfp4",
+    )
+    p.add_argument(
+        "--mxfp4",
+        choices=("keep", "convert"),
+        default="keep",
+        help="MXFP4 experts (gpt-oss): keep them as stored, 4-bit codes with their e8m0 "
+        "scales, lossless (default), or convert them to --bits",
     )
     p.add_argument(
         "--group-size",
@@ -343,6 +361,7 @@ def params_from(a: argparse.Namespace) -> ConvertParams:
         shared_bits=a.shared_bits,
         mtp_bits=a.mtp_bits,
         shard_bytes=int(a.shard_gb * 1e9),
+        mxfp4=a.mxfp4,
     )
 
 

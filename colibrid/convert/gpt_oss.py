@@ -11,9 +11,10 @@ fused layout. The expert store reads each expert as three contiguous [O, I] matr
 MXFP4, just slices) and de-interleaves them. The expert biases stay fused (resident,
 de-interleaved at load).
 
-Dequantised MXFP4 is exact in float32 and in bfloat16 (e2m1 has two significant bits, the
-scale is a power of two), so a conversion keeps it exactly with bf16 or f32 experts
-(``--bits 16`` / ``32``); int8/int4 outputs requantise it.
+A conversion keeps MXFP4 experts as they are by default (FP4: the same codes and e8m0
+bytes, `expert_fp4`). Decoded (``--mxfp4 convert``), MXFP4 is exact in float32 and in
+bfloat16 (e2m1 has two significant bits, the scale is a power of two), so bf16 or f32
+experts (``--bits 16`` / ``32``) keep it too; int8/int4 outputs requantise it.
 
 Why here: the converter and the oracle's checkpoint builder must split the same way.
 """
@@ -28,7 +29,8 @@ import numpy as np
 
 from colibrid.convert.nvfp4 import E2M1
 from colibrid.errors import ConvertError
-from colibrid.formats.quant import e8m0_to_f32
+from colibrid.formats.quant import e8m0_to_f32, fp4_from_mxfp4
+from colibrid.formats.weights import QuantWeight
 
 FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -145,6 +147,25 @@ def _mxfp4(base: str, present: set[str], shape_of) -> FusedTensor:
     return FusedTensor(base, "mxfp4", n, (o // 2 if gate_up else o, groups * MXFP4_BLOCK))
 
 
+def _mxfp4_slice(
+    fused: FusedTensor, index: int, array: Callable[[str], np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``index``-th per-expert matrix's MXFP4 blocks [O, G, 16] and scales [O, G]."""
+    per_expert = 2 if len(_parts(fused.name)[1]) == 2 else 1
+    expert, part = divmod(index, per_expert)
+    blocks = array(fused.name + BLOCKS)[expert]  # [O, G, 16]
+    scales = array(fused.name + SCALES)[expert]  # [O, G]
+    if per_expert == 2:  # gate rows even, up rows odd
+        blocks, scales = blocks[part::2], scales[part::2]
+    return np.asarray(blocks), np.asarray(scales)
+
+
+def expert_fp4(fused: FusedTensor, index: int, array: Callable[[str], np.ndarray]) -> QuantWeight:
+    """The ``index``-th per-expert matrix of an MXFP4 tensor kept as stored (FP4): the
+    same codes and e8m0 bytes, rows de-interleaved as `expert_matrix`'s."""
+    return fp4_from_mxfp4(*_mxfp4_slice(fused, index, array))
+
+
 def expert_matrix(
     fused: FusedTensor, index: int, array: Callable[[str], np.ndarray], to_f32
 ) -> np.ndarray:
@@ -153,11 +174,7 @@ def expert_matrix(
     per_expert = 2 if len(_parts(fused.name)[1]) == 2 else 1
     expert, part = divmod(index, per_expert)
     if fused.kind == "mxfp4":
-        blocks = array(fused.name + BLOCKS)[expert]  # [O, G, 16]
-        scales = array(fused.name + SCALES)[expert]  # [O, G]
-        if per_expert == 2:  # gate rows even, up rows odd
-            blocks, scales = blocks[part::2], scales[part::2]
-        return decode_mxfp4(np.asarray(blocks), np.asarray(scales))
+        return decode_mxfp4(*_mxfp4_slice(fused, index, array))
     raw = array(fused.name)[expert]  # [I, O]
     if per_expert == 2:
         raw = raw[:, part::2]

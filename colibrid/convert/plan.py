@@ -40,6 +40,7 @@ from colibrid.convert.writer import Entry, shard_size
 from colibrid.errors import ConvertError
 from colibrid.formats import quant
 from colibrid.store.container_format import (
+    FP4_E2M1,
     GROUP_SIZE_KEY,
     INT4_GROUPED,
     INT4_ROW,
@@ -81,6 +82,9 @@ class ConvertParams:
     mtp_bits: int = 8
     shard_bytes: int = 4 * 10**9
     order: str | None = None  # sha256 of the usage profile, None = numeric order
+    # MXFP4 experts (gpt-oss): "keep" stores them as they are (FP4: the same 4-bit codes
+    # and e8m0 scales, lossless); "convert" turns them into expert_bits like any other
+    mxfp4: str = "keep"
 
     def check(self, *, force: bool = False) -> None:
         for name in (
@@ -104,6 +108,8 @@ class ConvertParams:
             raise ConvertError("--shard-gb must allow at least 64 KiB per shard")
         if self.mtp_bits == 4 and not force:
             raise ConvertError(MTP_INT4_WARNING)
+        if self.mxfp4 not in ("keep", "convert"):
+            raise ConvertError(f"--mxfp4 {self.mxfp4}: choose keep or convert")
 
     def bits(self, cls: str) -> int:
         return 32 if cls == "f32" else int(getattr(self, f"{cls}_bits"))
@@ -158,18 +164,22 @@ def classify(name: str, shape: Sequence[int], n_layers: int) -> str:
 
 @dataclass(frozen=True)
 class OutFormat:
-    """How one logical tensor is stored: f32, bf16, int8 per row, or int4 (gs 0 = per row)."""
+    """How one logical tensor is stored: f32, bf16, int8 per row, int4 (gs 0 = per row),
+    or `fp4` (an MXFP4 source's codes and e8m0 scales as they are, 4 bits, gs 32)."""
 
     bits: int
     group_size: int = 0
+    fp4: bool = False
 
     @property
     def quantised(self) -> bool:
-        """Codes plus ``.qs`` scales (int8, int4), not a plain float tensor (f32, bf16)."""
+        """Codes plus ``.qs`` scales (int8, int4, fp4), not a plain float tensor."""
         return self.bits in (4, 8)
 
     @property
     def stamp(self) -> str:
+        if self.fp4:
+            return FP4_E2M1
         if self.bits == 8:
             return INT8_ROW
         if self.bits == 4:
@@ -191,8 +201,13 @@ class OutFormat:
             return None
         out_f, in_f = shape
         groups = quant.n_groups(in_f, self.group_size if self.bits == 4 else 0)
+        if self.fp4:  # one e8m0 byte a group
+            return Entry(name + ".qs", "F8_E8M0", (out_f, groups), out_f * groups)
         scale_shape = (out_f,) if groups == 1 and self.group_size == 0 else (out_f, groups)
         return Entry(name + ".qs", "F32", scale_shape, 4 * out_f * groups)
+
+
+FP4_FORMAT = OutFormat(4, quant.FP4_GROUP, fp4=True)
 
 
 def out_format(cls: str, shape: Sequence[int], params: ConvertParams) -> OutFormat:
@@ -261,15 +276,18 @@ def build_groups(
     n_layers: int,
     params: ConvertParams,
     order: ExpertOrder | None = None,
+    fp4: frozenset[str] = frozenset(),
 ) -> list[Group]:
     """Group and order the logical tensors: globals, then per layer its non-expert
-    tensors by name and its experts in numeric (or profile) order; MTP layers flagged."""
+    tensors by name and its experts in numeric (or profile) order; MTP layers flagged.
+    The tensors named in `fp4` are kept in FP4 (MXFP4 sources)."""
     order = order or _numeric
     singles: dict[int, list[Item]] = {}
     experts: dict[int, dict[int, dict[str, Item]]] = {}
     for name, shape in tensors:
         cls = classify(name, shape, n_layers)
-        item = Item(name, tuple(shape), cls, out_format(cls, shape, params))
+        fmt = FP4_FORMAT if name in fp4 else out_format(cls, shape, params)
+        item = Item(name, tuple(shape), cls, fmt)
         ex = expert_of(name)
         if ex is not None:
             experts.setdefault(ex[0], {}).setdefault(ex[1], {})[ex[2]] = item
@@ -307,7 +325,8 @@ def shard_metadata(groups: Sequence[Group], params: ConvertParams) -> dict[str, 
             data = it.fmt.data_entry(it.name, it.shape)
             scales = it.fmt.scale_entry(it.name, it.shape)
             assert scales is not None
-            found = container_candidates(it.shape, data.nbytes, scales.nbytes // 4, "F32", hint)
+            n_scales = scales.nbytes // (1 if it.fmt.fp4 else 4)
+            found = container_candidates(it.shape, data.nbytes, n_scales, scales.dtype, hint)
             if len(found) != 1 or found[0].name != it.fmt.stamp:
                 if not (
                     it.fmt.stamp == INT4_GROUPED

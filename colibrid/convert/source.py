@@ -27,6 +27,7 @@ import numpy as np
 from colibrid.convert import gpt_oss, nvfp4
 from colibrid.errors import ColibriError, ConvertError
 from colibrid.formats import quant
+from colibrid.formats.weights import QuantWeight
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.checkpoint_files import CONFIG_NAME
 
@@ -155,6 +156,15 @@ class Source:
         if t.kind == "fp8":
             step = max(quant.FP8_BLOCK, step // quant.FP8_BLOCK * quant.FP8_BLOCK)
         return step
+
+    def fp4(self, t: SourceTensor) -> QuantWeight:
+        """An MXFP4 expert matrix as it is stored (codes and e8m0 scales, no decoding)."""
+        if t.fused is None or t.fused.kind != "mxfp4":
+            raise ValueError("not an MXFP4 matrix")
+        weight = gpt_oss.expert_fp4(t.fused, t.index, self.ckpt.array)
+        for stored in t.fused.stored:  # an expert's slice is contiguous: done with it
+            self.release(stored)
+        return weight
 
     def rows(self, t: SourceTensor) -> Iterator[np.ndarray]:
         """The tensor as float32 row blocks (a 1-D/0-D tensor comes as one block)."""

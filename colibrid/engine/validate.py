@@ -158,7 +158,8 @@ def expected_tensors(ckpt: Checkpoint) -> tuple[Any, dict[str, Expected]]:
 
 
 def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
-    """The stored format of ``name`` (f32/bf16/f16/fp8/int8-row/int4-row/int4-grouped),
+    """The stored format of ``name`` (f32/bf16/f16/fp8/int8-row/int4-row/int4-grouped/
+    fp4-e2m1-g32),
     from header sizes only; raises CheckpointError naming the tensor on a mismatch."""
     info = ckpt.info(name)
     where = f"{ckpt.file_of(name)}: tensor {describe(name)}"

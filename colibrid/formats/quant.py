@@ -121,6 +121,47 @@ def f32_to_bf16(values: np.ndarray) -> np.ndarray:
     return ((bits + rounding) >> 16).astype(np.uint16)
 
 
+FP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
+"""What each FP4 code (sign bit 3, two exponent bits, one mantissa bit: e2m1) stands for:
+e2m1's value {0, 0.5, 1, 1.5, 2, 3, 4, 6} doubled, so every code is an integer and FP4
+computes as Q4 does (both kernel families) with this table instead of ``n - 8``. The
+scales are MXFP4's own e8m0 bytes; a group's factor is half the e8m0 value, 2^(e - 128)
+(`fp4_scales`), so a weight is FP4_VALUES[code] * 2^(e - 128) = e2m1 * 2^(e - 127), exact."""
+FP4_GROUP = 32  # MXFP4's block: one scale per 32 inputs
+
+
+def fp4_scales(e8m0: np.ndarray) -> np.ndarray:
+    """FP4 scale bytes -> the float32 factor of each group, 2^(e - 128) (exact; 0xFF NaN)."""
+    return e8m0_to_f32(e8m0) * np.float32(0.5)
+
+
+def fp4_from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> QuantWeight:
+    """An MXFP4 matrix as stored (gpt-oss: ``blocks`` U8 [O, I/32, 16], two e2m1 codes a
+    byte, the even one low; ``scales`` U8 [O, I/32], e8m0 2^(s - 127)) as an FP4 weight of
+    the same bytes, one row each. A NaN scale (0xFF) is refused."""
+    blocks, scales = np.asarray(blocks, dtype=np.uint8), np.asarray(scales, dtype=np.uint8)
+    if blocks.ndim != 3 or blocks.shape[2] != FP4_GROUP // 2 or scales.shape != blocks.shape[:2]:
+        raise ValueError(
+            f"MXFP4 blocks {blocks.shape} and scales {scales.shape} are not [O, G, 16] and [O, G]"
+        )
+    if (scales == 0xFF).any():
+        raise ValueError("MXFP4 scale 0xFF (NaN)")
+    rows, groups = scales.shape
+    data = np.ascontiguousarray(blocks.reshape(rows, groups * FP4_GROUP // 2))
+    return QuantWeight(
+        WeightFormat.FP4, (rows, groups * FP4_GROUP), data, np.ascontiguousarray(scales), FP4_GROUP
+    )
+
+
+def unpack_fp4(packed: np.ndarray, cols: int) -> np.ndarray:
+    """uint8 [R, ceil(I/2)] FP4 codes -> float32 code values [R, I] (FP4_VALUES)."""
+    rows = packed.shape[0]
+    v = np.empty((rows, 2 * packed.shape[1]), dtype=np.float32)
+    v[:, 0::2] = FP4_VALUES[packed & 0x0F]
+    v[:, 1::2] = FP4_VALUES[packed >> 4]
+    return v[:, :cols]
+
+
 def unpack_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
     """uint8 [R, ceil(I/2)] -> float32 q values [R, I]."""
     rows = packed.shape[0]
@@ -131,7 +172,9 @@ def unpack_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
 
 
 def _expand_scales(w: QuantWeight, scales: np.ndarray) -> np.ndarray:
-    """Scales for a row block -> [R, 1] (per row) or [R, I] (grouped)."""
+    """Scales for a row block -> [R, 1] (per row) or [R, I] (grouped) float32 factors."""
+    if w.fmt is WeightFormat.FP4:
+        scales = fp4_scales(scales)
     if w.group_size == 0:
         return scales.reshape(-1, 1)
     return np.repeat(scales, w.group_size, axis=1)[:, : w.in_features]
@@ -148,6 +191,8 @@ def _dequantize_rows_of(w: QuantWeight, data: np.ndarray, scales: np.ndarray | N
         q = data.astype(np.float32)
     elif w.fmt is WeightFormat.Q4:
         q = unpack_nibbles(data, w.in_features)
+    elif w.fmt is WeightFormat.FP4:
+        q = unpack_fp4(data, w.in_features)
     else:
         raise ValueError(f"cannot dequantise {w.fmt}")
     return q * _expand_scales(w, scales)
@@ -243,12 +288,15 @@ def dequantize_fp8_blocks(
 def container_tensors(name: str, w: QuantWeight) -> dict[str, np.ndarray]:
     """The tensors a colibri container stores for ``w``: ``{name: U8 data, name.qs: F32}``.
 
-    U8 data is [O, I] (Q8, int8 bytes reinterpreted) or [O, ceil(I/2)] (Q4); scales are
-    [O] (per row) or [O, ceil(I/gs)] (grouped). An F32 weight is stored as itself.
+    U8 data is [O, I] (Q8, int8 bytes reinterpreted) or [O, ceil(I/2)] (Q4, FP4); scales
+    are [O] (per row) or [O, ceil(I/gs)] (grouped), float32, or FP4's e8m0 bytes [O, I/32]
+    (stored as F8_E8M0). An F32 weight is stored as itself.
     """
     if w.fmt is WeightFormat.F32:
         return {name: np.ascontiguousarray(w.data, dtype=np.float32)}
-    if w.fmt not in (WeightFormat.Q8, WeightFormat.Q4) or w.scales is None:
+    if w.fmt not in (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4) or w.scales is None:
         raise ValueError(f"no container encoding for {w.fmt} weight {name!r}")
     data = np.ascontiguousarray(w.data).view(np.uint8)
+    if w.fmt is WeightFormat.FP4:  # MXFP4's e8m0 bytes, stored as such (F8_E8M0)
+        return {name: data, name + ".qs": np.ascontiguousarray(w.scales, dtype=np.uint8)}
     return {name: data, name + ".qs": np.ascontiguousarray(w.scales, dtype=np.float32)}

@@ -21,6 +21,9 @@ class WeightFormat(enum.Enum):
     BF16 = "bf16"  # stored as uint16
     Q8 = "q8"  # fmt 1: int8 per row, O scales
     Q4 = "q4"  # fmt 2 (group_size == 0, per row) or fmt 4 (grouped, gs 64 default)
+    # MXFP4 kept as stored: e2m1 codes packed as Q4's nibbles, each standing for an integer
+    # of the doubled e2m1 grid (quant.FP4_VALUES), and MXFP4's e8m0 scale byte per 32 inputs
+    FP4 = "fp4"
 
 
 @dataclass(frozen=True)
@@ -32,9 +35,11 @@ class QuantWeight:
       BF16 -> uint16  [O, I] (the upper half of the f32 bit pattern)
       Q8   -> int8    [O, I]
       Q4   -> uint8   [O, ceil(I/2)]: nibble = q + 8, even element in the low nibble
+      FP4  -> uint8   [O, ceil(I/2)]: nibble = an e2m1 code (value FP4_VALUES[code]),
+              even element in the low nibble
     scales: float32, None for F32/BF16; [O] for Q8 and per-row Q4; [O, ceil(I/gs)] for
-      grouped Q4.
-    group_size: 0 means per-row scales (only meaningful for Q4).
+      grouped Q4; uint8 e8m0 bytes [O, ceil(I/gs)] for FP4 (a group's factor 2^(e - 128)).
+    group_size: 0 means per-row scales (only meaningful for Q4; FP4 is always grouped).
 
     Arrays must be C-contiguous. They may be views into an mmap or a slab.
     """
@@ -74,6 +79,10 @@ class WeightLayout(NamedTuple):
     @classmethod
     def of(cls, fmt: WeightFormat, group_size: int, in_features: int) -> WeightLayout:
         group = 0
-        if fmt == WeightFormat.Q4:
+        if fmt in NIBBLE_FORMATS:
             group = group_size if 0 < group_size < in_features else in_features
         return cls(fmt, group, in_features)
+
+
+NIBBLE_FORMATS = frozenset({WeightFormat.Q4, WeightFormat.FP4})
+"""Formats of two codes a byte and one scale per group (Q4's layout)."""

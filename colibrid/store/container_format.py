@@ -1,7 +1,8 @@
 """Which quantised format a colibri container weight holds, from its sizes and stamps.
 
 Why this module exists: upstream colibri containers carry no format ordinal. A quantised
-weight is a U8 tensor ``name`` plus an F32 tensor ``name.qs``, and its format follows
+weight is a U8 tensor ``name`` plus a scales tensor ``name.qs`` (F32; FP4's F8_E8M0 scale
+bytes), and its format follows
 from byte arithmetic against the logical [O, I] (docs/formats.md), with
 an optional container-wide ``colibri.fmt`` stamp map and ``colibri.group_size`` hint in
 ``__metadata__``. The checkpoint reader, the validator and the converter (which must
@@ -28,7 +29,10 @@ INT8_ROW = "int8-row"
 INT4_ROW = "int4-row"
 INT4_GROUPED = "int4-grouped"
 FP8_B128 = "fp8-e4m3-b128"
-SUPPORTED_FORMATS = (INT8_ROW, INT4_ROW, INT4_GROUPED, FP8_B128)
+# MXFP4 as stored: e2m1 codes two a byte and one e8m0 byte per 32 inputs (F8_E8M0 scales,
+# which no other format has at these sizes). Not upstream's "mxfp4" (fmt 7, Vulkan only).
+FP4_E2M1 = "fp4-e2m1-g32"
+SUPPORTED_FORMATS = (INT8_ROW, INT4_ROW, INT4_GROUPED, FP8_B128, FP4_E2M1)
 KNOWN_UNSUPPORTED = ("f32", "int2-row", "int3-g64", "e8-iq3-lattice", "mxfp4", "int4-rans256-g0")
 
 
@@ -81,6 +85,12 @@ def container_candidates(
             gs = _group_size_for(in_f, n_scales // out_f, hint)
             if gs is not None:
                 found.append(ContainerFormat(INT4_GROUPED, gs))
+    if (
+        scale_dtype == "F8_E8M0"
+        and nbytes == q4_bytes
+        and n_scales == out_f * _ceil_div(in_f, quant.FP4_GROUP)
+    ):
+        found.append(ContainerFormat(FP4_E2M1, quant.FP4_GROUP))
     fp8_scales = _ceil_div(out_f, quant.FP8_BLOCK) * _ceil_div(in_f, quant.FP8_BLOCK)
     if scale_dtype in ("F32", "F8_E8M0") and nbytes == out_f * in_f and n_scales == fp8_scales:
         found.append(ContainerFormat(FP8_B128))
@@ -123,7 +133,7 @@ def resolve_container_format(
     raise CheckpointError(
         f"tensor {describe(tensor)}: {nbytes} bytes + {n_scales} {scale_dtype} scales match no "
         f"format for [{out_f}, {in_f}] (int8-row {out_f * in_f}+{out_f}, int4-row {q4}+{out_f}, "
-        f"int4-grouped {q4}+{out_f}*ceil({in_f}/gs))"
+        f"int4-grouped {q4}+{out_f}*ceil({in_f}/gs), fp4 {q4}+{out_f}*ceil({in_f}/32) e8m0)"
     )
 
 

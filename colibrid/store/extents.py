@@ -56,6 +56,7 @@ class ViewSpec:
     data_shape: tuple[int, ...]
     scales_shape: tuple[int, ...] | None
     group_size: int
+    scales_dtype: np.dtype = np.dtype(np.float32)  # FP4: its e8m0 bytes
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,18 @@ class ExpertExtents:
             data = slab[at : at + n].view(spec.dtype).reshape(spec.data_shape)
             scales = None
             if spec.scales_shape is not None and s_at is not None:
-                m = math.prod(spec.scales_shape) * 4
-                scales = slab[s_at : s_at + m].view(np.float32).reshape(spec.scales_shape)
+                m = math.prod(spec.scales_shape) * spec.scales_dtype.itemsize
+                scales = slab[s_at : s_at + m].view(spec.scales_dtype).reshape(spec.scales_shape)
             mats.append(QuantWeight(spec.fmt, spec.shape, data, scales, spec.group_size))
         return ExpertWeights(*mats)
 
 
 def _spec_of(w: QuantWeight) -> ViewSpec:
     scales = None if w.scales is None else tuple(w.scales.shape)
-    return ViewSpec(w.fmt, w.shape, w.data.dtype, tuple(w.data.shape), scales, w.group_size)
+    scales_dtype = np.dtype(np.float32) if w.scales is None else w.scales.dtype
+    return ViewSpec(
+        w.fmt, w.shape, w.data.dtype, tuple(w.data.shape), scales, w.group_size, scales_dtype
+    )
 
 
 class ExtentPlanner:
@@ -140,7 +144,7 @@ class ExtentPlanner:
             if qs is not None:
                 raw_ok = (
                     raw_ok
-                    and qs.dtype == "F32"
+                    and qs.dtype in ("F32", "F8_E8M0")  # FP4's scales stay bytes
                     and w.scales is not None
                     and w.scales.nbytes == qs.nbytes
                 )

@@ -19,6 +19,7 @@ from colibrid.errors import CheckpointError, ConfigError
 from colibrid.formats import quant
 from colibrid.formats.weights import QuantWeight, WeightFormat, WeightLayout
 from colibrid.store.container_format import (
+    FP4_E2M1,
     FP8_B128,
     GROUP_SIZE_KEY,
     INT4_ROW,
@@ -169,6 +170,12 @@ class TypedWeights:
             scales = self.array(qs_name).reshape(grid)
             block = quant.e8m0_to_f32(scales) if qs.dtype == "F8_E8M0" else scales
             return self._fp8_dequant(name, raw.reshape(shape), block)
+        if fmt.name == FP4_E2M1:
+            codes = self.array(qs_name).reshape(out_f, -1)
+            if (codes == 0xFF).any():
+                raise self._fail(qs_name, "non-finite scale (e8m0 NaN byte)")
+            data = raw.reshape(out_f, quant.q4_row_bytes(in_f))
+            return QuantWeight(WeightFormat.FP4, shape, data, codes, fmt.group_size)
         scales = self.array(qs_name).reshape(-1)
         if not np.isfinite(scales).all():
             raise self._fail(qs_name, "non-finite scale")

@@ -15,7 +15,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum colibri_fmt { COLIBRI_FMT_F32 = 0, COLIBRI_FMT_BF16 = 1, COLIBRI_FMT_Q8 = 2, COLIBRI_FMT_Q4 = 3 };
+/* FP4: MXFP4's e2m1 codes packed as Q4's nibbles, each code standing for an integer of
+ * the doubled e2m1 grid, and one e8m0 scale byte e per group of gs (32) inputs whose factor
+ * is 2^(e - 128): `scales` then points at those bytes (uint8 [O, G]), not at floats. */
+enum colibri_fmt {
+    COLIBRI_FMT_F32 = 0,
+    COLIBRI_FMT_BF16 = 1,
+    COLIBRI_FMT_Q8 = 2,
+    COLIBRI_FMT_Q4 = 3,
+    COLIBRI_FMT_FP4 = 4
+};
 enum colibri_family { COLIBRI_FAM_F32 = 0, COLIBRI_FAM_I8 = 1 };
 enum colibri_isa {
     COLIBRI_ISA_REF = 0,
@@ -24,7 +33,8 @@ enum colibri_isa {
     COLIBRI_ISA_NEON = 3
 };
 
-/* A weight as the kernels see it.  gs: Q4 group size (0 = one scale per row). */
+/* A weight as the kernels see it.  gs: Q4 group size (0 = one scale per row); FP4's
+ * group size (> 0). */
 typedef struct colibri_weight {
     int fmt;
     int O;

@@ -15,6 +15,29 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The integer each FP4 code (a nibble: sign bit 3, two exponent bits, one mantissa bit)
+ * stands for: e2m1's value doubled, {0, 0.5, 1, 1.5, 2, 3, 4, 6} -> {0, 1, 2, 3, 4, 6, 8,
+ * 12} with the sign; the weight is that times its group's scale (2^(e - 128) for MXFP4's
+ * 2^(e - 127)), so FP4 computes as Q4 does with another code table. */
+extern const int8_t colibri_fp4_values[16];
+
+/* An FP4 group's factor from its e8m0 byte: 2^(e - 128), exact (subnormal for e < 2);
+ * e = 255 is e8m0's NaN. */
+static inline float colibri_fp4_scale(uint8_t e) {
+    union { uint32_t u; float f; } v;
+    v.u = e == 255 ? 0x7fc00000u : e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    return v.f;
+}
+
+/* Group g's factor of row o (Q4: the float scales; FP4: decoded from the e8m0 bytes). */
+static inline float colibri_group_scale(const colibri_weight *w, size_t o, int G, int g) {
+    if (w->fmt == COLIBRI_FMT_FP4) return colibri_fp4_scale(((const uint8_t *)w->scales)[o * G + g]);
+    return w->scales[o * G + g];
+}
+
+/* A nibble weight format (Q4 or FP4): packed two codes a byte, one scale per group. */
+static inline int colibri_is_nibble(int fmt) { return fmt == COLIBRI_FMT_Q4 || fmt == COLIBRI_FMT_FP4; }
+
 /* Activation copies are zero padded to a multiple of this many elements so SIMD
  * kernels may read whole blocks of x; weights are never over-read. */
 #define COLIBRI_XPAD 128

@@ -77,10 +77,15 @@ def _weight(fmt: str, o: int, i: int, seed: int = 0) -> QuantWeight:
         return quantize(w, WeightFormat.Q8)
     if fmt == "int4-row":
         return quantize(w, WeightFormat.Q4, 0)
+    if fmt == "fp4":  # MXFP4 codes and e8m0 bytes (factors 2^-8 .. 2^-5)
+        rng = np.random.default_rng(seed + 1)
+        codes = rng.integers(0, 256, (o, i // 2), dtype=np.uint8)
+        scales = rng.integers(120, 124, (o, i // 32)).astype(np.uint8)
+        return QuantWeight(WeightFormat.FP4, (o, i), codes, scales, 32)
     return quantize(w, WeightFormat.Q4, 64)
 
 
-FORMATS = ["f32", "bf16", "int8", "int4-g64", "int4-row"]
+FORMATS = ["f32", "bf16", "int8", "int4-g64", "int4-row", "fp4"]
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> None:

@@ -64,3 +64,25 @@ def test_a_weight_converts_once() -> None:
     assert mlx_weight(w) is mlx_weight(w)
     twin = QuantWeight(w.fmt, w.shape, w.data, w.scales, w.group_size)
     assert mlx_weight(twin) is not mlx_weight(w)  # kept per object, dropped with it
+
+
+def test_fp4_is_mlx_mxfp4_as_stored() -> None:
+    """FP4 (MXFP4 kept as stored) is MLX's mxfp4 mode over the same bytes: the codes as
+    little-endian words, the e8m0 scale bytes as they are; it dequantises to exactly the
+    reference and its matmul equals dequantise-and-multiply to float tolerance."""
+    rng = np.random.default_rng(3)
+    codes = rng.integers(0, 256, (40, 128), dtype=np.uint8)
+    scales = rng.integers(110, 140, (40, 8)).astype(np.uint8)
+    w = QuantWeight(WeightFormat.FP4, (40, 256), codes, scales, 32)
+    m = convert(w)
+    assert m.mode == "mxfp4" and m.bits == 4 and m.dense is None and m.biases is None
+    unpacked = mx.dequantize(m.packed, m.scales, None, group_size=32, bits=4, mode="mxfp4")
+    np.testing.assert_array_equal(np.array(unpacked.astype(mx.float32)), dequantize(w))
+    x = rng.standard_normal((5, 256), dtype=np.float32)
+    got = np.array(m.matmul(mx.array(x)))
+    want = (x.astype(np.float64) @ dequantize(w).astype(np.float64).T).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    half = m.rows(8, 24)  # a slice keeps the mode
+    np.testing.assert_allclose(
+        np.array(half.matmul(mx.array(x))), want[:, 8:24], rtol=1e-5, atol=1e-5
+    )

@@ -28,10 +28,13 @@ from safetensors.torch import load_file
 from colibri_cli.main import main
 from colibrid.backends.base import KernelFamily
 from colibrid.convert.inspect import inspect
+from colibrid.engine.backend import make_ops
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import teacher_forced_argmax
 from colibrid.formats import quant
+from colibrid.formats.weights import WeightFormat
 from colibrid.store.checkpoint import Checkpoint
+from colibrid.store.options import StoreOptions
 
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
 
@@ -67,12 +70,13 @@ def mxfp4_roundtrip(name: str, w: np.ndarray) -> np.ndarray:
 def _tensors(folder: Path) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for f in sorted(folder.glob("*.safetensors")):
-        for k, v in load_file(str(f)).items():  # bf16 as its uint16 bits, as stored
-            out[k] = (
-                v.view(torch.int16).numpy().view(np.uint16)
-                if v.dtype == torch.bfloat16
-                else v.numpy()
-            )
+        for k, v in load_file(str(f)).items():  # bf16 and e8m0 as their bits, as stored
+            if v.dtype == torch.bfloat16:
+                out[k] = v.view(torch.int16).numpy().view(np.uint16)
+            elif v.dtype == torch.float8_e8m0fnu:
+                out[k] = v.view(torch.uint8).numpy()
+            else:
+                out[k] = v.numpy()
     return out
 
 
@@ -120,9 +124,19 @@ def sources(tmp_path_factory):
     return ref, _source(ref, base / "f32", False), _source(ref, base / "mxfp4", True)
 
 
-def _convert(src: Path, dst: Path, bits: str) -> Path:
-    assert main(["convert", str(src), str(dst), "--bits", bits, *EXACT_FLAGS]) == 0
+def _convert(src: Path, dst: Path, bits: str, mxfp4: str = "convert") -> Path:
+    args = ["convert", str(src), str(dst), "--bits", bits, "--mxfp4", mxfp4, *EXACT_FLAGS]
+    assert main(args) == 0
     return dst
+
+
+def greedy(engine: Engine, prompt: list[int], n: int = 20) -> list[int]:
+    session = engine.new_session()
+    logits, out = session.prefill(prompt), []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = session.decode(out[-1])
+    return out
 
 
 def test_mxfp4_source_converts_losslessly_to_f32_experts(sources, tmp_path: Path) -> None:
@@ -172,12 +186,12 @@ def test_mxfp4_source_converts_losslessly_to_bf16_experts(sources, tmp_path: Pat
 
 
 def test_mxfp4_source_converts_to_int4_experts(sources, tmp_path: Path, capsys) -> None:
-    """The default (int4-g64 experts) requantises the MXFP4 values, saying so: a container
-    the engine loads, the router and the fused expert biases kept in f32."""
+    """`--mxfp4 convert` (int4-g64 experts) requantises the MXFP4 values, saying so: a
+    container the engine loads, the router and the fused expert biases kept in f32."""
     _, _, mx_src = sources
     dst = tmp_path / "c"
-    assert main(["convert", str(mx_src), str(dst), *EXACT_FLAGS]) == 0
-    assert "--bits 16 keeps them exactly" in capsys.readouterr().err
+    assert main(["convert", str(mx_src), str(dst), "--mxfp4", "convert", *EXACT_FLAGS]) == 0
+    assert "--mxfp4 keep (the default) stores them as they are" in capsys.readouterr().err
     report = inspect(dst)
     config = tiny_models.tiny_config("gpt_oss")
     n_routed = 3 * config.num_local_experts * config.num_hidden_layers
@@ -193,3 +207,68 @@ def test_unconverted_fused_checkpoint_is_refused_with_a_hint(sources, tmp_path: 
     shutil.copytree(f32_src, folder)
     with pytest.raises(Exception, match="colibri convert"):
         Engine.load(folder, family=KernelFamily.F32)
+
+
+def test_mxfp4_experts_are_kept_at_4_bits_by_default(sources, tmp_path: Path, capsys) -> None:
+    """The default keeps MXFP4 experts as stored (FP4): the source's codes and e8m0 bytes
+    byte for byte, the size of MXFP4, no note about requantising; the engine reproduces
+    transformers on the dequantised experts token for token (greedy 20/20, teacher-forced)
+    with the experts resident or streamed, and runs the I8 family on them too."""
+    ref, _, mx_src = sources
+    dst = tmp_path / "fp4"
+    assert main(["convert", str(mx_src), str(dst), *EXACT_FLAGS]) == 0
+    assert "requantises" not in capsys.readouterr().err
+    config = tiny_models.tiny_config("gpt_oss")
+    n_routed = 3 * config.num_local_experts * config.num_hidden_layers
+    assert inspect(dst).formats["expert"] == {"fp4-e2m1-g32": n_routed}
+    stored, source = _tensors(dst), _tensors(mx_src)
+    f = config.intermediate_size
+    for layer in range(config.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        blocks = source[f"{prefix}.gate_up_proj_blocks"]  # [E, 2F, G, 16], gate rows even
+        scales = source[f"{prefix}.gate_up_proj_scales"]
+        down_b, down_s = source[f"{prefix}.down_proj_blocks"], source[f"{prefix}.down_proj_scales"]
+        for e in range(config.num_local_experts):
+            for name, b, sc in (
+                ("gate_proj", blocks[e, 0::2], scales[e, 0::2]),
+                ("up_proj", blocks[e, 1::2], scales[e, 1::2]),
+                ("down_proj", down_b[e], down_s[e]),
+            ):
+                key = f"{prefix}.{e}.{name}.weight"
+                np.testing.assert_array_equal(stored[key], b.reshape(b.shape[0], -1))
+                np.testing.assert_array_equal(stored[key + ".qs"], sc)
+        assert stored[f"{prefix}.0.gate_proj.weight"].shape[0] == f
+    with Checkpoint.open(dst) as ck:
+        w = ck.weight("model.layers.0.mlp.experts.1.down_proj.weight", (config.hidden_size, f))
+        assert w.fmt is WeightFormat.FP4 and w.scales.dtype == np.uint8
+        np.testing.assert_array_equal(
+            quant.dequantize(w),
+            _tensors(ref.out_dir)["model.layers.0.mlp.experts.1.down_proj.weight"],
+        )
+    for store in (StoreOptions(mode="resident"), StoreOptions(mode="tiered", cache=1)):
+        engine = Engine.load(dst, family=KernelFamily.F32, store=store)
+        try:
+            assert greedy(engine, ref.prompt_ids) == ref.greedy_ids, store
+            assert teacher_forced_argmax(engine, ref.tf_ids) == ref.tf_pred, store
+        finally:
+            engine.close()
+    engine = Engine.load(dst, family=KernelFamily.I8)
+    try:
+        assert len(greedy(engine, ref.prompt_ids, 4)) == 4
+    finally:
+        engine.close()
+
+
+def test_fp4_experts_on_mlx_match_transformers(sources, tmp_path: Path) -> None:
+    """The MLX backend computes the kept MXFP4 experts in its own mxfp4 mode: transformers'
+    tokens, teacher-forced and greedy."""
+    pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'colibri[mlx]')")
+    ref, _, mx_src = sources
+    dst = tmp_path / "fp4"
+    assert main(["convert", str(mx_src), str(dst), *EXACT_FLAGS]) == 0
+    engine = Engine.load(dst, family=KernelFamily.F32, ops=make_ops("mlx"))
+    try:
+        assert teacher_forced_argmax(engine, ref.tf_ids) == ref.tf_pred
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()

@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 from colibrid.backends.base import KernelFamily
+from colibrid.formats.quant import FP4_VALUES, fp4_scales
 from colibrid.formats.weights import QuantWeight, WeightFormat
 
 native = pytest.importorskip("colibrid.backends.native")
 
 
 def make_weight(fmt: WeightFormat, o: int, i: int, gs: int = 0, seed: int = 0) -> QuantWeight:
-    """A random weight of shape [o, i]; Q4 with odd i gets padding nibble 8 (zero)."""
+    """A random weight of shape [o, i]; Q4 (FP4) with odd i gets padding nibble 8 (0),
+    the code of zero; FP4's scales are e8m0 bytes, as MXFP4's."""
     rng = np.random.default_rng(seed)
     if fmt == WeightFormat.F32:
         return QuantWeight(fmt, (o, i), rng.standard_normal((o, i), dtype=np.float32))
@@ -29,16 +31,20 @@ def make_weight(fmt: WeightFormat, o: int, i: int, gs: int = 0, seed: int = 0) -
         return QuantWeight(fmt, (o, i), q, s)
     q = rng.integers(-8, 8, (o, i + (i & 1)), dtype=np.int64)
     if i & 1:
-        q[:, -1] = 0
+        q[:, -1] = 0 if fmt == WeightFormat.Q4 else -8  # code 0 is FP4's zero
     n = (q + 8).astype(np.uint8)
     data = np.ascontiguousarray(n[:, 0::2] | (n[:, 1::2] << 4))
     groups = 1 if gs == 0 else -(-i // gs)
-    s = rng.uniform(0.001, 0.05, (o,) if gs == 0 else (o, groups)).astype(np.float32)
+    shape = (o,) if gs == 0 else (o, groups)
+    if fmt == WeightFormat.FP4:  # e8m0 bytes: factors 2^-13 .. 2^-3
+        s = rng.integers(115, 126, shape).astype(np.uint8)
+    else:
+        s = rng.uniform(0.001, 0.05, shape).astype(np.float32)
     return QuantWeight(fmt, (o, i), data, s, gs)
 
 
 def q_values(w: QuantWeight) -> np.ndarray:
-    """Integer weight codes as int64 [O, I] (Q8/Q4)."""
+    """Integer weight codes as int64 [O, I] (Q8/Q4; FP4's code values)."""
     o, i = w.shape
     if w.fmt == WeightFormat.Q8:
         return w.data.astype(np.int64)
@@ -46,15 +52,18 @@ def q_values(w: QuantWeight) -> np.ndarray:
     q = np.empty((o, d.shape[1] * 2), dtype=np.int64)
     q[:, 0::2] = d & 15
     q[:, 1::2] = d >> 4
+    if w.fmt == WeightFormat.FP4:
+        return FP4_VALUES[q[:, :i]].astype(np.int64)
     return q[:, :i] - 8
 
 
 def group_scales(w: QuantWeight) -> tuple[np.ndarray, int]:
     """Scales as [O, G] float32 and the group length in elements."""
     o, i = w.shape
+    scales = fp4_scales(w.scales) if w.fmt == WeightFormat.FP4 else w.scales
     if w.fmt == WeightFormat.Q8 or w.group_size == 0 or w.group_size >= i:
-        return w.scales.reshape(o, 1), i
-    return w.scales.reshape(o, -1), w.group_size
+        return scales.reshape(o, 1), i
+    return scales.reshape(o, -1), w.group_size
 
 
 def dequant64(w: QuantWeight) -> np.ndarray:
@@ -114,6 +123,8 @@ FORMATS = [
     (WeightFormat.Q4, 32),
     (WeightFormat.Q4, 128),
     (WeightFormat.Q4, 6),
+    (WeightFormat.FP4, 32),
+    (WeightFormat.FP4, 6),
 ]
 
 

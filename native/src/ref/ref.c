@@ -49,8 +49,15 @@ static inline float bf16_to_f32(uint16_t b) {
     return f;
 }
 
-static inline int q4_at(const uint8_t *row, int i) {
-    return ((row[i >> 1] >> ((i & 1) * 4)) & 15) - 8;
+const int8_t colibri_fp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline int nibble_at(const uint8_t *row, int i) { return (row[i >> 1] >> ((i & 1) * 4)) & 15; }
+
+static inline int q4_at(const uint8_t *row, int i) { return nibble_at(row, i) - 8; }
+
+/* The integer code i of a nibble row of format fmt stands for (Q4 or FP4). */
+static inline int code_at(int fmt, const uint8_t *row, int i) {
+    return fmt == COLIBRI_FMT_FP4 ? colibri_fp4_values[nibble_at(row, i)] : q4_at(row, i);
 }
 
 float colibri_ref_f32_one(const mm_job *j, int o, int s) {
@@ -76,12 +83,13 @@ float colibri_ref_f32_one(const mm_job *j, int o, int s) {
         for (int i = 0; i < I; i++) acc[i & 7] += ((float)r[i] * sc) * x[i];
         break;
     }
-    default: { /* Q4 */
-        const float *sc = w->scales + (size_t)o * j->G;
+    default: { /* Q4 and FP4: the code's integer times the group's scale */
         for (int g = 0; g < j->G; g++) {
             const int i0 = g * j->gsz;
             const int i1 = i0 + j->gsz < I ? i0 + j->gsz : I;
-            for (int i = i0; i < i1; i++) acc[i & 7] += ((float)q4_at(row, i) * sc[g]) * x[i];
+            const float sc = colibri_group_scale(w, (size_t)o, j->G, g);
+            for (int i = i0; i < i1; i++)
+                acc[i & 7] += ((float)code_at(w->fmt, row, i) * sc) * x[i];
         }
         break;
     }
@@ -95,7 +103,6 @@ float colibri_ref_i8_one(const mm_job *j, int o, int s) {
     const int I = w->I;
     const int8_t *q = j->qx + (size_t)s * j->ldx;
     const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
-    const float *sc = w->scales + (size_t)o * j->G;
     const float xs = j->xs[s];
     float acc = 0.0f;
     for (int g = 0; g < j->G; g++) {
@@ -105,10 +112,12 @@ float colibri_ref_i8_one(const mm_job *j, int o, int s) {
         if (w->fmt == COLIBRI_FMT_Q8) {
             const int8_t *r = (const int8_t *)row;
             for (int i = i0; i < i1; i++) isum += (int32_t)r[i] * q[i];
+        } else if (w->fmt == COLIBRI_FMT_FP4) {
+            for (int i = i0; i < i1; i++) isum += colibri_fp4_values[nibble_at(row, i)] * q[i];
         } else {
             for (int i = i0; i < i1; i++) isum += q4_at(row, i) * q[i];
         }
-        acc = acc + (float)isum * (sc[g] * xs);
+        acc = acc + (float)isum * (colibri_group_scale(w, (size_t)o, j->G, g) * xs);
     }
     return acc;
 }
