@@ -22,7 +22,11 @@ from colibrid.backends.base import KernelFamily
 from colibrid.formats.weights import QuantWeight, WeightFormat
 
 SHAPES = [(6144, 2048), (2048, 6144)]
-FORMATS = {"q4g64": (WeightFormat.Q4, 64), "q8": (WeightFormat.Q8, 0)}
+FORMATS = {
+    "q4g64": (WeightFormat.Q4, 64),
+    "q8": (WeightFormat.Q8, 0),
+    "fp4": (WeightFormat.FP4, 32),  # MXFP4 as stored (gpt-oss experts)
+}
 
 
 @dataclass
@@ -44,6 +48,10 @@ def _weight(fmt: WeightFormat, o: int, i: int, gs: int, rng: np.random.Generator
         data = rng.integers(-127, 128, (o, i), dtype=np.int8)
         return QuantWeight(fmt, (o, i), data, rng.uniform(0.001, 0.01, o).astype(np.float32))
     data = rng.integers(0, 256, (o, (i + 1) // 2), dtype=np.uint8)
+    if fmt == WeightFormat.FP4:  # e8m0 scale bytes
+        return QuantWeight(
+            fmt, (o, i), data, rng.integers(118, 124, (o, -(-i // gs)), np.uint8), gs
+        )
     scales = rng.uniform(0.001, 0.01, (o, -(-i // gs))).astype(np.float32)
     return QuantWeight(fmt, (o, i), data, scales, gs)
 

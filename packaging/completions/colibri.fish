@@ -51,7 +51,7 @@ function _shtab_colibri_using
 end
 
 set -g _shtab_colibri_commands ask repl run list pull stop rm ps logs profile 'profile list' 'profile show' 'profile use' 'profile save' 'profile warm' service 'service install' 'service uninstall' 'service status' completion convert inspect config synth bench 'bench kernels' 'bench decode' 'bench stream' 'bench batch' 'bench spec' 'bench replay' 'bench policy' 'bench peer' 'bench routing'
-set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --warmup --working-set -n
+set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --mxfp4 --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --warmup --working-set -n
 
 complete -c colibri -e
 complete -c colibri -f
@@ -103,7 +103,8 @@ complete -c colibri -n '_shtab_colibri_using pull' -l from -x -d 'demo only: bui
 complete -c colibri -n '_shtab_colibri_using pull' -l dense -d 'with demo: build '"'"'demo-dense'"'"' instead (the GGUF'"'"'s dense model, what `colibri bench peer` runs beside llama.cpp)'
 complete -c colibri -n '_shtab_colibri_using pull' -l force -d 'rebuild the demo, or replace a model already installed under the name'
 complete -c colibri -n '_shtab_colibri_using pull' -l allow-int4-mtp -d 'allow --mtp-bits 4 (a lossy draft layer; refused by default)'
-complete -c colibri -n '_shtab_colibri_using pull' -l bits -xka "4 8 16 32" -d 'routed experts (16: bf16, 32: f32; lossless for MXFP4 sources such as gpt-oss)'
+complete -c colibri -n '_shtab_colibri_using pull' -l bits -xka "4 8 16 32" -d 'routed experts (16: bf16, 32: f32); MXFP4 experts follow --mxfp4'
+complete -c colibri -n '_shtab_colibri_using pull' -l mxfp4 -xka "keep convert" -d 'MXFP4 experts (gpt-oss): keep them as stored, 4-bit codes with their e8m0 scales, lossless (default), or convert them to --bits'
 complete -c colibri -n '_shtab_colibri_using pull' -l group-size -x -d 'int4 group size (0 = one scale per row; default 64)'
 complete -c colibri -n '_shtab_colibri_using pull' -l io-bits -xka "4 8 32" -d 'embeddings and lm_head (32 = keep f32; default 8)'
 complete -c colibri -n '_shtab_colibri_using pull' -l attn-bits -xka "4 8 32" -d 'attention and DSA indexer (32 = keep f32; default 4)'
@@ -156,7 +157,8 @@ complete -c colibri -n '_shtab_colibri_using completion' -l for -xka "colibri co
 complete -c colibri -n '_shtab_colibri_using completion; and test $_shtab_colibri_npos -eq 0' -ka "bash zsh fish" -d 'the shell the script is for'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a convert -d 'convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container'
 complete -c colibri -n '_shtab_colibri_using convert' -s h -l help -d 'show this help message and exit'
-complete -c colibri -n '_shtab_colibri_using convert' -l bits -xka "4 8 16 32" -d 'routed experts (16: bf16, 32: f32; lossless for MXFP4 sources such as gpt-oss)'
+complete -c colibri -n '_shtab_colibri_using convert' -l bits -xka "4 8 16 32" -d 'routed experts (16: bf16, 32: f32); MXFP4 experts follow --mxfp4'
+complete -c colibri -n '_shtab_colibri_using convert' -l mxfp4 -xka "keep convert" -d 'MXFP4 experts (gpt-oss): keep them as stored, 4-bit codes with their e8m0 scales, lossless (default), or convert them to --bits'
 complete -c colibri -n '_shtab_colibri_using convert' -l group-size -x -d 'int4 group size (0 = one scale per row; default 64)'
 complete -c colibri -n '_shtab_colibri_using convert' -l io-bits -xka "4 8 32" -d 'embeddings and lm_head (32 = keep f32; default 8)'
 complete -c colibri -n '_shtab_colibri_using convert' -l attn-bits -xka "4 8 32" -d 'attention and DSA indexer (32 = keep f32; default 4)'
@@ -192,7 +194,7 @@ complete -c colibri -n '_shtab_colibri_using bench kernels' -l isa -x -d 'ISA to
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l threads -x -d 'threads (default: COLIBRI_THREADS or the CPU count)'
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l seconds -x -d 'seconds per case (best full pass is reported)'
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l working-set -x -d 'bytes of distinct weight copies cycled through (defeats caches)'
-complete -c colibri -n '_shtab_colibri_using bench kernels' -l format -xka "q4g64 q8" -d 'weight format (repeatable; default: all)'
+complete -c colibri -n '_shtab_colibri_using bench kernels' -l format -xka "fp4 q4g64 q8" -d 'weight format (repeatable; default: all)'
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l backend -xka "cpu mlx" -d 'cpu: the native kernels per ISA and family (default); mlx: MLX'"'"'s matmul (f32 family) on the same matrices, through the backend'"'"'s Ops'
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l json -d 'print JSON rows instead of a table'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a decode -d 'resident prefill and decode tok/s vs the memory-bandwidth roofline'

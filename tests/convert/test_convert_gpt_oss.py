@@ -36,31 +36,7 @@ from colibrid.formats.weights import WeightFormat
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.options import StoreOptions
 
-E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
-
-
-def mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., I] float -> (blocks U8 [..., I/32, 16], scales U8 [..., I/32]): per 32 inputs
-    the smallest power of two 2^k with absmax / 2^k <= 6, each value rounded to the nearest
-    e2m1 magnitude (ties to the lower code), sign in bit 3; the even element low."""
-    g = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
-    absmax = np.abs(g).max(axis=-1)
-    k = np.ceil(np.log2(np.maximum(absmax, 1e-30) / 6.0)).astype(np.int64)
-    k = np.clip(k, -127, 127)
-    scaled = np.abs(g) / np.exp2(k)[..., None]
-    code = np.abs(scaled[..., None] - E2M1).argmin(axis=-1)  # 0..7
-    code = code | np.where(g < 0, 8, 0)
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
-    return packed, (k + 127).astype(np.uint8)
-
-
-def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    signed = np.concatenate([E2M1, -E2M1])
-    vals = np.stack([signed[blocks & 15], signed[blocks >> 4]], axis=-1).reshape(
-        *blocks.shape[:-1], -1
-    )
-    out = vals * np.exp2(scales.astype(np.float64) - 127)[..., None]
-    return out.reshape(*out.shape[:-2], -1).astype(np.float32)
+mxfp4_encode, mxfp4_decode = tiny_models.mxfp4_encode, tiny_models.mxfp4_decode
 
 
 def mxfp4_roundtrip(name: str, w: np.ndarray) -> np.ndarray:
@@ -83,23 +59,21 @@ def _tensors(folder: Path) -> dict[str, np.ndarray]:
 def _source(ref: tiny_models.OracleReference, dst: Path, mxfp4: bool) -> Path:
     """The oracle folder (per-expert f32 on the MXFP4 grid) re-stored in transformers'
     fused layout, the experts in f32 or MXFP4."""
+    if mxfp4:
+
+        def check(blocks: np.ndarray, scales: np.ndarray, fused: np.ndarray) -> None:
+            theirs = _transformers_dequant(blocks, scales)
+            np.testing.assert_array_equal(theirs, fused)  # transformers reads what we wrote
+
+        return tiny_models.write_mxfp4_source(ref.out_dir, dst, check)
     dst.mkdir()
     fused = tiny_models.fuse_gpt_oss(load_file(str(ref.out_dir / "model.safetensors")))
-    out = {}
-    for name, t in fused.items():
-        a = t.numpy()
-        if mxfp4 and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = mxfp4_encode(np.ascontiguousarray(a.transpose(0, 2, 1)))
-            theirs = _transformers_dequant(blocks, scales)
-            np.testing.assert_array_equal(theirs, a)  # transformers reads what we wrote
-            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
-        else:
-            out[name] = a
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((ref.out_dir / "config.json").read_text())
-    if mxfp4:
-        config["quantization_config"] = {"quant_method": "mxfp4"}
-    (dst / "config.json").write_text(json.dumps(config))
+    save_file(
+        {k: t.numpy() for k, t in fused.items()},
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    shutil.copy(ref.out_dir / "config.json", dst / "config.json")
     return dst
 
 

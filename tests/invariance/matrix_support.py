@@ -16,6 +16,7 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
+import tiny_models
 from daemon_helpers import Home, free_port, install_chat_tokenizer
 from structured_cases import SCHEMAS
 
@@ -141,12 +142,19 @@ def prompt_ids(model: Path, text: str) -> list[int]:
 def streamed_model(oracle_checkpoint, tmp_path_factory):
     """Factory: ``streamed_model(arch) -> Model``: the tiny oracle checkpoint of ``arch`` as
     an int4 container (`colibri convert`, experts streamable by the tiered store), with a
-    tokenizer and chat template so the text clients can talk to it."""
+    tokenizer and chat template so the text clients can talk to it. ``FP4_KIND`` is tiny
+    gpt-oss stored with MXFP4 experts, converted with them kept at 4 bits (FP4)."""
     cache: dict[str, Model] = {}
 
     def get(arch: str) -> Model:
         if arch not in cache:
-            src = oracle_checkpoint(arch).out_dir
+            if arch == FP4_KIND:  # gpt-oss as OpenAI ships it: the converter keeps MXFP4
+                src = tiny_models.write_mxfp4_source(
+                    oracle_checkpoint("gpt_oss").out_dir,
+                    tmp_path_factory.mktemp("mxfp4") / "gpt-oss-mxfp4",
+                )
+            else:
+                src = oracle_checkpoint(arch).out_dir
             dst = tmp_path_factory.mktemp("streamed") / f"tiny-{arch}"
             r = subprocess.run(
                 [sys.executable, "-m", "colibri_cli", "convert", str(src), str(dst), "--quiet"],
@@ -160,6 +168,9 @@ def streamed_model(oracle_checkpoint, tmp_path_factory):
         return cache[arch]
 
     return get
+
+
+FP4_KIND = "gpt_oss_fp4"
 
 
 def matrix_model(request: pytest.FixtureRequest, kind: str) -> Model:

@@ -37,7 +37,8 @@ does not have today.
 Running it:
 
 * default (CI, `pytest -q`): the demo with `--cache 2`, a warmed profile and `profile use`
-  switching, SERVE and HTTP at once; tiny GLM-5 and Qwen3-MoE streamed the same way;
+  switching, SERVE and HTTP at once; tiny GLM-5, Qwen3-MoE and gpt-oss with MXFP4 experts
+  kept at 4 bits streamed the same way;
   `colibrid generate --pin auto|all` on tiny GLM-5. Alone:
   ``pytest -q tests/invariance/test_daemon_matrix.py``.
 * the full matrix (marker `matrix`, skipped by default): models {demo, glm_moe_dsa,
@@ -70,6 +71,7 @@ from matrix_support import (
 
 KINDS = (
     "demo",
+    "gpt_oss_fp4",
     "glm_moe_dsa",
     "deepseek_v32",
     "deepseek_v3",
@@ -238,6 +240,11 @@ def test_glm5_streamed_cache2_warmed_profile_use(request, reference, tmp_path) -
 def test_qwen3_streamed_cache2_warmed_profile_use(request, reference, tmp_path) -> None:
     """A softmax-routed family (qk-norm, no shared expert) streamed the way users run it."""
     run_cell(request, reference, tmp_path, Cell("qwen3_moe", 2, "warmed"))
+
+
+def test_gpt_oss_fp4_streamed_cache2_warmed_profile_use(request, reference, tmp_path) -> None:
+    """gpt-oss with its MXFP4 experts kept at 4 bits (FP4), streamed: the resident text."""
+    run_cell(request, reference, tmp_path, Cell("gpt_oss_fp4", 2))
 
 
 def test_generate_pin_auto_and_all_glm5(request, reference, tmp_path) -> None:

@@ -575,6 +575,58 @@ def fuse_gpt_oss(tensors: dict) -> dict:
     return out
 
 
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+
+
+def mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., I] float -> (blocks U8 [..., I/32, 16], scales U8 [..., I/32]): per 32 inputs
+    the smallest power of two 2^k with absmax / 2^k <= 6, each value rounded to the nearest
+    e2m1 magnitude (ties to the lower code), sign in bit 3; the even element low."""
+    g = w.reshape(*w.shape[:-1], -1, 32).astype(np.float64)
+    absmax = np.abs(g).max(axis=-1)
+    k = np.ceil(np.log2(np.maximum(absmax, 1e-30) / 6.0)).astype(np.int64)
+    k = np.clip(k, -127, 127)
+    scaled = np.abs(g) / np.exp2(k)[..., None]
+    code = np.abs(scaled[..., None] - E2M1).argmin(axis=-1)  # 0..7
+    code = code | np.where(g < 0, 8, 0)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(np.uint8)
+    return packed, (k + 127).astype(np.uint8)
+
+
+def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    signed = np.concatenate([E2M1, -E2M1])
+    vals = np.stack([signed[blocks & 15], signed[blocks >> 4]], axis=-1).reshape(
+        *blocks.shape[:-1], -1
+    )
+    out = vals * np.exp2(scales.astype(np.float64) - 127)[..., None]
+    return out.reshape(*out.shape[:-2], -1).astype(np.float32)
+
+
+def write_mxfp4_source(folder: Path, dst: Path, check: Callable | None = None) -> Path:
+    """A gpt-oss oracle folder (per-expert f32) re-stored as OpenAI ships gpt-oss: the
+    experts fused per layer and in MXFP4 (``*_blocks`` / ``*_scales``, [out, in]), the
+    rest as it is; `check(blocks, scales, fused)` sees each encoded tensor."""
+    dst.mkdir(parents=True)
+    fused = fuse_gpt_oss(load_file(str(Path(folder) / "model.safetensors")))
+    out = {}
+    for name, t in fused.items():
+        a = t.numpy()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4_encode(np.ascontiguousarray(a.transpose(0, 2, 1)))
+            if check is not None:
+                check(blocks, scales, a)
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+        else:
+            out[name] = a
+    from safetensors.numpy import save_file as save_numpy
+
+    save_numpy(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
 def dequantize_folder_tensors(folder: Path) -> dict:
     """All tensors of an oracle folder as float32 (fp8 blocks dequantised, scale_inv dropped)."""
     raw = {}

@@ -11,6 +11,8 @@
  *     acc = acc + (float)isum * (wscale * xs)     for each group in order
  * which is bit-identical to ref.c.  The next tile's bytes are prefetched as each block
  * is read.  Q4 group sizes that are not multiples of 32 fall back to the reference.
+ * FP4 runs the grouped Q4 tile with each nibble first mapped (vpshufb) to its code's
+ * integer plus 12 (0..24, unsigned) and 12 * sum(x) removed per group.
  *
  * F32 family.  Nibbles/bytes are widened to 32-bit lanes and turned into f32 through a
  * 16-entry table (vpermps) scaled per group, then FMA'd against a permuted copy of x;
@@ -27,10 +29,10 @@
 
 /* ------------------------------------------------------------------ prep ---- */
 
-/* Q4 I8 layout: per 128-element block, the 64 even elements then the 64 odd ones, so
- * low nibbles of a 64-byte weight block meet bytes 0..63 and high nibbles 64..127. */
+/* Q4 (FP4) I8 layout: per 128-element block, the 64 even elements then the 64 odd ones,
+ * so low nibbles of a 64-byte weight block meet bytes 0..63 and high nibbles 64..127. */
 static int prep_i8(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *out) {
-    if (w->fmt != COLIBRI_FMT_Q4) return 0;
+    if (!colibri_is_nibble(w->fmt)) return 0;
     for (size_t b = 0; b < n; b += 128)
         for (int k = 0; k < 64; k++) {
             out[b + k] = qx[b + 2 * k];
@@ -43,7 +45,7 @@ static int prep_i8(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *
  * 16-byte weight chunk widened to 16 lanes); other formats a zero-padded copy. */
 static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, float *out) {
     memset(out + I, 0, (n - (size_t)I) * sizeof(float));
-    if (w->fmt != COLIBRI_FMT_Q4) {
+    if (!colibri_is_nibble(w->fmt)) {
         memcpy(out, x, (size_t)I * sizeof(float));
         return 1;
     }
@@ -97,8 +99,34 @@ static inline __m512i dot_q4(__m512i acc, const uint8_t *p, __mmask64 m, __m512i
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xe), hi, xo);
 }
 
+/* The same for FP4: each nibble becomes its code's integer plus 12 (0..24) through a
+ * byte shuffle, so the products stay unsigned x signed; the caller removes 12 * sum(x). */
+static inline __m512i dot_fp4(__m512i acc, const uint8_t *p, __mmask64 m, __m512i xe, __m512i xo) {
+    const __m512i m0f = _mm512_set1_epi8(0x0f);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    const __m512i w = m == ~(__mmask64)0 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(m, p);
+    const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(w, m0f));
+    const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(w, 4), m0f));
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, lo, xe), hi, xo);
+}
+
 /* Largest group count handled on the fast path (stack buffers); more falls back. */
 #define MAX_GROUPS 1024
+
+/* colibri_fp4_scale sixteen bytes at a time: 2^(e - 128) as f32 bits, (e - 1) << 23 for
+ * e >= 2, the subnormals 2^-128 and 2^-127 below, NaN for 255. */
+static void fp4_scales(const uint8_t *e, int G, float *out) {
+    for (int g = 0; g < G; g += 16) {
+        const __mmask16 m = G - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (G - g)) - 1);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, e + g));
+        const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(1)), 23);
+        const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), v);
+        __m512i bits = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(v, _mm512_set1_epi32(2)), tiny, normal);
+        bits = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255)), bits,
+                                       _mm512_set1_epi32(0x7fc00000));
+        _mm512_mask_storeu_ps(out + g, m, _mm512_castsi512_ps(bits));
+    }
+}
 
 static inline __mmask64 tail_mask64(size_t rem) {
     return rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1);
@@ -159,8 +187,9 @@ static inline void chunk_sums16(const __m512i v[16], __m512i C[4]) {
  * with the tile's scales transposed once (wsT[g] lane r).  No per-row group sums are
  * stored and no transpose of them is needed, so short rows (a small model's 576-wide
  * experts are 4.5 blocks) cost what long ones do per byte. */
-static __m512 q4_tile16(const mm_job *j, const uint8_t *const rows[16], const int8_t *x,
-                        const __m512 *wsT, int s) {
+static inline __attribute__((always_inline)) __m512 q4_tile16(const mm_job *j, const uint8_t *const rows[16],
+                                                              const int8_t *x, const __m512 *wsT, int s,
+                                                              int fp4) {
     const size_t nbytes = j->wrow, pf = 16 * nbytes; /* the next tile's same position */
     const int nblocks = (int)((nbytes + 63) / 64), cpg = j->gsz / 32;
     const int nchunks = (j->w->I + 31) / 32;
@@ -176,7 +205,8 @@ static __m512 q4_tile16(const mm_job *j, const uint8_t *const rows[16], const in
         __m512i v[16], C[4];
         for (int r = 0; r < 16; r++) {
             _mm_prefetch((const char *)rows[r] + off + pf, _MM_HINT_T1);
-            v[r] = dot_q4(_mm512_setzero_si512(), rows[r] + off, m, xe, xo);
+            v[r] = fp4 ? dot_fp4(_mm512_setzero_si512(), rows[r] + off, m, xe, xo)
+                       : dot_q4(_mm512_setzero_si512(), rows[r] + off, m, xe, xo);
         }
         chunk_sums16(v, C);
         for (int c = 0; c < 4; c++) {
@@ -184,7 +214,7 @@ static __m512 q4_tile16(const mm_job *j, const uint8_t *const rows[16], const in
             if (k >= nchunks) break;
             cur = _mm512_add_epi32(cur, C[c]);
             if ((k + 1) % cpg && k + 1 < nchunks) continue; /* the group goes on */
-            const __m512i iv = _mm512_sub_epi32(cur, _mm512_set1_epi32(gsum[g] << 3));
+            const __m512i iv = _mm512_sub_epi32(cur, _mm512_set1_epi32(gsum[g] * (fp4 ? 12 : 8)));
             acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(iv), _mm512_mul_ps(wsT[g], xs)));
             cur = _mm512_setzero_si512();
             g++;
@@ -248,12 +278,13 @@ static __m512 row_tile16(const mm_job *j, const uint8_t *const rows[16], const i
  * the reference. Lanes past the tile's last row repeat its first: computed, not stored. */
 static void i8_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
-    const int q4 = w->fmt == COLIBRI_FMT_Q4;
-    if (!(w->fmt == COLIBRI_FMT_Q8 || (q4 && (j->G == 1 || (j->gsz % 32 == 0 && j->G <= MAX_GROUPS))))) {
+    const int q4 = w->fmt == COLIBRI_FMT_Q4, fp4 = w->fmt == COLIBRI_FMT_FP4;
+    const int grouped = j->G > 1 && j->gsz % 32 == 0 && j->G <= MAX_GROUPS;
+    if (!(w->fmt == COLIBRI_FMT_Q8 || (q4 && (j->G == 1 || grouped)) || (fp4 && grouped))) {
         colibri_ref_i8_rows(j, o0, o1);
         return;
     }
-    const int8_t *qx = q4 ? j->qxp : j->qx; /* the int8 activation rows, laid out per format */
+    const int8_t *qx = q4 || fp4 ? j->qxp : j->qx; /* the int8 activation rows, laid out per format */
     __m512 wsT[MAX_GROUPS];
     for (int o = o0; o < o1; o += 16) {
         const int n = o1 - o < 16 ? o1 - o : 16;
@@ -268,11 +299,26 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
             }
             continue;
         }
+        if (fp4) { /* the tile's e8m0 bytes decoded, then transposed as Q4's scales */
+            static _Thread_local float decoded[16 * MAX_GROUPS];
+            const float *ws[16];
+            for (int r = 0; r < 16; r++) {
+                const size_t row = (size_t)(o + (r < n ? r : 0)) * j->G;
+                fp4_scales((const uint8_t *)w->scales + row, j->G, decoded + (size_t)r * j->G);
+                ws[r] = decoded + (size_t)r * j->G;
+            }
+            transpose_scales(ws, j->G, wsT);
+            for (int s = 0; s < j->S; s++) {
+                const __m512 acc = q4_tile16(j, rows, qx + (size_t)s * j->ldx, wsT, s, 1);
+                _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, keep, acc);
+            }
+            continue;
+        }
         const float *ws[16];
         for (int r = 0; r < 16; r++) ws[r] = w->scales + (size_t)(o + (r < n ? r : 0)) * j->G;
         transpose_scales(ws, j->G, wsT);
         for (int s = 0; s < j->S; s++) {
-            const __m512 acc = q4_tile16(j, rows, qx + (size_t)s * j->ldx, wsT, s);
+            const __m512 acc = q4_tile16(j, rows, qx + (size_t)s * j->ldx, wsT, s, 0);
             _mm512_mask_storeu_ps(j->y + (size_t)s * w->O + o, keep, acc);
         }
     }
@@ -302,15 +348,30 @@ ALWAYS_INLINE void finish(__m512 a[NS][4], int N, float scale, float *r) {
     for (int n = 0; n < N; n++) r[n] = scale * hsum4(a[n][0], a[n][1], a[n][2], a[n][3]);
 }
 
-/* Q4 through a 16-entry table scaled per group: vpermps turns each nibble (low 4 bits
- * of a widened byte) into its dequantised f32 weight in one instruction. */
+/* Q4 (FP4) through a 16-entry table scaled per group: vpermps turns each nibble (low 4
+ * bits of a widened byte) into its dequantised f32 weight in one instruction; `tab` holds
+ * what each nibble stands for (Q4: n - 8; FP4: its e2m1 code's integer). */
 ALWAYS_INLINE void acc_q4_n(const mm_job *j, const uint8_t *row, const float *sc, const float *const *x,
-                            int N, __m512 a[NS][4]) {
-    const __m512 tab = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+                            int N, __m512 a[NS][4], __m512 tab) {
     for (int n = 0; n < NS; n++)
         for (int k = 0; k < 4; k++) a[n][k] = _mm512_setzero_ps();
     const size_t nbytes = j->wrow;
     int g = 0;
+    if (j->gsz == 32) { /* FP4's groups: two a 32-byte step */
+        for (; (size_t)(g + 2) * 16 <= nbytes; g += 2) {
+            const __m512 t0 = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g]));
+            const __m512 t1 = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g + 1]));
+            const uint8_t *p = row + (size_t)g * 16;
+            _mm_prefetch((const char *)p + 1536, _MM_HINT_T0);
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+            const size_t e = (size_t)g * 32;
+            fma_rows(_mm512_permutexvar_ps(v, t0), x, e, N, a, 0);
+            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0), x, e + 16, N, a, 1);
+            fma_rows(_mm512_permutexvar_ps(u, t1), x, e + 32, N, a, 2);
+            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), t1), x, e + 48, N, a, 3);
+        }
+    }
     if (j->gsz == 64) { /* the main case: one 32-byte step per group, no inner loop */
         for (; (size_t)(g + 1) * 32 <= nbytes; g++) {
             const __m512 ts = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g]));
@@ -347,10 +408,24 @@ ALWAYS_INLINE void acc_q4_n(const mm_job *j, const uint8_t *row, const float *sc
     }
 }
 
-ALWAYS_INLINE void dot_q4_n(const mm_job *j, const uint8_t *row, const float *sc, const float *const *x,
-                            int N, float *r) {
+/* Row o of a nibble weight: Q4's float scales, or FP4's e8m0 bytes decoded first. */
+ALWAYS_INLINE void acc_nibble_n(const mm_job *j, int o, const uint8_t *row, const float *const *x, int N,
+                                __m512 a[NS][4]) {
+    const colibri_weight *w = j->w;
+    if (w->fmt == COLIBRI_FMT_FP4) {
+        float sc[MAX_GROUPS]; /* G <= MAX_GROUPS (f32_rows) */
+        fp4_scales((const uint8_t *)w->scales + (size_t)o * j->G, j->G, sc);
+        acc_q4_n(j, row, sc, x, N, a, _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12));
+        return;
+    }
+    acc_q4_n(j, row, w->scales + (size_t)o * j->G, x, N, a,
+             _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+ALWAYS_INLINE void dot_q4_n(const mm_job *j, int o, const uint8_t *row, const float *const *x, int N,
+                            float *r) {
     __m512 a[NS][4];
-    acc_q4_n(j, row, sc, x, N, a);
+    acc_nibble_n(j, o, row, x, N, a);
     finish(a, N, 1.0f, r);
 }
 
@@ -400,7 +475,7 @@ static void dot_rows_1(const mm_job *j, int o, const float *const *x, float *r) 
     case COLIBRI_FMT_F32: dot_plain_n(COLIBRI_FMT_F32, row, w->I, 1.0f, x, 1, r); break;
     case COLIBRI_FMT_BF16: dot_plain_n(COLIBRI_FMT_BF16, row, w->I, 1.0f, x, 1, r); break;
     case COLIBRI_FMT_Q8: dot_plain_n(COLIBRI_FMT_Q8, row, w->I, w->scales[o], x, 1, r); break;
-    default: dot_q4_n(j, row, w->scales + (size_t)o * j->G, x, 1, r); break;
+    default: dot_q4_n(j, o, row, x, 1, r); break;
     }
 }
 
@@ -411,7 +486,7 @@ static void dot_rows_4(const mm_job *j, int o, const float *const *x, float *r) 
     case COLIBRI_FMT_F32: dot_plain_n(COLIBRI_FMT_F32, row, w->I, 1.0f, x, NS, r); break;
     case COLIBRI_FMT_BF16: dot_plain_n(COLIBRI_FMT_BF16, row, w->I, 1.0f, x, NS, r); break;
     case COLIBRI_FMT_Q8: dot_plain_n(COLIBRI_FMT_Q8, row, w->I, w->scales[o], x, NS, r); break;
-    default: dot_q4_n(j, row, w->scales + (size_t)o * j->G, x, NS, r); break;
+    default: dot_q4_n(j, o, row, x, NS, r); break;
     }
 }
 
@@ -455,7 +530,7 @@ ALWAYS_INLINE void partials_n(const mm_job *j, int o, const float *const *x, int
         acc_plain_n(COLIBRI_FMT_Q8, row, w->I, x, n, a);
         *scale = w->scales[o];
         break;
-    default: acc_q4_n(j, row, w->scales + (size_t)o * j->G, x, n, a); break;
+    default: acc_nibble_n(j, o, row, x, n, a); break;
     }
     for (int m = 0; m < n; m++)
         t[m] = _mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]), _mm512_add_ps(a[m][2], a[m][3]));
@@ -513,7 +588,8 @@ static void f32_tile16(const mm_job *j, int o, int s0, int s1) {
 
 static void f32_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
-    if (j->xp == NULL || (w->fmt == COLIBRI_FMT_Q4 && j->G > 1 && j->gsz % 32 != 0)) {
+    if (j->xp == NULL || (colibri_is_nibble(w->fmt) && j->G > 1 && j->gsz % 32 != 0) ||
+        (w->fmt == COLIBRI_FMT_FP4 && j->G > MAX_GROUPS)) {
         colibri_ref_f32_rows(j, o0, o1);
         return;
     }
@@ -541,4 +617,4 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
     }
 }
 
-const isa_ops colibri_avx512_ops = {"avx512vnni", f32_rows, i8_rows, prep_f32, prep_i8, 16, quant_row};
+const isa_ops colibri_avx512_ops = {"avx512vnni", f32_rows, i8_rows, prep_f32, prep_i8, 16, quant_row, 1};
