@@ -34,7 +34,14 @@ from typing import Any
 import numpy as np
 
 from colibrid.convert.convert import SIDE_FILES, finish, prepare_dst, run_shards
-from colibrid.convert.plan import ConvertParams, Group, Shard, build_groups, pack_shards
+from colibrid.convert.plan import (
+    ConvertParams,
+    Group,
+    Shard,
+    build_groups,
+    expert_of,
+    pack_shards,
+)
 from colibrid.convert.writer import write_atomic
 from colibrid.engine.validate import expected_from_config
 from colibrid.errors import ColibriError, ConvertError
@@ -212,8 +219,9 @@ SHAPES["deepseek-v32"] = dict(
 MTP_TYPES = ("glm_moe_dsa", "deepseek_v32")
 # gpt-oss-120b's per-layer shapes (its config.json, GptOssConfig's defaults): GQA 64/8
 # heads of 64 with biases and sinks, sliding (128 keys) and full layers alternating, YaRN,
-# 128 experts of FFN 2880 (~14.0 MB each at int4-g64) with biases, top-4, every layer MoE
-# (the real model has 36; gpt-oss-20b has the same layer with 32 experts, 24 layers)
+# 128 experts of FFN 2880 (~13.2 MB each in MXFP4, kept as FP4 as `colibri convert` keeps
+# the real checkpoint's) with biases, top-4, every layer MoE (the real model has 36;
+# gpt-oss-20b has the same layer with 32 experts, 24 layers)
 SHAPES["gpt-oss-120b"] = dict(
     model_type="gpt_oss",
     architectures=["GptOssForCausalLM"],
@@ -240,6 +248,8 @@ SHAPES["gpt-oss-120b"] = dict(
     },
     vocab_size=8192,
 )
+# Shapes whose routed experts ship as MXFP4 (kept as FP4 by the converter, so here too).
+FP4_SHAPES = ("gpt-oss-120b",)
 # The softmax-routed families: the key counting their experts; every layer MoE, no MTP.
 EXPERTS_KEY = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts"}
 # GLM-4.5-Air's structure at toy sizes: for tests
@@ -314,6 +324,15 @@ def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
     for item in group.items:
         rng = _rng(seed, item.name)
         bits = item.fmt.bits
+        if item.fmt.fp4:  # uniform e2m1 codes (zero-mean), e8m0 scales near the target std
+            out_f, in_f = item.shape
+            yield item.name, np.frombuffer(rng.bytes(out_f * ((in_f + 1) // 2)), np.uint8)
+            # uniform codes have std ~2.93 (e2m1 magnitudes 0..6); std 1/sqrt(fan-in)
+            exponent = np.round(np.log2(in_f**-0.5 / 2.93)) + 127
+            groups = -(-in_f // quant.FP4_GROUP)
+            e = exponent + rng.integers(-1, 2, size=(out_f, groups))
+            scales.append((item.name + ".qs", e.astype(np.uint8)))
+            continue
         if not item.fmt.quantised:
             values = _float_tensor(item.name, item.shape, rng)
             yield item.name, values if bits == 32 else quant.f32_to_bf16(values)
@@ -360,6 +379,20 @@ def _float_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
     return rng.standard_normal(shape, dtype=np.float32) * np.float32(fan_in**-0.5)
 
 
+def synth_groups(shape: str, cfg: dict[str, Any], params: ConvertParams) -> list[Group]:
+    """The container plan of a synthetic config: the tensors it needs, grouped as the
+    converter groups them, the routed experts in FP4 for the shapes that ship MXFP4."""
+    try:
+        args, expected = expected_from_config(cfg, lambda name: True)
+    except ColibriError as exc:
+        raise ConvertError(f"synth config: {exc}") from None
+    tensors = [(e.name, e.shape) for e in expected.values()]
+    fp4 = frozenset(
+        name for name, _ in tensors if shape in FP4_SHAPES and expert_of(name) is not None
+    )
+    return build_groups(tensors, args.trunk.num_hidden_layers, params, None, fp4)
+
+
 def synth(
     dst: str | Path,
     shape: str = "glm5",
@@ -374,12 +407,7 @@ def synth(
     params = params or ConvertParams()
     params.check()
     cfg = synth_config(shape, layers, experts, mtp)
-    try:
-        args, expected = expected_from_config(cfg, lambda name: True)
-    except ColibriError as exc:
-        raise ConvertError(f"synth config: {exc}") from None
-    tensors = [(e.name, e.shape) for e in expected.values()]
-    groups = build_groups(tensors, args.trunk.num_hidden_layers, params)
+    groups = synth_groups(shape, cfg, params)
     shards = pack_shards(groups, params)
     identity = [["synth", shape, layers, experts, seed] + (["mtp"] if mtp else [])]
     dst = Path(dst)

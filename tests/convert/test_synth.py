@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from colibri_cli.main import main
+from colibrid.backends.base import KernelFamily
 from colibrid.convert.inspect import inspect
-from colibrid.convert.plan import ConvertParams, build_groups, pack_shards
-from colibrid.convert.synth import synth_config
+from colibrid.convert.plan import ConvertParams, pack_shards
+from colibrid.convert.synth import synth_config, synth_groups
 from colibrid.engine.engine import Engine
 from colibrid.engine.validate import expected_from_config
 
@@ -20,12 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def planned_bytes(shape: str, layers: int, experts: int) -> tuple[int, int]:
     """(container bytes, one expert's bytes) from the plan alone, nothing written."""
-    cfg = synth_config(shape, layers, experts)
-    args, expected = expected_from_config(cfg, lambda n: True)
     params = ConvertParams()
-    groups = build_groups(
-        [(e.name, e.shape) for e in expected.values()], args.trunk.num_hidden_layers, params
-    )
+    groups = synth_groups(shape, synth_config(shape, layers, experts), params)
     expert = next(g for g in groups if len(g.items) == 3)
     return sum(s.nbytes for s in pack_shards(groups, params)), expert.nbytes
 
@@ -94,9 +91,10 @@ def test_deepseek_v32_shape_plans_its_real_expert() -> None:
 
 def test_gpt_oss_120b_shape_plans_its_real_expert() -> None:
     total, expert = planned_bytes("gpt-oss-120b", 2, 8)
-    # gate/up/down [2880, 2880]: 2880*1440 B + 2880*45 scales each
-    assert expert == 3 * (2880 * 1440 + 2880 * 45 * 4)
-    assert abs(expert - 14.00e6) < 0.01e6
+    # gate/up/down [2880, 2880] in MXFP4 as the real checkpoint ships them (FP4):
+    # 2880*1440 B of codes + 2880*90 e8m0 scale bytes each
+    assert expert == 3 * (2880 * 1440 + 2880 * 90)
+    assert abs(expert - 13.22e6) < 0.01e6
     cfg = synth_config("gpt-oss-120b", 2, 8)
     assert (cfg["model_type"], cfg["num_local_experts"], cfg["num_key_value_heads"]) == (
         "gpt_oss",
@@ -105,6 +103,25 @@ def test_gpt_oss_120b_shape_plans_its_real_expert() -> None:
     )
     assert (cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"]) == (2880, 64, 64)
     assert total > expert * 16
+
+
+def test_gpt_oss_synth_keeps_its_experts_in_fp4(tmp_path: Path) -> None:
+    """gpt-oss-120b's synthetic experts are FP4, as a converted gpt-oss holds them: the
+    container says so and decodes in both kernel families."""
+    dst = tmp_path / "oss"
+    args = ["synth", "--shape", "gpt-oss-120b", "--layers", "2", "--experts", "4"]
+    assert main([*args, "--quiet", str(dst)]) == 0
+    assert inspect(dst).formats["expert"] == {"fp4-e2m1-g32": 2 * 4 * 3}
+    for family in (KernelFamily.F32, KernelFamily.I8):
+        engine = Engine.load(dst, family=family)
+        try:
+            from colibrid.engine.generate import TokenEvent, generate
+            from colibrid.engine.sampling import SamplingParams
+
+            events = generate(engine, [1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+            assert len([e for e in events if isinstance(e, TokenEvent)]) == 3
+        finally:
+            engine.close()
 
 
 def test_tiny_synth_is_deterministic_valid_and_runs(tmp_path: Path, capsys) -> None:
