@@ -52,7 +52,7 @@ def _key(layout: WeightLayout, family: KernelFamily) -> str:
 
 def _families(fmt: WeightFormat) -> tuple[KernelFamily, ...]:
     """Families whose arithmetic differs for this format (float weights have one path)."""
-    if fmt in (WeightFormat.Q8, WeightFormat.Q4):
+    if fmt in (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4):
         return (KernelFamily.F32, KernelFamily.I8)
     return (KernelFamily.F32,)
 
@@ -69,21 +69,17 @@ def _matrix_bytes(layout: WeightLayout, rows: int) -> int:
     return per_row * rows
 
 
-# Formats one kernel set runs whatever the ISA (FP4: the portable kernels): nothing to pick.
-UNTUNED = frozenset({WeightFormat.FP4})
-
-
 def worth_tuning(layouts: Mapping[WeightLayout, int]) -> dict[WeightLayout, int]:
     """The layouts (with their largest row count) big enough for the kernel to matter."""
-    return {
-        lay: o
-        for lay, o in layouts.items()
-        if lay.fmt not in UNTUNED and _matrix_bytes(lay, o) >= MIN_MATRIX_BYTES
-    }
+    return {lay: o for lay, o in layouts.items() if _matrix_bytes(lay, o) >= MIN_MATRIX_BYTES}
 
 
 def _sample(layout: WeightLayout, rows: int, rng: np.random.Generator) -> QuantWeight:
     i = layout.in_features
+    if layout.fmt == WeightFormat.FP4:  # codes and e8m0 scale bytes (factors 2^-9 .. 2^-6)
+        data = rng.integers(0, 256, (rows, (i + 1) // 2), dtype=np.uint8)
+        scales = rng.integers(119, 123, (rows, -(-i // layout.group))).astype(np.uint8)
+        return QuantWeight(layout.fmt, (rows, i), data, scales, layout.group)
     if layout.fmt == WeightFormat.Q4:
         data = rng.integers(0, 256, (rows, (i + 1) // 2), dtype=np.uint8)
         groups = -(-i // layout.group)
