@@ -348,6 +348,19 @@ ALWAYS_INLINE void finish(__m512 a[NS][4], int N, float scale, float *r) {
     for (int n = 0; n < N; n++) r[n] = scale * hsum4(a[n][0], a[n][1], a[n][2], a[n][3]);
 }
 
+/* 32 bytes of nibbles at p (64 weights from element e: the first 16 bytes scaled by
+ * table t0, the next 16 by t1) against x: four FMA chains. */
+ALWAYS_INLINE void fma_step64(const uint8_t *p, __m512 t0, __m512 t1, const float *const *x, size_t e, int N,
+                              __m512 a[NS][4]) {
+    _mm_prefetch((const char *)p + 1536, _MM_HINT_T0);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
+    fma_rows(_mm512_permutexvar_ps(v, t0), x, e, N, a, 0);
+    fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0), x, e + 16, N, a, 1);
+    fma_rows(_mm512_permutexvar_ps(u, t1), x, e + 32, N, a, 2);
+    fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), t1), x, e + 48, N, a, 3);
+}
+
 /* Q4 (FP4) through a 16-entry table scaled per group: vpermps turns each nibble (low 4
  * bits of a widened byte) into its dequantised f32 weight in one instruction; `tab` holds
  * what each nibble stands for (Q4: n - 8; FP4: its e2m1 code's integer). */
@@ -357,49 +370,21 @@ ALWAYS_INLINE void acc_q4_n(const mm_job *j, const uint8_t *row, const float *sc
         for (int k = 0; k < 4; k++) a[n][k] = _mm512_setzero_ps();
     const size_t nbytes = j->wrow;
     int g = 0;
-    if (j->gsz == 32) { /* FP4's groups: two a 32-byte step */
-        for (; (size_t)(g + 2) * 16 <= nbytes; g += 2) {
-            const __m512 t0 = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g]));
-            const __m512 t1 = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g + 1]));
-            const uint8_t *p = row + (size_t)g * 16;
-            _mm_prefetch((const char *)p + 1536, _MM_HINT_T0);
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
-            const size_t e = (size_t)g * 32;
-            fma_rows(_mm512_permutexvar_ps(v, t0), x, e, N, a, 0);
-            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0), x, e + 16, N, a, 1);
-            fma_rows(_mm512_permutexvar_ps(u, t1), x, e + 32, N, a, 2);
-            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), t1), x, e + 48, N, a, 3);
-        }
-    }
-    if (j->gsz == 64) { /* the main case: one 32-byte step per group, no inner loop */
+    if (j->gsz == 32) /* FP4's groups: two a 32-byte step */
+        for (; (size_t)(g + 2) * 16 <= nbytes; g += 2)
+            fma_step64(row + (size_t)g * 16, _mm512_mul_ps(tab, _mm512_set1_ps(sc[g])),
+                       _mm512_mul_ps(tab, _mm512_set1_ps(sc[g + 1])), x, (size_t)g * 32, N, a);
+    if (j->gsz == 64) /* the main case: one 32-byte step per group, no inner loop */
         for (; (size_t)(g + 1) * 32 <= nbytes; g++) {
             const __m512 ts = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g]));
-            const uint8_t *p = row + (size_t)g * 32;
-            _mm_prefetch((const char *)p + 1536, _MM_HINT_T0);
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)));
-            const size_t e = (size_t)g * 64;
-            fma_rows(_mm512_permutexvar_ps(v, ts), x, e, N, a, 0);
-            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts), x, e + 16, N, a, 1);
-            fma_rows(_mm512_permutexvar_ps(u, ts), x, e + 32, N, a, 2);
-            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), ts), x, e + 48, N, a, 3);
+            fma_step64(row + (size_t)g * 32, ts, ts, x, (size_t)g * 64, N, a);
         }
-    }
     for (; g < j->G; g++) {
         const __m512 ts = _mm512_mul_ps(tab, _mm512_set1_ps(sc[g]));
         const size_t b0 = (size_t)g * j->gsz / 2;
         const size_t b1 = g + 1 == j->G ? nbytes : (size_t)(g + 1) * j->gsz / 2;
         size_t b = b0;
-        for (; b + 32 <= b1; b += 32) { /* full 32-byte steps: unmasked loads */
-            _mm_prefetch((const char *)row + b + 1536, _MM_HINT_T0);
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b)));
-            const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b + 16)));
-            fma_rows(_mm512_permutexvar_ps(v, ts), x, 2 * b, N, a, 0);
-            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), ts), x, 2 * b + 16, N, a, 1);
-            fma_rows(_mm512_permutexvar_ps(u, ts), x, 2 * b + 32, N, a, 2);
-            fma_rows(_mm512_permutexvar_ps(_mm512_srli_epi32(u, 4), ts), x, 2 * b + 48, N, a, 3);
-        }
+        for (; b + 32 <= b1; b += 32) fma_step64(row + b, ts, ts, x, 2 * b, N, a); /* unmasked */
         for (; b < b1; b += 16) { /* tail of the group/row: masked 16-byte steps */
             const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask16(b1 - b), row + b));
             fma_rows(_mm512_permutexvar_ps(v, ts), x, 2 * b, N, a, 0);
