@@ -32,6 +32,7 @@ int8-per-row or int4 grid does.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -325,7 +326,7 @@ def shard_metadata(groups: Sequence[Group], params: ConvertParams) -> dict[str, 
             data = it.fmt.data_entry(it.name, it.shape)
             scales = it.fmt.scale_entry(it.name, it.shape)
             assert scales is not None
-            n_scales = scales.nbytes // (1 if it.fmt.fp4 else 4)
+            n_scales = math.prod(scales.shape)
             found = container_candidates(it.shape, data.nbytes, n_scales, scales.dtype, hint)
             if len(found) != 1 or found[0].name != it.fmt.stamp:
                 if not (

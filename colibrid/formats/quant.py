@@ -153,21 +153,17 @@ def fp4_from_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> QuantWeight:
     )
 
 
-def unpack_fp4(packed: np.ndarray, cols: int) -> np.ndarray:
-    """uint8 [R, ceil(I/2)] FP4 codes -> float32 code values [R, I] (FP4_VALUES)."""
-    rows = packed.shape[0]
-    v = np.empty((rows, 2 * packed.shape[1]), dtype=np.float32)
-    v[:, 0::2] = FP4_VALUES[packed & 0x0F]
-    v[:, 1::2] = FP4_VALUES[packed >> 4]
-    return v[:, :cols]
+Q4_VALUES = np.arange(-8, 8, dtype=np.float32)
+"""What each Q4 nibble n stands for: n - 8."""
 
 
-def unpack_nibbles(packed: np.ndarray, cols: int) -> np.ndarray:
-    """uint8 [R, ceil(I/2)] -> float32 q values [R, I]."""
+def unpack_nibbles(packed: np.ndarray, cols: int, values: np.ndarray = Q4_VALUES) -> np.ndarray:
+    """uint8 [R, ceil(I/2)] -> float32 code values [R, I], the even element in the low
+    nibble; `values` is what each nibble stands for (Q4_VALUES, or FP4_VALUES)."""
     rows = packed.shape[0]
     q = np.empty((rows, 2 * packed.shape[1]), dtype=np.float32)
-    q[:, 0::2] = (packed & 0x0F).astype(np.float32) - 8
-    q[:, 1::2] = (packed >> 4).astype(np.float32) - 8
+    q[:, 0::2] = values[packed & 0x0F]
+    q[:, 1::2] = values[packed >> 4]
     return q[:, :cols]
 
 
@@ -192,7 +188,7 @@ def _dequantize_rows_of(w: QuantWeight, data: np.ndarray, scales: np.ndarray | N
     elif w.fmt is WeightFormat.Q4:
         q = unpack_nibbles(data, w.in_features)
     elif w.fmt is WeightFormat.FP4:
-        q = unpack_fp4(data, w.in_features)
+        q = unpack_nibbles(data, w.in_features, FP4_VALUES)
     else:
         raise ValueError(f"cannot dequantise {w.fmt}")
     return q * _expand_scales(w, scales)

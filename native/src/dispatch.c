@@ -205,7 +205,6 @@ void colibri_describe(mm_job *j, const colibri_weight *w, int family) {
     memset(j, 0, sizeof *j);
     j->w = w;
     j->ops = isa_table(colibri_choice(w->fmt, w->gs, w->I, family));
-    if (w->fmt == COLIBRI_FMT_FP4 && !j->ops->fp4) j->ops = &colibri_ref_ops; /* portable FP4 */
     j->wrow = colibri_is_nibble(w->fmt) ? (size_t)(w->I + 1) / 2 : elem[w->fmt] * (size_t)w->I;
     j->gsz = (colibri_is_nibble(w->fmt) && w->gs > 0 && w->gs < w->I) ? w->gs : w->I;
     j->G = (w->I + j->gsz - 1) / j->gsz;

@@ -89,7 +89,6 @@ typedef struct isa_ops {
      * function's bits exactly (the cross-ISA bit-exact tests compare them through the
      * matmuls), only faster. */
     void (*quant_row)(const float *x, int I, int8_t *q, size_t ldq, float *xs);
-    int fp4; /* runs FP4 weights (else they run on the portable kernels) */
 } isa_ops;
 
 extern const isa_ops colibri_ref_ops;

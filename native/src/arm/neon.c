@@ -180,5 +180,5 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
     }
 }
 
-const isa_ops colibri_neon_ops = {"neon", f32_rows, i8_rows, NULL, NULL, 4, NULL, 1};
+const isa_ops colibri_neon_ops = {"neon", f32_rows, i8_rows, NULL, NULL, 4};
 #endif

@@ -135,5 +135,5 @@ void colibri_ref_i8_rows(const mm_job *j, int o0, int o1) {
 }
 
 const isa_ops colibri_ref_ops = {
-    "ref", colibri_ref_f32_rows, colibri_ref_i8_rows, NULL, NULL, 1, NULL, 1,
+    "ref", colibri_ref_f32_rows, colibri_ref_i8_rows, NULL, NULL, 1,
 };

@@ -645,4 +645,4 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
     }
 }
 
-const isa_ops colibri_avx2_ops = {"avx2", f32_rows, i8_rows, prep_f32, prep_i8, 8, NULL, 1};
+const isa_ops colibri_avx2_ops = {"avx2", f32_rows, i8_rows, prep_f32, prep_i8, 8};

@@ -602,4 +602,4 @@ static void f32_rows(const mm_job *j, int o0, int o1) {
     }
 }
 
-const isa_ops colibri_avx512_ops = {"avx512vnni", f32_rows, i8_rows, prep_f32, prep_i8, 16, quant_row, 1};
+const isa_ops colibri_avx512_ops = {"avx512vnni", f32_rows, i8_rows, prep_f32, prep_i8, 16, quant_row};
