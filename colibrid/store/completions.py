@@ -99,4 +99,4 @@ class Completions:
         if (layer, expert) in pl.pin_on_land:
             pl.settle_pin((layer, expert), slot)
         else:
-            pl.admit(layer, expert, slot, protected=protected)
+            pl.admit(layer, expert, slot, protected=protected, gate=True)

@@ -62,6 +62,7 @@ class LayerServer:
                 hits.append((e, slot))
             elif e in landed:  # PILOT's read landed: use it, keep it afterwards
                 st.hits_prefetched += 1
+                policy.seen(e)
                 hits.append((e, landed[e]))
             elif e in cache:
                 if (layer, e) in pl.prefetched:
@@ -73,11 +74,13 @@ class LayerServer:
                 hits.append((e, cache[e]))
             elif (layer, e) in pilot.inflight:  # PILOT or REPIN is reading it: wait for it
                 st.hits_prefetched += 1
+                policy.seen(e)
                 slot = pilot.claim((layer, e))
                 pl.state[slot] = DEMAND
                 waiting[slot] = e
             else:
                 st.misses += 1
+                policy.seen(e)
                 misses.append(e)
         pilot.withdraw_layer(layer)  # PILOT guessed wrong: don't spend the disk on it now
         owned = set(landed.values())

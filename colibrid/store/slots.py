@@ -169,13 +169,21 @@ class Placement:
             self.release(slot)
 
     def admit(
-        self, layer: int, expert: int, slot: int, protected: Iterable[int], *, prefetched=False
+        self,
+        layer: int,
+        expert: int,
+        slot: int,
+        protected: Iterable[int],
+        *,
+        prefetched: bool = False,
+        gate: bool = False,
     ) -> bool:
-        """Put a filled slot into the layer's cache, evicting victims; False = freed."""
+        """Put a filled slot into the layer's cache, evicting victims; False = freed.
+        ``gate``: a demand read, which displaces a victim only when the policy admits it."""
         cache, policy = self.cache[layer], self.policies[layer]
         while len(cache) >= self.cache_per_layer and cache:
             victim = policy.victim(protected)
-            if victim is None:
+            if victim is None or (gate and not policy.admits(expert, victim)):
                 break
             self.evict(layer, victim)
         if len(cache) >= self.cache_per_layer:

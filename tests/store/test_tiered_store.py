@@ -18,8 +18,9 @@ from colibrid.store.budget import mem_available
 from colibrid.store.extents import ALIGN
 from colibrid.store.memwatch import MemWatch
 from colibrid.store.options import StoreOptions
-from colibrid.store.policy import make_policy, simulate
+from colibrid.store.policy import POLICIES, make_policy, simulate
 from colibrid.store.policy.belady import belady_hits
+from colibrid.store.policy.gated import GatedLFRU
 from colibrid.store.slabs import SlabArena
 
 GiB = 1 << 30
@@ -64,15 +65,49 @@ def test_direct_fallback_is_reported(oracle_checkpoint, monkeypatch, caplog) -> 
         engine.close()
 
 
-def test_policies_never_beat_belady() -> None:
-    rng = np.random.default_rng(0)
-    hot = rng.zipf(1.3, size=(400, 4)) % 32
-    trace = [sorted(set(row.tolist())) for row in hot]
-    for cap in (2, 4, 8):
+def _zipf_trace(rows: int, width: int, seed: int = 0) -> list[list[int]]:
+    hot = np.random.default_rng(seed).zipf(1.3, size=(rows, width)) % 32
+    return [sorted(set(row.tolist())) for row in hot]
+
+
+@pytest.mark.parametrize("width", [4, 16])  # one request's experts, or a batch's union
+def test_policies_never_beat_belady(width: int) -> None:
+    trace = _zipf_trace(400, width)
+    for cap in (1, 2, 4, 8):
         best, n = belady_hits(trace, cap)
-        for name in ("lru", "lfru"):
+        for name in POLICIES:
             hits, m = simulate(make_policy(name), trace, cap)
-            assert m == n and hits <= best
+            assert m == n and hits <= best, (name, cap)
+
+
+def test_simulate_keeps_a_steps_hits() -> None:
+    """The store protects what a step hit until the step is over: its misses may only
+    displace each other, so the next step hits the same experts again."""
+    hits, lookups = simulate(make_policy("lru"), [[1, 2], [1, 2, 3, 4], [1, 2]], 2)
+    assert (hits, lookups) == (4, 8)
+
+
+def test_gated_lfru_keeps_a_hot_expert_from_a_cold_read() -> None:
+    policy = GatedLFRU()
+    for _ in range(5):
+        policy.seen(7)  # used (missed) five times before it was cached
+    policy.admit(7)
+    policy.seen(3)
+    assert not policy.admits(3, 7)  # one use does not displace five
+    for _ in range(5):
+        policy.seen(3)
+    assert policy.admits(3, 7)  # six recent uses do
+    lfru = make_policy("lfru")
+    lfru.admit(7)
+    assert lfru.admits(3, 7)  # plain LFRU admits every read
+
+
+def test_gated_lfru_reads_less_on_skewed_routing() -> None:
+    trace = _zipf_trace(400, 4, seed=1)
+    for cap in (1, 2, 4):
+        gated, n = simulate(make_policy("gated-lfru"), trace, cap)
+        plain, _ = simulate(make_policy("lfru"), trace, cap)
+        assert gated > plain, (cap, gated, plain, n)
 
 
 def test_slab_release_and_fault_in() -> None:

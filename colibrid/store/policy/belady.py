@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, int]:
     """Hits and lookups of the optimal policy on one layer's per-step unions (a miss may
-    bypass the cache when it is reused later than everything cached), never evicting a
-    key the current step needs: an upper bound for every online policy."""
+    bypass the cache when it is reused later than everything cached). It may make room
+    with any cached key, one the step has just hit included, which `simulate` and the
+    store never do: a relaxation, so its hit count bounds every online policy's."""
     steps = [sorted(set(s)) for s in accesses]
     future: dict[int, list[int]] = {}
     for t in range(len(steps) - 1, -1, -1):
@@ -25,14 +26,11 @@ def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
             future[key].pop()
             lookups += 1
             hits += key in cached
-        need = set(step)
         for key in step:
             if key in cached or capacity <= 0:
                 continue
             if len(cached) >= capacity:
-                candidates = [k for k in cached if k not in need]
-                if not candidates:
-                    continue
+                candidates = list(cached)
                 victim = max(
                     candidates, key=lambda k: future[k][-1] if future[k] else len(steps) + 1
                 )

@@ -16,6 +16,9 @@ class LRU:
     def touch(self, key: int) -> None:
         self._order.move_to_end(key)
 
+    def seen(self, key: int) -> None:
+        """A lookup that missed: LRU keeps no history of uncached keys."""
+
     def admit(self, key: int) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
@@ -28,3 +31,6 @@ class LRU:
             if key not in protected:
                 return key
         return None
+
+    def admits(self, key: int, victim: int) -> bool:
+        return True
