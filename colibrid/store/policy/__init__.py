@@ -65,11 +65,11 @@ def simulate(policy: Policy, accesses: Sequence[Sequence[int]], capacity: int) -
                 policy.touch(key)
             else:
                 policy.seen(key)
+        if capacity <= 0:
+            continue
         protected = set(need)
         for key in sorted(need - cached):
             protected.discard(key)
-            if capacity <= 0:
-                continue
             while len(cached) >= capacity:
                 v = policy.victim(protected)
                 if v is None or not policy.admits(key, v):

@@ -30,10 +30,7 @@ def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
             if key in cached or capacity <= 0:
                 continue
             if len(cached) >= capacity:
-                candidates = list(cached)
-                victim = max(
-                    candidates, key=lambda k: future[k][-1] if future[k] else len(steps) + 1
-                )
+                victim = max(cached, key=lambda k: future[k][-1] if future[k] else len(steps) + 1)
                 nxt_new = future[key][-1] if future[key] else len(steps) + 1
                 nxt_victim = future[victim][-1] if future[victim] else len(steps) + 1
                 if nxt_new >= nxt_victim:
