@@ -6,11 +6,13 @@ per layer. For each concurrency the same model and placement answers that many b
 questions at once (the engine's batcher: what the daemon does) and prints the aggregate
 tok/s, the expert bytes read per generated token and the roofline those bytes allow at
 the drive's speed, measured in the same run (an O_DIRECT probe of the model's own expert
-extents, before and after; the faster is the limit). The figures are the decode steps'
-(from the step every request has its first token); the prompts' prefill is not counted.
-Each answer is checked against the
-same question asked alone: batching must not change a byte. The cache is emptied before
-each concurrency, so none starts warmer than another.
+extents, before and after; the faster is the limit). Beside the bytes read stands the
+fewest any cache of the same size could have read for the same routing (Belady's optimum,
+recorded in the run, from the best possible starting content): the limit of the cache
+policy, as the probe is the drive's. The figures are the decode steps' (from the step
+every request has its first token); the prompts' prefill is not counted. Each answer is
+checked against the same question asked alone: batching must not change a byte. The cache
+is emptied before each concurrency, so none starts warmer than another.
 """
 
 from __future__ import annotations
@@ -20,9 +22,18 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options
-from colibrid.bench.workload import QUESTIONS, flush_cache, new_batcher, prompt_ids, run_together
+from colibrid.bench.workload import (
+    QUESTIONS,
+    Run,
+    flush_cache,
+    new_batcher,
+    prompt_ids,
+    run_together,
+)
+from colibrid.store.policy.belady import fewest_reads
 
 
 @dataclass
@@ -31,8 +42,26 @@ class Row:
     tok_s: float
     tokens: int
     gb_per_token: float
+    fewest_gb_per_token: float | None  # what any cache of this size must read (Belady)
     roofline_tok_s: float | None
     same_as_alone: bool
+
+
+def fewest_read_bytes(store: Any, run: Run) -> int:
+    """The fewest expert bytes any cache of the store's size could have read for the run's
+    decode steps (Belady on the routing the run recorded, the pinned experts free): the
+    limit a cache policy works against, as the probe is the drive's."""
+    pinned: dict[int, set[int]] = {}
+    for layer, expert in store.pinned_keys():
+        pinned.setdefault(layer, set()).add(expert)
+    total = 0
+    for layer, steps in run.decode_routing.items():
+        free = pinned.get(layer, set())
+        reads = fewest_reads(
+            [[e for e in s if e not in free] for s in steps], store.cache_per_layer
+        )
+        total += reads * min(x.read_bytes for x in store.extents[layer])
+    return total
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +121,8 @@ def main(argv: list[str]) -> int:
         wall = sum(r.decode_wall_s for r in runs)
         tokens = sum(r.decode_tokens for r in runs)
         read = sum(r.decode_read_bytes for r in runs)
-        rows.append(Row(n, tokens / wall, tokens, read / 1e9 / tokens, None, same))
+        fewest = sum(fewest_read_bytes(store, r) for r in runs) / 1e9 / tokens if streams else None
+        rows.append(Row(n, tokens / wall, tokens, read / 1e9 / tokens, fewest, None, same))
     if streams:
         after, _ = probe(store, args.probe_reads, store.pool.threads or 1, seed=1)
         gbs = max(gbs or 0.0, after)
@@ -105,16 +135,27 @@ def main(argv: list[str]) -> int:
     print(f"model: {model} ({'experts stream' if streams else 'experts resident'})")
     if gbs is not None:
         print(f"disk: O_DIRECT probe {gbs:.2f} GB/s (best of before and after)")
-    head = ("requests", "tok/s", "GB read/token", "roofline tok/s", "same as alone")
-    print("{:>8} {:>9} {:>14} {:>15} {:>14}".format(*head))
+    head = (
+        "requests",
+        "tok/s",
+        "GB read/token",
+        "fewest GB/token",
+        "roofline tok/s",
+        "same as alone",
+    )
+    print("{:>8} {:>9} {:>14} {:>16} {:>15} {:>14}".format(*head))
     single = rows[0].gb_per_token if rows and rows[0].requests == 1 else None
     for r in rows:
         roof = "-" if r.roofline_tok_s is None else f"{r.roofline_tok_s:.2f}"
+        fewest = "-" if r.fewest_gb_per_token is None else f"{r.fewest_gb_per_token:.4f}"
         share = ""
         if single and r.requests > 1:
-            share = f"  ({r.gb_per_token / single:.2f}x the bytes of one alone)"
+            share = f"  ({r.gb_per_token / single:.2f}x the bytes of one alone"
+            if r.fewest_gb_per_token is not None:
+                share += f"; any cache of this size: >= {r.fewest_gb_per_token / single:.2f}x"
+            share += ")"
         print(
-            f"{r.requests:>8} {r.tok_s:>9.2f} {r.gb_per_token:>14.4f} {roof:>15} "
+            f"{r.requests:>8} {r.tok_s:>9.2f} {r.gb_per_token:>14.4f} {fewest:>16} {roof:>15} "
             f"{'yes' if r.same_as_alone else 'NO':>14}{share}"
         )
     return 0 if all(r.same_as_alone for r in rows) else 1

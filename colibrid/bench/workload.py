@@ -91,6 +91,8 @@ class Run:
     decode_wall_s: float  # from the step every answer had its first token (prompts done)
     decode_tokens: int  # the tokens generated in that time
     decode_read_bytes: int  # expert bytes the store read in that time
+    # each routed layer's experts, one union per step of that time (what a cache saw)
+    decode_routing: dict[int, list[list[int]]] = field(default_factory=dict)
 
 
 class _Collect:
@@ -135,11 +137,16 @@ def run_together(
         batcher.add(Member(steps, tag=answer))
     passes, rows = batcher.stats.passes, batcher.stats.decode_rows
     store = engine.experts
+    store.take_usage()  # starts the feed: every step's selections from now on
+    routing: dict[int, list[list[int]]] = {}
     t0 = time.perf_counter()
     decoding: tuple[float, int, int] | None = None  # (time, tokens, bytes) when prompts end
     while batcher.members:
         batcher.step()
-        if decoding is None and all(a.tokens or a.finish or a.error for a in answers):
+        selected = store.take_usage()
+        if decoding is not None:
+            _add_step(routing, selected)
+        elif all(a.tokens or a.finish or a.error for a in answers):
             decoding = (time.perf_counter(), _generated(answers), store.stats.bytes_read)
     wall = time.perf_counter() - t0
     failed = [a.error for a in answers if a.error]
@@ -156,7 +163,17 @@ def run_together(
         end - start,
         _generated(answers) - first_tokens,
         store.stats.bytes_read - first_bytes,
+        routing,
     )
+
+
+def _add_step(routing: dict[int, list[list[int]]], selected: Sequence[tuple[int, Any]]) -> None:
+    """One step's selections as each layer's union (rows share a read), appended."""
+    step: dict[int, set[int]] = {}
+    for layer, experts in selected:
+        step.setdefault(int(layer), set()).update(int(e) for e in np.asarray(experts).ravel())
+    for layer, union in step.items():
+        routing.setdefault(layer, []).append(sorted(union))
 
 
 def _generated(answers: Sequence[Answer]) -> int:

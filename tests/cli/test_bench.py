@@ -158,6 +158,32 @@ def test_decode_bench_counts_the_bytes_a_token_reads_and_its_roofline(chat_model
     assert "context is 256: lower them" in too_long.stderr and "Traceback" not in too_long.stderr
 
 
+def test_batch_bench_answers_as_alone_and_reads_no_less_than_any_cache_could(chat_model) -> None:
+    """`colibri bench batch` through a one-expert cache: every batched answer equals the
+    same question alone, requests decoded together read fewer bytes per token than one
+    alone, and no row claims fewer bytes than Belady's bound on its own routing."""
+    run = colibri(
+        "bench", "batch", "--model", str(chat_model), "--cache", "1", "--concurrency", "1,4",
+        "--tokens", "6", "--pilot", "off", "--json",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    r = json.loads(run.stdout)
+    assert r["probe_gb_s"] > 0
+    rows = {row["requests"]: row for row in r["rows"]}
+    assert sorted(rows) == [1, 4] and all(row["same_as_alone"] for row in rows.values())
+    for row in rows.values():
+        assert 0 <= row["fewest_gb_per_token"] <= row["gb_per_token"]
+        assert row["roofline_tok_s"] == pytest.approx(r["probe_gb_s"] / row["gb_per_token"])
+    assert rows[4]["gb_per_token"] < rows[1]["gb_per_token"]
+    text = colibri(
+        "bench", "batch", "--model", str(chat_model), "--cache", "1", "--concurrency", "1,2",
+        "--tokens", "4",
+    )  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    bound = r"\(\d\.\d\dx the bytes of one alone; any cache of this size: >= \d\.\d\dx\)"
+    assert re.search(bound, text.stdout)
+
+
 def test_peer_bench_runs_both_runtimes_or_says_how_to_get_llama_cpp(demo_home) -> None:
     """`colibri bench peer` on the dense demo: with llama.cpp installed (the optional extra)
     both runtimes print their figures and the ratio; without it, one line saying how to

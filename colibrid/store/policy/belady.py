@@ -38,3 +38,11 @@ def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
                 cached.discard(victim)
             cached.add(key)
     return hits, lookups
+
+
+def fewest_reads(accesses: Sequence[Sequence[int]], capacity: int) -> int:
+    """A lower bound on the reads any cache of `capacity` entries needs for these steps,
+    whatever it held before the first: Belady's misses from an empty cache, less the
+    `capacity` keys a warm start could already hold (each saves at most one read)."""
+    hits, lookups = belady_hits(accesses, capacity)
+    return max(0, lookups - hits - max(0, capacity))
