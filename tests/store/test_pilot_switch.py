@@ -11,7 +11,7 @@ from colibrid.engine.generate import TokenEvent, generate
 from colibrid.engine.sampling import SamplingParams
 from colibrid.store import pilot_switch
 from colibrid.store.options import StoreOptions
-from colibrid.store.pilot_switch import HOLD, TRIALS, WARMUP, WINDOW, PilotSwitch
+from colibrid.store.pilot_switch import CLEAR, HOLD, MARGIN, TRIALS, WARMUP, WINDOW, PilotSwitch
 
 
 def feed(switch: PilotSwitch, seconds: dict[bool, float], windows: int) -> list[bool]:
@@ -28,25 +28,42 @@ def feed(switch: PilotSwitch, seconds: dict[bool, float], windows: int) -> list[
     return states
 
 
+CLOSE = {True: 0.22, False: 0.20}  # PILOT 10% slower: past the margin, not clear at once
+assert MARGIN < 0.22 / 0.20 - 1 < CLEAR
+
+
 def test_trials_alternate_then_the_faster_state_holds():
     switch = PilotSwitch()
     assert switch.on and "measuring" in switch.describe()
-    states = feed(switch, {True: 0.30, False: 0.20}, 2 * TRIALS - 1)
+    states = feed(switch, CLOSE, 2 * TRIALS - 1)
     # both states measured, not both enough: the state it is in is not a choice yet
-    assert "measuring (300 ms/token with PILOT, 200 without so far)" in switch.describe()
-    states += feed(switch, {True: 0.30, False: 0.20}, 1)
+    assert "measuring (220 ms/token with PILOT, 200 without so far)" in switch.describe()
+    states += feed(switch, CLOSE, 1)
     assert states[: 2 * TRIALS - 1] == [i % 2 == 1 for i in range(2 * TRIALS - 1)]
     assert switch.on is False, "PILOT costs more than it saves here: off"
-    held = feed(switch, {True: 0.30, False: 0.20}, HOLD - 1)
+    held = feed(switch, CLOSE, HOLD - 1)
     assert held == [False] * (HOLD - 1)
-    assert "off (300 ms/token with PILOT, 200 without" in switch.describe()
+    assert "off (220 ms/token with PILOT, 200 without" in switch.describe()
+
+
+@pytest.mark.parametrize("pilot_wins", [True, False])
+def test_a_clear_gap_ends_the_trials_after_one_window_each(pilot_wins: bool):
+    """463 against 574 ms a token (measured on a GLM-5-shaped model at 3x the budget):
+    the faster state holds from the second window on, the first decided one included."""
+    seconds = {True: 0.463, False: 0.574} if pilot_wins else {True: 0.574, False: 0.463}
+    switch = PilotSwitch()
+    states = feed(switch, seconds, 2 + HOLD - 1)
+    assert states[0] is False  # the first window was PILOT on: now the other state
+    assert states[1:] == [pilot_wins] * HOLD
+    assert switch.switches == (1 if not pilot_wins else 2)
+    assert "measuring" not in switch.describe()
 
 
 def test_the_other_state_is_re_measured_and_a_change_is_followed():
     switch = PilotSwitch()
-    feed(switch, {True: 0.30, False: 0.20}, 2 * TRIALS + HOLD - 1)
+    feed(switch, CLOSE, 2 * TRIALS + HOLD - 1)
     assert switch.on is False
-    feed(switch, {True: 0.30, False: 0.20}, 1)  # HOLD reached: one window of PILOT on
+    feed(switch, CLOSE, 1)  # HOLD reached: one window of PILOT on
     assert switch.on is True
     feed(switch, {True: 0.10, False: 0.20}, 1)  # PILOT got better: it stays on
     assert switch.on is True
