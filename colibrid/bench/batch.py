@@ -22,7 +22,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options
 from colibrid.bench.workload import (
@@ -34,6 +34,9 @@ from colibrid.bench.workload import (
     run_together,
 )
 from colibrid.store.policy.belady import fewest_reads
+
+if TYPE_CHECKING:
+    from colibrid.store.tiered import TieredStore
 
 
 @dataclass
@@ -47,19 +50,22 @@ class Row:
     same_as_alone: bool
 
 
-def fewest_read_bytes(store: Any, run: Run) -> int:
+def fewest_read_bytes(store: TieredStore, run: Run) -> int:
     """The fewest expert bytes any cache of the store's size could have read for the run's
     decode steps (Belady on the routing the run recorded, the pinned experts free): the
-    limit a cache policy works against, as the probe is the drive's."""
+    limit a cache policy works against, as the probe is the drive's. The size is the
+    largest the cache may reach in the run: with `--pilot auto`, PILOT's slots lent."""
+    plan = store.plan
+    capacity = plan.cache_per_layer
+    if store.pilot_switch is not None:
+        capacity += plan.pilot // max(1, store.n_layers)
     pinned: dict[int, set[int]] = {}
     for layer, expert in store.pinned_keys():
         pinned.setdefault(layer, set()).add(expert)
     total = 0
     for layer, steps in run.decode_routing.items():
         free = pinned.get(layer, set())
-        reads = fewest_reads(
-            [[e for e in s if e not in free] for s in steps], store.cache_per_layer
-        )
+        reads = fewest_reads([[e for e in s if e not in free] for s in steps], capacity)
         total += reads * min(x.read_bytes for x in store.extents[layer])
     return total
 
