@@ -22,21 +22,16 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from colibrid.bench.cache_bound import fewest_read_bytes
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options
 from colibrid.bench.workload import (
     QUESTIONS,
-    Run,
     flush_cache,
     new_batcher,
     prompt_ids,
     run_together,
 )
-from colibrid.store.policy.belady import fewest_reads
-
-if TYPE_CHECKING:
-    from colibrid.store.tiered import TieredStore
 
 
 @dataclass
@@ -48,26 +43,6 @@ class Row:
     fewest_gb_per_token: float | None  # what any cache of this size must read (Belady)
     roofline_tok_s: float | None
     same_as_alone: bool
-
-
-def fewest_read_bytes(store: TieredStore, run: Run) -> int:
-    """The fewest expert bytes any cache of the store's size could have read for the run's
-    decode steps (Belady on the routing the run recorded, the pinned experts free): the
-    limit a cache policy works against, as the probe is the drive's. The size is the
-    largest the cache may reach in the run: with `--pilot auto`, PILOT's slots lent."""
-    plan = store.plan
-    capacity = plan.cache_per_layer
-    if store.pilot_switch is not None:
-        capacity += plan.pilot // max(1, store.n_layers)
-    pinned: dict[int, set[int]] = {}
-    for layer, expert in store.pinned_keys():
-        pinned.setdefault(layer, set()).add(expert)
-    total = 0
-    for layer, steps in run.decode_routing.items():
-        free = pinned.get(layer, set())
-        reads = fewest_reads([[e for e in s if e not in free] for s in steps], capacity)
-        total += reads * min(x.read_bytes for x in store.extents[layer])
-    return total
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,7 +102,11 @@ def main(argv: list[str]) -> int:
         wall = sum(r.decode_wall_s for r in runs)
         tokens = sum(r.decode_tokens for r in runs)
         read = sum(r.decode_read_bytes for r in runs)
-        fewest = sum(fewest_read_bytes(store, r) for r in runs) / 1e9 / tokens if streams else None
+        fewest = (
+            sum(fewest_read_bytes(store, r.decode_routing) for r in runs) / 1e9 / tokens
+            if streams
+            else None
+        )
         rows.append(Row(n, tokens / wall, tokens, read / 1e9 / tokens, fewest, None, same))
     if streams:
         after, _ = probe(store, args.probe_reads, store.pool.threads or 1, seed=1)

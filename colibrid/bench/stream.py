@@ -5,7 +5,9 @@ experts of this model (their real aligned extents, with the store's own reader t
 into a slab arena and gives the drive's GB/s for expert-sized reads; then the model
 decodes with the given budget. Printed: decode tok/s, expert GB/s achieved while reading
 (and its ratio to the probe), the roofline tok/s = probe GB/s / (expert GB read per
-token) and tok/s as a fraction of it. Works on any model directory.
+token) and tok/s as a fraction of it, and beside the bytes read the fewest any cache of
+the same size could have read for the routing of the run (Belady: the policy's limit).
+Works on any model directory.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
+from colibrid.bench.cache_bound import Routing, add_step, fewest_read_bytes
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options
 
 
@@ -138,10 +141,14 @@ def main(argv: list[str]) -> int:
     for _ in range(args.warmup):
         logits = session.decode(next_token(logits))
     base = store.stats.copy()
-    t0 = time.perf_counter()
+    store.take_usage()  # starts the feed: each measured token's routing (the cache bound)
+    routing: Routing = {}
+    wall = 0.0
     for _ in range(args.tokens):
+        t0 = time.perf_counter()
         logits = session.decode(next_token(logits))
-    wall = time.perf_counter() - t0
+        wall += time.perf_counter() - t0
+        add_step(routing, store.take_usage())
     st = store.statistics(since=base)
     # Probe again after decoding and keep the faster figure: the drive (and a VM's host
     # cache behind it) drifts, and a slow probe moment must not flatter the ratios.
@@ -177,6 +184,11 @@ def main(argv: list[str]) -> int:
             )
     else:
         print("roofline: no expert reads during decode (everything hit): not disk-bound")
+    fewest = fewest_read_bytes(store, routing) / 1e9 / args.tokens
+    print(
+        f"cache: {st.bytes_read / 1e9 / args.tokens:.4g} GB read/token; the fewest any cache "
+        f"of this size could read for this routing: {fewest:.4g} (Belady, best starting content)"
+    )
     # Which limit binds: the CPU time a token takes (everything but waiting for reads)
     # against the disk time its non-resident experts need at the probe's speed.
     cpu_ms = 1e3 * (wall - st.io_wait_s) / args.tokens

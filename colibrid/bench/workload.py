@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from colibrid.bench.cache_bound import Routing, add_step
 from colibrid.engine.batcher import Batcher, Member
 from colibrid.engine.generate import DoneEvent, TokenEvent, generation
 from colibrid.engine.sampling import SamplingParams
@@ -92,7 +93,7 @@ class Run:
     decode_tokens: int  # the tokens generated in that time
     decode_read_bytes: int  # expert bytes the store read in that time
     # each routed layer's experts, one union per step of that time (what a cache saw)
-    decode_routing: dict[int, list[list[int]]] = field(default_factory=dict)
+    decode_routing: Routing = field(default_factory=dict)
 
 
 class _Collect:
@@ -138,14 +139,14 @@ def run_together(
     passes, rows = batcher.stats.passes, batcher.stats.decode_rows
     store = engine.experts
     store.take_usage()  # starts the feed: every step's selections from now on
-    routing: dict[int, list[list[int]]] = {}
+    routing: Routing = {}
     t0 = time.perf_counter()
     decoding: tuple[float, int, int] | None = None  # (time, tokens, bytes) when prompts end
     while batcher.members:
         batcher.step()
         selected = store.take_usage()
         if decoding is not None:
-            _add_step(routing, selected)
+            add_step(routing, selected)
         elif all(a.tokens or a.finish or a.error for a in answers):
             decoding = (time.perf_counter(), _generated(answers), store.stats.bytes_read)
     wall = time.perf_counter() - t0
@@ -165,15 +166,6 @@ def run_together(
         store.stats.bytes_read - first_bytes,
         routing,
     )
-
-
-def _add_step(routing: dict[int, list[list[int]]], selected: Sequence[tuple[int, Any]]) -> None:
-    """One step's selections as each layer's union (rows share a read), appended."""
-    step: dict[int, set[int]] = {}
-    for layer, experts in selected:
-        step.setdefault(int(layer), set()).update(int(e) for e in np.asarray(experts).ravel())
-    for layer, union in step.items():
-        routing.setdefault(layer, []).append(sorted(union))
 
 
 def _generated(answers: Sequence[Answer]) -> int:

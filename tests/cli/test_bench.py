@@ -98,6 +98,8 @@ def test_stream_reports_against_its_own_probe(oracle_checkpoint, family: str) ->
     assert re.search(r"roofline: [0-9.]+ tok/s .* achieved \d+% of it", text)
     assert re.search(r"stream: PILOT (on|off|auto: [^;]+); recall", text)
     assert f"kernel family: {family}" in text
+    cache = re.search(r"cache: ([0-9.e+-]+) GB read/token; .* could read .*: ([0-9.e+-]+) ", text)
+    assert cache and 0 <= float(cache.group(2)) <= float(cache.group(1)), text
 
 
 def test_record_needs_a_model(tmp_path: Path) -> None:

@@ -1,0 +1,52 @@
+"""The limit a cache policy works against, as the probe is the drive's: the fewest expert
+bytes any cache of the store's size could have read for the routing a run recorded.
+
+Why offline and per run: only a recorded trace tells the future Belady's rule needs, and
+the bound depends on the run's own routing (`bench batch` prints it per concurrency,
+`bench stream` per decode). A row reading far more than its bound has room for a better
+policy or fewer wrong guesses; one reading about as much is at the cache's limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from colibrid.store.policy.belady import fewest_reads
+
+if TYPE_CHECKING:
+    from colibrid.store.tiered import TieredStore
+
+Routing = dict[int, list[list[int]]]  # routed layer -> one union of experts per step
+
+
+def add_step(routing: Routing, selected: Sequence[tuple[int, Any]]) -> None:
+    """One step's selections (`store.take_usage()`) as each layer's union, appended:
+    the rows of a step share a read."""
+    step: dict[int, set[int]] = {}
+    for layer, experts in selected:
+        step.setdefault(int(layer), set()).update(int(e) for e in np.asarray(experts).ravel())
+    for layer, union in step.items():
+        routing.setdefault(layer, []).append(sorted(union))
+
+
+def fewest_read_bytes(store: TieredStore, routing: Routing) -> int:
+    """The fewest expert bytes any cache of the store's size could have read for these
+    steps (Belady per layer from the best starting content, the pinned experts free). The
+    size is the largest the cache may reach in the run: with `--pilot auto`, PILOT's
+    slots lent."""
+    plan = store.plan
+    capacity = plan.cache_per_layer
+    if store.pilot_switch is not None:
+        capacity += plan.pilot // max(1, store.n_layers)
+    pinned: dict[int, set[int]] = {}
+    for layer, expert in store.pinned_keys():
+        pinned.setdefault(layer, set()).add(expert)
+    total = 0
+    for layer, steps in routing.items():
+        free = pinned.get(layer, set())
+        reads = fewest_reads([[e for e in s if e not in free] for s in steps], capacity)
+        total += reads * min(x.read_bytes for x in store.extents[layer])
+    return total
