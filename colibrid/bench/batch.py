@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
         tokens = sum(r.decode_tokens for r in runs)
         read = sum(r.decode_read_bytes for r in runs)
         fewest = (
-            sum(fewest_read_bytes(store, r.decode_routing) for r in runs) / 1e9 / tokens
+            sum(fewest_read_bytes(store, r.decode_trace) for r in runs) / 1e9 / tokens
             if streams
             else None
         )

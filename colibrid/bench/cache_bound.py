@@ -9,34 +9,20 @@ policy or fewer wrong guesses; one reading about as much is at the cache's limit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from colibrid.bench.policy import per_layer
 from colibrid.store.policy.belady import fewest_reads
 
 if TYPE_CHECKING:
     from colibrid.store.tiered import TieredStore
 
-Routing = dict[int, list[list[int]]]  # routed layer -> one union of experts per step
 
-
-def add_step(routing: Routing, selected: Sequence[tuple[int, Any]]) -> None:
-    """One step's selections (`store.take_usage()`) as each layer's union, appended:
-    the rows of a step share a read."""
-    step: dict[int, set[int]] = {}
-    for layer, experts in selected:
-        step.setdefault(int(layer), set()).update(int(e) for e in np.asarray(experts).ravel())
-    for layer, union in step.items():
-        routing.setdefault(layer, []).append(sorted(union))
-
-
-def fewest_read_bytes(store: TieredStore, routing: Routing) -> int:
-    """The fewest expert bytes any cache of the store's size could have read for these
-    steps (Belady per layer from the best starting content, the pinned experts free). The
-    size is the largest the cache may reach in the run: with `--pilot auto`, PILOT's
-    slots lent."""
+def fewest_read_bytes(store: TieredStore, trace: list) -> int:
+    """The fewest expert bytes any cache of the store's size could have read for the
+    passes of `trace` (`take_pass` per pass; Belady per layer from the best starting
+    content, the pinned experts free). The size is the largest the cache may reach in the
+    run: with `--pilot auto`, PILOT's slots lent."""
     plan = store.plan
     capacity = plan.cache_per_layer
     if store.pilot_switch is not None:
@@ -45,7 +31,7 @@ def fewest_read_bytes(store: TieredStore, routing: Routing) -> int:
     for layer, expert in store.pinned_keys():
         pinned.setdefault(layer, set()).add(expert)
     total = 0
-    for layer, steps in routing.items():
+    for layer, steps in per_layer(trace, with_prefill=True).items():
         free = pinned.get(layer, set())
         reads = fewest_reads([[e for e in s if e not in free] for s in steps], capacity)
         total += reads * min(x.read_bytes for x in store.extents[layer])

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
-from colibrid.bench.cache_bound import Routing, add_step, fewest_read_bytes
-from colibrid.bench.replay import add_store_flags, engine_ops, store_options
+from colibrid.bench.cache_bound import fewest_read_bytes
+from colibrid.bench.replay import add_store_flags, engine_ops, store_options, take_pass
 
 
 def probe(store, n_reads: int, threads: int, seed: int = 0) -> tuple[float, int]:  # noqa: ANN001
@@ -142,13 +142,13 @@ def main(argv: list[str]) -> int:
         logits = session.decode(next_token(logits))
     base = store.stats.copy()
     store.take_usage()  # starts the feed: each measured token's routing (the cache bound)
-    routing: Routing = {}
+    trace: list = []
     wall = 0.0
     for _ in range(args.tokens):
         t0 = time.perf_counter()
         logits = session.decode(next_token(logits))
         wall += time.perf_counter() - t0
-        add_step(routing, store.take_usage())
+        trace.append(take_pass(store))
     st = store.statistics(since=base)
     # Probe again after decoding and keep the faster figure: the drive (and a VM's host
     # cache behind it) drifts, and a slow probe moment must not flatter the ratios.
@@ -184,9 +184,9 @@ def main(argv: list[str]) -> int:
             )
     else:
         print("roofline: no expert reads during decode (everything hit): not disk-bound")
-    fewest = fewest_read_bytes(store, routing) / 1e9 / args.tokens
+    fewest = fewest_read_bytes(store, trace) / 1e9 / args.tokens
     print(
-        f"cache: {st.bytes_read / 1e9 / args.tokens:.4g} GB read/token; the fewest any cache "
+        f"cache: {gb_tok:.4g} GB read/token; the fewest any cache "
         f"of this size could read for this routing: {fewest:.4g} (Belady, best starting content)"
     )
     # Which limit binds: the CPU time a token takes (everything but waiting for reads)

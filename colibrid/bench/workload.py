@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from colibrid.bench.cache_bound import Routing, add_step
+from colibrid.bench.replay import take_pass
 from colibrid.engine.batcher import Batcher, Member
 from colibrid.engine.generate import DoneEvent, TokenEvent, generation
 from colibrid.engine.sampling import SamplingParams
@@ -92,8 +92,8 @@ class Run:
     decode_wall_s: float  # from the step every answer had its first token (prompts done)
     decode_tokens: int  # the tokens generated in that time
     decode_read_bytes: int  # expert bytes the store read in that time
-    # each routed layer's experts, one union per step of that time (what a cache saw)
-    decode_routing: Routing = field(default_factory=dict)
+    # the routing of every pass in that time (`take_pass`: what a cache saw)
+    decode_trace: list = field(default_factory=list)
 
 
 class _Collect:
@@ -139,14 +139,14 @@ def run_together(
     passes, rows = batcher.stats.passes, batcher.stats.decode_rows
     store = engine.experts
     store.take_usage()  # starts the feed: every step's selections from now on
-    routing: Routing = {}
+    trace: list = []
     t0 = time.perf_counter()
     decoding: tuple[float, int, int] | None = None  # (time, tokens, bytes) when prompts end
     while batcher.members:
         batcher.step()
-        selected = store.take_usage()
+        routing = take_pass(store)
         if decoding is not None:
-            add_step(routing, selected)
+            trace.append(routing)
         elif all(a.tokens or a.finish or a.error for a in answers):
             decoding = (time.perf_counter(), _generated(answers), store.stats.bytes_read)
     wall = time.perf_counter() - t0
@@ -164,7 +164,7 @@ def run_together(
         end - start,
         _generated(answers) - first_tokens,
         store.stats.bytes_read - first_bytes,
-        routing,
+        trace,
     )
 
 

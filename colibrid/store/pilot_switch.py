@@ -64,9 +64,10 @@ class PilotSwitch:
         return self._decide()
 
     def _decide(self) -> bool:
-        here, there = self.seconds[self.on], self.seconds[not self.on]
-        if here is None or there is None or not self.trials_over:
+        if not self.trials_over:
             return self._switch()
+        here, there = self.seconds[self.on], self.seconds[not self.on]
+        assert here is not None and there is not None  # both measured: the trials are over
         if there * (1.0 + MARGIN) < here:
             self._held = 0
             return self._switch()

@@ -19,6 +19,11 @@ def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
     for t in range(len(steps) - 1, -1, -1):
         for key in steps[t]:
             future.setdefault(key, []).append(t)  # descending; pop() gives the next use
+    never = len(steps) + 1
+
+    def next_use(key: int) -> int:
+        return future[key][-1] if future[key] else never
+
     cached: set[int] = set()
     hits = lookups = 0
     for step in steps:
@@ -30,10 +35,8 @@ def belady_hits(accesses: Sequence[Sequence[int]], capacity: int) -> tuple[int, 
             if key in cached or capacity <= 0:
                 continue
             if len(cached) >= capacity:
-                victim = max(cached, key=lambda k: future[k][-1] if future[k] else len(steps) + 1)
-                nxt_new = future[key][-1] if future[key] else len(steps) + 1
-                nxt_victim = future[victim][-1] if future[victim] else len(steps) + 1
-                if nxt_new >= nxt_victim:
+                victim = max(cached, key=next_use)
+                if next_use(key) >= next_use(victim):
                     continue  # optimal: bypass a key reused later than everything cached
                 cached.discard(victim)
             cached.add(key)
