@@ -229,7 +229,7 @@ class MlxOps:
         scale: float,
         family: KernelFamily,
     ) -> np.ndarray:
-        """layers.gqa.gqa_attention_each as one graph: the new keys and values join the
+        """backends.gqa_plan.gqa_attention_each as one graph: the new keys and values join the
         cached ones inside it and are written back to the numpy caches afterwards."""
         _family(family)
         keys, values = caches

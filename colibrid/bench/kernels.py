@@ -1,5 +1,7 @@
 """`colibri bench kernels`: effective weight bandwidth of the native matmul kernels
-(or, with --backend mlx, of MLX's matmul on the same matrices).
+(or, with --backend mlx or cuda, of that backend's matmul on the same matrices; cuda's
+rows stand beside the GPU's own read probe, and the run prints its host-to-device copy
+rate too).
 
 Decode (S=1) through an expert-shaped matrix is a pure weight stream, so the honest
 figure is weight bytes (data + scales) read per second, printed next to the machine's
@@ -14,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -157,15 +160,27 @@ def _time_ops(ops, copies, x: np.ndarray, seconds: float) -> float:  # noqa: ANN
 
 
 def run_backend(
-    backend: str, threads: int, seconds: float, working_set_mb: int, formats: list[str]
+    backend: str,
+    threads: int,
+    seconds: float,
+    working_set_mb: int,
+    formats: list[str],
+    say: Callable[[str], object] = print,
 ) -> list[Row]:
     """The decode cases on a non-CPU backend (f32 family, one row per format and shape),
     beside the same memory probe as the native rows."""
     from colibrid.backends import native
+    from colibrid.backends.cuda import CudaOps
+    from colibrid.backends.cuda_device import copy_probe, read_probe
     from colibrid.engine.backend import make_ops
 
     ops = make_ops(backend)
-    membw = native.membw_probe(max(working_set_mb, 256) << 20, threads=threads, repeats=10)
+    if isinstance(ops, CudaOps):  # the device's own memory is the limit of its rows
+        membw = read_probe(ops.device, max(working_set_mb, 256) << 20)
+        pcie = copy_probe(ops.device, 256 << 20)
+        say(f"{ops.device.name}: read probe {membw:.1f} GB/s, host to device {pcie:.1f} GB/s")
+    else:
+        membw = native.membw_probe(max(working_set_mb, 256) << 20, threads=threads, repeats=10)
     rng = np.random.default_rng(0)
     rows = []
     for fname in formats:
@@ -273,10 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--backend",
-        choices=("cpu", "mlx"),
+        choices=("cpu", "mlx", "cuda"),
         default="cpu",
-        help="cpu: the native kernels per ISA and family (default); mlx: MLX's matmul "
-        "(f32 family) on the same matrices, through the backend's Ops",
+        help="cpu: the native kernels per ISA and family (default); mlx or cuda: that "
+        "backend's matmul (f32 family) on the same matrices, through its Ops (cuda beside "
+        "the GPU's read probe and its host-to-device copy rate)",
     )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     return p
@@ -292,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         threads = args.threads or native.threads()
         formats = args.format or list(FORMATS)
-        rows = run_backend(args.backend, threads, args.seconds, args.working_set, formats)
+        say = (lambda _line: None) if args.json else print
+        rows = run_backend(args.backend, threads, args.seconds, args.working_set, formats, say)
         print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else _table(rows))
         return 0
     isas = args.isa or [*native.available_isas(), "auto"]

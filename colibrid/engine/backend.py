@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from colibrid.backends.base import KernelFamily
-from colibrid.errors import BackendError, first_line
+from colibrid.errors import BackendError
 
 if TYPE_CHECKING:  # backends may not import models; the engine joins the two
     from colibrid.models.base import Ops
@@ -64,23 +64,9 @@ def make_ops(name: str = "auto", family: KernelFamily = KernelFamily.F32) -> Ops
 
         return MlxOps()
     if chosen == "cuda":
-        raise BackendError(cuda_problem())
+        from colibrid.backends.cuda import CudaOps
+
+        return CudaOps()
     from colibrid.backends.cpu import CpuOps
 
     return CpuOps()
-
-
-def cuda_problem() -> str:
-    """Why `--backend cuda` cannot run here, in one line."""
-    try:
-        cuda = importlib.import_module("pycuda.driver")
-    except Exception:  # noqa: BLE001
-        return "the cuda backend needs pycuda and an NVIDIA GPU: pip install 'colibri[cuda]'"
-    try:
-        cuda.init()
-        gpus = cuda.Device.count()
-    except Exception as exc:  # noqa: BLE001 - no driver, no device: one line either way
-        return f"the cuda backend found no usable NVIDIA GPU ({first_line(exc)})"
-    if gpus < 1:
-        return "the cuda backend found no NVIDIA GPU"
-    return "the cuda backend is not part of this build yet; use --backend cpu or mlx"

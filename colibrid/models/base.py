@@ -171,7 +171,7 @@ class Ops(Protocol):
         """A GQA block: projections (+ biases), optional qk RMSNorm (per head or over the
         whole projection), RoPE, k/v written to cache rows [start, start + S), attention
         (within the block's sliding window, if any), output projection; bit-identical to
-        layers.gqa.gqa_attention_each (the same ops one by one)."""
+        backends.gqa_plan.gqa_attention_each (the same ops one by one)."""
         ...
 
     def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -15,15 +15,23 @@ import tiny_models
 
 from colibrid.backends.base import KernelFamily
 from colibrid.backends.cpu import CpuOps
+from colibrid.backends.cuda_device import EMULATE_ENV
 from colibrid.config import load_settings
 from colibrid.engine import backend
 from colibrid.engine.backend import make_ops, mlx_installed, resolve
 from colibrid.errors import BackendError, ConfigError
 from colibrid.paths import Paths
 
-CUDA_HERE = not backend.cuda_problem().startswith(
-    ("the cuda backend needs", "the cuda backend found")
-)
+
+def _cuda_here() -> bool:
+    try:
+        make_ops("cuda")
+    except BackendError:
+        return False
+    return True
+
+
+CUDA_HERE = _cuda_here()
 
 
 def test_cpu_and_auto_on_linux_are_the_native_kernels(monkeypatch) -> None:
@@ -137,3 +145,27 @@ def test_bench_kernels_on_mlx() -> None:
     rows = json.loads(result.stdout)
     assert [(r["isa"], r["family"], r["fmt"]) for r in rows] == [("mlx", "f32", "q4g64")] * 2
     assert all(r["gbs"] > 0 for r in rows)
+
+
+def test_bench_kernels_on_cuda_stands_by_the_devices_own_probe() -> None:
+    """On the CPU emulation of the kernels where there is no GPU (the figures then say
+    nothing of a GPU; the command's path and its output are what is checked)."""
+    env = {**os.environ, EMULATE_ENV: "1"}
+    args = ["--seconds", "0.01", "--working-set", "1", "--format", "q4g64"]
+    for json_out in (False, True):
+        result = subprocess.run(
+            [sys.executable, "-m", "colibri_cli", "bench", "kernels", "--backend", "cuda"]
+            + args
+            + (["--json"] if json_out else []),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert result.returncode == 0, result.stderr
+        if json_out:
+            rows = json.loads(result.stdout)
+        else:
+            assert "read probe" in result.stdout and "host to device" in result.stdout
+    assert [(r["isa"], r["family"], r["fmt"]) for r in rows] == [("cuda", "f32", "q4g64")] * 2
+    assert all(r["gbs"] > 0 and r["membw_gbs"] > 0 for r in rows)

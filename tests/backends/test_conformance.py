@@ -22,6 +22,9 @@ from colibrid.backends.base import (
     ResidentExperts,
     RouteRule,
 )
+from colibrid.backends.cuda import CudaOps
+from colibrid.backends.cuda_device import EmulatedDevice
+from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.engine.backend import make_ops, mlx_installed
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import teacher_forced_argmax
@@ -29,7 +32,6 @@ from colibrid.errors import BackendError
 from colibrid.formats.quant import container_tensors, dequantize, quantize
 from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.models.base import apply_experts_each
-from colibrid.models.layers.gqa import gqa_attention_each
 from colibrid.models.layers.router import route_reference
 from colibrid.store.options import StoreOptions
 
@@ -50,7 +52,16 @@ def _mlx_ops():  # noqa: ANN202
     return make_ops("mlx")
 
 
-@pytest.fixture(params=["cpu", "mlx", "cuda"])
+def _make(backend: str):  # noqa: ANN202
+    """The ops of ``backend``; cuda-emulated is the cuda backend's own code and kernels
+    run on this CPU (backends.cuda_device.EmulatedDevice), so its arithmetic and every
+    line above the device are checked where there is no GPU."""
+    if backend == "cuda-emulated":
+        return CudaOps(EmulatedDevice())
+    return make_ops(backend)
+
+
+@pytest.fixture(params=["cpu", "mlx", "cuda", "cuda-emulated"])
 def backend(request) -> str:  # noqa: ANN001
     """The backend name, skipped when this machine cannot run it."""
     if request.param == "mlx":
@@ -62,7 +73,7 @@ def backend(request) -> str:  # noqa: ANN001
 
 @pytest.fixture
 def ops(backend: str):  # noqa: ANN201
-    return make_ops(backend)
+    return _make(backend)
 
 
 def _weight(fmt: str, o: int, i: int, seed: int = 0) -> QuantWeight:
@@ -278,7 +289,7 @@ def test_route_ties_go_to_the_lowest_expert(ops) -> None:
 
 # ---- the whole model -----------------------------------------------------------------------
 def _load(ref: tiny_models.OracleReference, backend: str, store: StoreOptions | None = None):  # noqa: ANN202
-    return Engine.load(ref.out_dir, family=F32, ops=make_ops(backend), store=store)
+    return Engine.load(ref.out_dir, family=F32, ops=_make(backend), store=store)
 
 
 @pytest.mark.slow

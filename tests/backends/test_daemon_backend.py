@@ -1,5 +1,7 @@
 """The daemon computes on the backend its config names (the `backend` key, or
-`colibrid start --backend`): on MLX it answers what it answers on the CPU kernels."""
+`colibrid start --backend`): on MLX it answers what it answers on the CPU kernels; on the
+cuda backend (its kernels emulated on this CPU where there is no GPU) streamed experts
+with PILOT answer what the resident model answers."""
 
 from __future__ import annotations
 
@@ -8,16 +10,18 @@ from pathlib import Path
 import pytest
 from daemon_helpers import Home
 
+from colibrid.backends.cuda_device import EMULATE_ENV
 from colibrid.engine.backend import mlx_installed
 
 
-def _answer(home: Home, *start_flags: str) -> str:
+def _answer(home: Home, *start_flags: str, backend: str | None = None) -> str:
     result = home.colibrid("start", *start_flags)
     assert result.returncode == 0, result.stderr + home.log()
     try:
         asked = home.colibri("ask", "--max-tokens", "12", "What is the capital?")
         assert asked.returncode == 0, asked.stderr + home.log()
-        backend = "mlx" if "mlx" in (*start_flags, home.settings.get("backend")) else "cpu"
+        if backend is None:
+            backend = "mlx" if "mlx" in (*start_flags, home.settings.get("backend")) else "cpu"
         assert f"on the {backend} backend" in home.log()
         return asked.stdout
     finally:
@@ -30,3 +34,16 @@ def test_daemon_on_mlx_answers_as_on_cpu(chat_model: Path, tmp_path: Path) -> No
     by_key = _answer(Home(tmp_path / "key", chat_model, backend="mlx"))
     by_flag = _answer(Home(tmp_path / "flag", chat_model), "--backend", "mlx")
     assert on_cpu.strip() and by_key == on_cpu and by_flag == on_cpu
+
+
+def test_daemon_on_cuda_streams_experts_as_it_answers_resident(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    homes = []
+    for name in ("resident", "streamed"):
+        home = Home(tmp_path / name, chat_model, backend="cuda")
+        home.env[EMULATE_ENV] = "1"  # the cuda backend's code and kernels, run on this CPU
+        homes.append(home)
+    resident = _answer(homes[0], backend="cuda")
+    streamed = _answer(homes[1], "--cache", "1", "--pilot", "on", backend="cuda")
+    assert resident.strip() and streamed == resident

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from colibrid.backends.base import ExpertBatch, KernelFamily
+from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.backends.moe_plan import moe_each
 from colibrid.formats.quant import dequantize, dequantize_rows
 from colibrid.formats.weights import QuantWeight
 from colibrid.models.base import apply_experts_each, rank_sum_each
 from colibrid.models.layers.attention import causal_mask, masked_softmax
-from colibrid.models.layers.gqa import gqa_attention_each
 from colibrid.models.layers.norm import rms_norm
 from colibrid.models.layers.rope import apply_half
 from colibrid.models.layers.router import route_reference

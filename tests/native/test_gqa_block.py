@@ -11,8 +11,8 @@ import pytest
 
 from colibrid.backends.base import GQAWeights, KernelFamily
 from colibrid.backends.cpu import CpuOps
+from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.formats.weights import WeightFormat
-from colibrid.models.layers.gqa import gqa_attention_each
 
 native = pytest.importorskip("colibrid.backends.native")
 

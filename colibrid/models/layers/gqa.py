@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibrid.backends.base import GQAWeights, KernelFamily
+from colibrid.backends.base import GQAWeights
 from colibrid.models.base import Linear, Ops, Step, WeightSource
 
 
@@ -106,40 +106,3 @@ class GQAAttention:
         if self.o_proj.bias is not None:  # outside the block: added to its output as is
             out += self.o_proj.bias
         return out, None
-
-
-def gqa_attention_each(
-    ops: Ops,
-    block: GQAWeights,
-    rope: tuple[np.ndarray, np.ndarray],
-    x: np.ndarray,
-    caches: tuple[np.ndarray, np.ndarray],
-    start: int,
-    scale: float,
-    family: KernelFamily,
-) -> np.ndarray:
-    """`Ops.gqa_attention` one op at a time: the definition a backend's block must match."""
-    keys, values = caches
-    rows, kv_heads, head_dim = x.shape[0], keys.shape[1], keys.shape[2]
-    q, k, v = ops.matmul_many([block.q, block.k, block.v], x, family)
-    if block.biases is not None:
-        for y, b in zip((q, k, v), block.biases, strict=True):
-            y += b
-    if block.qk_norm is not None and block.qk_norm_whole:  # each row's whole projection
-        q = ops.rms_norm(q, block.qk_norm[0], block.eps)
-        k = ops.rms_norm(k, block.qk_norm[1], block.eps)
-    q = q.reshape(rows, -1, head_dim)
-    k = k.reshape(rows, kv_heads, head_dim)
-    v = v.reshape(rows, kv_heads, head_dim)
-    if block.qk_norm is not None and not block.qk_norm_whole:  # each head
-        q = ops.rms_norm(q, block.qk_norm[0], block.eps)
-        k = ops.rms_norm(k, block.qk_norm[1], block.eps)
-    cos, sin = rope
-    q = ops.rope_half(q, cos, sin)
-    keys[start : start + rows] = ops.rope_half(k, cos, sin)
-    values[start : start + rows] = v
-    end = start + rows
-    out = ops.attend_gqa(
-        q, keys[:end], values[:end], scale, start, block.window, block.sinks
-    )  # [S, H * d]
-    return ops.matmul(block.o, out, family)

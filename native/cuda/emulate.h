@@ -1,0 +1,31 @@
+/* What kernels.cu needs of CUDA, for compiling it as C++ on the CPU: the launch indices
+ * as globals a host loop sets (backends/cuda_device.py writes one launcher per kernel),
+ * the qualifiers as nothing, and CUDA's bit casts. Threads run one after another, which
+ * is exact for kernels whose threads never talk to each other, as all of colibri's do. */
+#ifndef COLIBRI_CUDA_EMULATE_H
+#define COLIBRI_CUDA_EMULATE_H
+
+#include <math.h>
+#include <string.h>
+
+#define __global__
+#define __device__
+#define __constant__ static const
+#define __forceinline__ inline
+
+struct colibri_dim3 {
+    unsigned x, y, z;
+};
+static colibri_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+struct float4 {
+    float x, y, z, w;
+};
+
+static inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, sizeof f);
+    return f;
+}
+
+#endif

@@ -1,0 +1,141 @@
+/* colibri's CUDA kernels: the weight products of the cuda backend (F32 kernel family),
+ * on weights as the container stores them (docs/formats.md), never converted.
+ *
+ * Every thread is independent: no shared memory, no barriers, no warp shuffles. That
+ * costs a second launch to reduce partial sums, and buys one source that runs on the GPU
+ * and, compiled as C++ with emulate.h (COLIBRI_CUDA_EMULATE), on the CPU, where the test
+ * suite holds it to the numpy reference on machines without a GPU.
+ *
+ * Launches are one-dimensional: thread t = blockIdx.x * blockDim.x + threadIdx.x, and
+ * each kernel returns for t past its work. Signatures may use only pointers, int and
+ * float: the host reads them from this file to pack the arguments (backends.cuda_device).
+ */
+#ifdef COLIBRI_CUDA_EMULATE
+#include "emulate.h"
+#endif
+
+/* Weight formats, numbered as backends/cuda_weights.py FORMAT_CODES. */
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_Q8 2
+#define FMT_Q4 3
+#define FMT_FP4 4
+
+/* Inputs one thread reads from a weight row at a time: 16 bytes of nibbles. */
+#define CHUNK 32
+/* Activation rows a thread keeps partial sums for at once. */
+#define ROW_TILE 4
+
+__device__ __forceinline__ float fp4_scale(unsigned e) {
+    /* 2^(e - 128), exact (subnormal below e = 2); 255 is e8m0's NaN: as the C kernels. */
+    unsigned u = e == 255u ? 0x7fc00000u : e >= 2u ? (e - 1u) << 23 : 0x00200000u << e;
+    return __int_as_float((int)u);
+}
+
+__device__ __forceinline__ float bf16_value(unsigned short b) {
+    return __int_as_float((int)((unsigned)b << 16));
+}
+
+/* The integer a nibble stands for: Q4's q = nibble - 8, FP4's doubled e2m1 value. */
+__constant__ int FP4_CODES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+__device__ __forceinline__ int nibble_code(int fmt, unsigned nib) {
+    return fmt == FMT_FP4 ? FP4_CODES[nib] : (int)nib - 8;
+}
+
+/* Weight (o, i) as a float: the code times its group's (or row's) scale, as
+ * formats.quant.dequantize computes it. */
+__device__ __forceinline__ float weight_at(const unsigned char *row, const void *scales, int fmt,
+                                           int o, int i, int gsz, int groups) {
+    switch (fmt) {
+    case FMT_F32:
+        return ((const float *)row)[i];
+    case FMT_BF16:
+        return bf16_value(((const unsigned short *)row)[i]);
+    case FMT_Q8:
+        return (float)((const signed char *)row)[i] * ((const float *)scales)[o];
+    default: {
+        const unsigned nib = (row[i >> 1] >> ((i & 1) * 4)) & 15u;
+        const int g = i / gsz;
+        const float sc = fmt == FMT_FP4
+                             ? fp4_scale(((const unsigned char *)scales)[(long long)o * groups + g])
+                             : ((const float *)scales)[(long long)o * groups + g];
+        return (float)nibble_code(fmt, nib) * sc;
+    }
+    }
+}
+
+/* Partial products of y = x @ W^T: thread (o, lane) sums the chunks lane, lane + lanes, ...
+ * of row o against every row s of x, into part[(s * O + o) * lanes + lane]. Neighbouring
+ * lanes read neighbouring chunks of one row, so a warp's loads are contiguous.
+ * x: [S, I] float32; W: O rows of row_bytes bytes; gsz: the scale group (I when per row). */
+extern "C" __global__ void mm_partial(const unsigned char *w, const void *scales, int fmt, int O,
+                                      int I, int gsz, int groups, int row_bytes, const float *x,
+                                      int S, float *part, int lanes) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)O * lanes) return;
+    const int o = (int)(t / lanes), lane = (int)(t % lanes);
+    const unsigned char *row = w + (long long)o * row_bytes;
+    const int chunks = (I + CHUNK - 1) / CHUNK;
+    for (int s0 = 0; s0 < S; s0 += ROW_TILE) {
+        const int rows = S - s0 < ROW_TILE ? S - s0 : ROW_TILE;
+        float acc[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = lane; c < chunks; c += lanes) {
+            const int i0 = c * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+            for (int i = i0; i < i1; i++) {
+                const float wv = weight_at(row, scales, fmt, o, i, gsz, groups);
+                for (int r = 0; r < rows; r++) acc[r] += wv * x[(long long)(s0 + r) * I + i];
+            }
+        }
+        for (int r = 0; r < rows; r++) part[((long long)(s0 + r) * O + o) * lanes + lane] = acc[r];
+    }
+}
+
+/* y[n] = the lanes partial sums of output n, added in lane order (so a result never
+ * depends on how many rows were in the batch). */
+extern "C" __global__ void mm_reduce(const float *part, int lanes, int n, float *y) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float *p = part + t * lanes;
+    float sum = 0.0f;
+    for (int l = 0; l < lanes; l++) sum += p[l];
+    y[t] = sum;
+}
+
+/* h = silu(g) * u, elementwise over n values. */
+extern "C" __global__ void swiglu(const float *g, const float *u, float *h, int n) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float v = g[t];
+    h[t] = v / (1.0f + expf(-v)) * u[t];
+}
+
+/* out[p, :] = x[rows[p], :] for the n pairs of an expert batch; width floats a row. */
+extern "C" __global__ void gather_rows(const float *x, int width, const int *rows, int n,
+                                       float *out) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)n * width) return;
+    const long long p = t / width, d = t % width;
+    out[t] = x[(long long)rows[p] * width + d];
+}
+
+/* y[p, :] *= gates[p]: each pair's expert output times its gate. */
+extern "C" __global__ void scale_rows(float *y, int width, const float *gates, int n) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)n * width) return;
+    y[t] = y[t] * gates[t / width];
+}
+
+/* The device's read bandwidth probe (backends.cuda_device.read_probe): thread t sums the
+ * 16-byte words t, t + threads, ... of n words, so each pass of the grid reads one
+ * contiguous stretch; one float a thread is written, so nothing is optimised away. */
+extern "C" __global__ void read_sum(const float4 *a, int n, int threads, float *out) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= threads) return;
+    float sum = 0.0f;
+    for (long long k = t; k < n; k += threads) {
+        const float4 v = a[k];
+        sum += (v.x + v.y) + (v.z + v.w);
+    }
+    out[t] = sum;
+}

@@ -1,0 +1,97 @@
+"""The cuda backend below its ops: the kernel source compiles for the GPU where nvcc is
+installed (even without a GPU), and the VRAM tier keeps device copies within its budget,
+drops a copy when its weight goes, and never changes a result by what it holds (on the
+CPU emulation of the kernels, which needs no GPU)."""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibrid.backends.base import KernelFamily
+from colibrid.backends.cuda import CudaOps
+from colibrid.backends.cuda_device import EmulatedDevice, kernel_dir, kernel_source, signatures
+from colibrid.errors import BackendError
+from colibrid.formats.quant import quantize
+from colibrid.formats.weights import QuantWeight, WeightFormat
+
+F32 = KernelFamily.F32
+
+
+@pytest.fixture(scope="module")
+def device() -> EmulatedDevice:
+    return EmulatedDevice()
+
+
+def _weight(o: int, i: int, seed: int) -> QuantWeight:
+    w = np.random.default_rng(seed).standard_normal((o, i), dtype=np.float32)
+    return quantize(w, WeightFormat.Q4, 64)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_kernels_compile_for_the_gpu(tmp_path: Path, arch: str) -> None:
+    out = tmp_path / "kernels.ptx"
+    done = subprocess.run(
+        ["nvcc", "--ptx", f"-arch={arch}", str(kernel_dir() / "kernels.cu"), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    ptx = out.read_text()
+    for name in signatures(kernel_source()):
+        assert f".entry {name}(" in ptx
+
+
+def test_every_kernel_is_declared_for_the_host() -> None:
+    sigs = signatures(kernel_source())
+    assert {"mm_partial", "mm_reduce", "swiglu", "gather_rows", "scale_rows"} <= set(sigs)
+    assert [p.kind for p in sigs["mm_reduce"]] == ["ptr", "int", "int", "ptr"]
+
+
+def test_the_tier_keeps_to_its_budget_and_never_changes_a_result(device) -> None:  # noqa: ANN001
+    weights = [_weight(48, 128, seed) for seed in range(6)]
+    x = np.random.default_rng(9).standard_normal((3, 128), dtype=np.float32)
+    roomy = CudaOps(device, vram_bytes=1 << 30)
+    one_fits = CudaOps(device, vram_bytes=weights[0].nbytes + 64)
+    want = [roomy.matmul(w, x, F32) for w in weights]
+    for _ in range(2):  # the second pass re-copies what the small tier evicted
+        got = [one_fits.matmul(w, x, F32) for w in weights]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    assert one_fits.vram.weights == 1 and one_fits.vram.bytes <= one_fits.vram.budget
+    assert one_fits.vram.copies == 12 and one_fits.vram.hits == 0
+    for w in weights:
+        roomy.matmul(w, x, F32)
+    assert roomy.vram.weights == 6 and roomy.vram.copies == 6 and roomy.vram.hits == 6
+
+
+def test_a_weights_copy_goes_with_it(device) -> None:  # noqa: ANN001
+    ops = CudaOps(device, vram_bytes=1 << 30)
+    w = _weight(16, 64, 1)
+    ops.matmul(w, np.ones((1, 64), dtype=np.float32), F32)
+    assert ops.vram.weights == 1 and ops.vram.bytes > 0
+    del w
+    gc.collect()
+    assert ops.vram.weights == 0 and ops.vram.bytes == 0
+
+
+def test_rows_are_computed_alone(device) -> None:  # noqa: ANN001
+    """S rows give the bits of S single-row calls (the batch never changes a result)."""
+    ops = CudaOps(device)
+    w = _weight(40, 192, 3)
+    x = np.random.default_rng(4).standard_normal((6, 192), dtype=np.float32)
+    together = ops.matmul(w, x, F32)
+    for s in range(6):
+        np.testing.assert_array_equal(ops.matmul(w, x[s : s + 1], F32)[0], together[s])
+
+
+def test_the_i8_family_is_refused(device) -> None:  # noqa: ANN001
+    with pytest.raises(BackendError, match="f32 kernel family only"):
+        CudaOps(device).matmul(_weight(8, 64, 0), np.ones((1, 64), np.float32), KernelFamily.I8)
