@@ -61,6 +61,13 @@ def render(status: dict) -> str:
             f"\nbatch: {status['shared_passes']} passes shared by several requests; "
             f"{status.get('batch_rows', 0)} rows in the last decode pass"
         )
+    vram = status["tiers"].get("vram", {})
+    if "budget_gb" in vram:
+        pins += (
+            f"\nvram: {vram['weights_gb']:.3f} GB of weights on the device "
+            f"(budget {vram['budget_gb']:.1f} GB), {vram['hits']} uses from it, "
+            f"{vram['copies']} copies in ({vram['copied_gb']:.3f} GB)"
+        )
     if status.get("speculate"):
         last = speculation_line(status.get("speculation") or {})
         pins += f"\nspeculate: {status['speculate']}" + (f" (last request: {last})" if last else "")

@@ -72,6 +72,22 @@ class ExpertBatch:
     dest: list[int]
 
 
+@dataclass
+class DeviceTierStats:
+    """What a backend holds in device memory (the VRAM tier of `ps` and /metrics):
+    weights and their bytes under the tier's budget, how many of them belong to routed or
+    shared experts, and the hits and copies in since the start."""
+
+    weights: int = 0
+    bytes: int = 0
+    budget: int = 0
+    expert_weights: int = 0
+    expert_bytes: int = 0
+    hits: int = 0
+    copies: int = 0  # weights copied in (a miss each)
+    copied_bytes: int = 0
+
+
 @dataclass(frozen=True)
 class RouteRule:
     """The router's rule: the ``top_k`` best experts by selection score, only the best

@@ -8,6 +8,7 @@ import numpy as np
 
 from colibrid.backends import calibrate, native
 from colibrid.backends.base import (
+    DeviceTierStats,
     ExpertBatch,
     GQAWeights,
     KernelFamily,
@@ -131,3 +132,6 @@ class CpuOps:
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))
+
+    def device_tier(self) -> DeviceTierStats | None:
+        return None

@@ -18,12 +18,14 @@ module checks on the device, or on the CPU emulation of it where there is no GPU
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from colibrid.backends.base import (
+    DeviceTierStats,
     ExpertBatch,
     GQAWeights,
     KernelFamily,
@@ -33,7 +35,7 @@ from colibrid.backends.base import (
 )
 from colibrid.backends.cpu import CpuOps
 from colibrid.backends.cuda_device import Buffer, Device, open_device
-from colibrid.backends.cuda_weights import DeviceWeight, TierStats, VramTier
+from colibrid.backends.cuda_weights import DeviceWeight, VramTier
 from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.backends.moe_plan import moe_each
 from colibrid.errors import BackendError
@@ -85,7 +87,8 @@ class CudaOps:
         self._lock = threading.RLock()  # one op at a time owns the scratch buffers
 
     @property
-    def vram(self) -> TierStats:
+    def vram(self) -> DeviceTierStats:
+        """The tier's live counters (device_tier() is a copy for other threads)."""
         return self.tier.stats
 
     # ---- device plumbing ------------------------------------------------------------------
@@ -124,9 +127,10 @@ class CudaOps:
         )  # fmt: skip
         self.device.launch("mm_reduce", rows * o, part, lanes, rows * o, y)
 
-    def _swiglu(self, weights: SwiGLUWeights, x: int, rows: int, y: int) -> None:
+    def _swiglu(self, weights: SwiGLUWeights, x: int, rows: int, y: int, expert: bool) -> None:
         """y [rows, D] = down(silu(gate x) * up x), all on the device."""
-        gate, up, down = (self.tier.get(w) for w in (weights.gate, weights.up, weights.down))
+        trio = (weights.gate, weights.up, weights.down)
+        gate, up, down = (self.tier.get(w, expert) for w in trio)
         width = gate.shape[0] * rows
         g, u, h = (self._space(n, width * F4) for n in ("gate", "up", "hidden"))
         self._mm(gate, x, rows, g)
@@ -201,7 +205,7 @@ class CudaOps:
         with self._lock:
             xp = self._put("x", xs)
             yp = self._space("y", xs.shape[0] * down.shape[0] * F4)
-            self._swiglu(_Trio(gate, up, down), xp, xs.shape[0], yp)
+            self._swiglu(_Trio(gate, up, down), xp, xs.shape[0], yp, expert=False)
             y = self._get(yp, (xs.shape[0], down.shape[0]))
         return y.reshape(*x.shape[:-1], down.shape[0])
 
@@ -227,7 +231,7 @@ class CudaOps:
                 lo, hi = batch.start[e], batch.start[e + 1]
                 if lo < hi:
                     offset = lo * width * F4
-                    self._swiglu(w, gathered + offset, hi - lo, yp + offset)
+                    self._swiglu(w, gathered + offset, hi - lo, yp + offset, expert=True)
             self.device.launch("scale_rows", pairs * width, yp, width, gates, pairs)
             ys = self._get(yp, (pairs, width))
         out[np.asarray(batch.dest, dtype=np.int64)] = ys
@@ -293,6 +297,9 @@ class CudaOps:
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         return self.host.embed(table, ids)
+
+    def device_tier(self) -> DeviceTierStats | None:
+        return dataclasses.replace(self.tier.stats)
 
 
 class _Trio:

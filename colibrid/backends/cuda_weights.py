@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from colibrid.backends.base import DeviceTierStats
 from colibrid.backends.cuda_device import Buffer, Device
 from colibrid.formats.weights import QuantWeight, WeightFormat
 
@@ -92,18 +93,6 @@ def upload(device: Device, w: QuantWeight) -> DeviceWeight:
     )  # fmt: skip
 
 
-@dataclass
-class TierStats:
-    """What `ps` and /metrics show of the VRAM tier."""
-
-    weights: int = 0
-    bytes: int = 0
-    budget: int = 0
-    hits: int = 0
-    copies: int = 0  # weights copied in (a miss each)
-    copied_bytes: int = 0
-
-
 class VramTier:
     """Device copies of weights by weight object, least recently used out first once
     their bytes pass ``budget``. An evicted copy's memory goes when the last op using it
@@ -111,40 +100,47 @@ class VramTier:
 
     def __init__(self, device: Device, budget: int) -> None:
         self.device = device
-        self.stats = TierStats(budget=budget)
-        self._held: OrderedDict[int, DeviceWeight] = OrderedDict()
+        self.stats = DeviceTierStats(budget=budget)
+        self._held: OrderedDict[int, tuple[DeviceWeight, bool]] = OrderedDict()
         self._watched: set[int] = set()  # weights whose death drops their copy
         self._lock = threading.RLock()  # a finalizer may run inside get, on any thread
 
-    def get(self, w: QuantWeight) -> DeviceWeight:
+    def get(self, w: QuantWeight, expert: bool = False) -> DeviceWeight:
+        """``w`` on the device (copied in now if it is not); ``expert``: it is one of an
+        expert's weights, counted apart in the stats."""
         with self._lock:
-            return self._get(w)
+            return self._get(w, expert)
 
-    def _get(self, w: QuantWeight) -> DeviceWeight:
+    def _get(self, w: QuantWeight, expert: bool) -> DeviceWeight:
         key = id(w)
-        held = self._held.get(key)
-        if held is not None:
+        entry = self._held.get(key)
+        if entry is not None:
             self._held.move_to_end(key)
             self.stats.hits += 1
-            return held
+            return entry[0]
         held = upload(self.device, w)
         if key not in self._watched:
             self._watched.add(key)
             weakref.finalize(w, self._forget, key)
-        self._held[key] = held
+        self._held[key] = (held, expert)
+        self._count(held, expert, 1)
         self.stats.copies += 1
         self.stats.copied_bytes += held.nbytes
-        self.stats.weights += 1
-        self.stats.bytes += held.nbytes
         while self.stats.bytes > self.stats.budget and len(self._held) > 1:
             self._evict(next(iter(self._held)))
         return held
 
     def _evict(self, key: int) -> None:
-        held = self._held.pop(key, None)
-        if held is not None:
-            self.stats.weights -= 1
-            self.stats.bytes -= held.nbytes
+        entry = self._held.pop(key, None)
+        if entry is not None:
+            self._count(*entry, -1)
+
+    def _count(self, held: DeviceWeight, expert: bool, sign: int) -> None:
+        self.stats.weights += sign
+        self.stats.bytes += sign * held.nbytes
+        if expert:
+            self.stats.expert_weights += sign
+            self.stats.expert_bytes += sign * held.nbytes
 
     def _forget(self, key: int) -> None:
         """The weight is gone: so is its copy, and the id may now name another weight."""

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from colibrid.backends.base import (
+    DeviceTierStats,
     ExpertBatch,
     GQAWeights,
     KernelFamily,
@@ -289,3 +290,7 @@ class MlxOps:
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
         """A row lookup, no arithmetic worth a device: done on the host."""
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))
+
+    def device_tier(self) -> DeviceTierStats | None:
+        """None: MLX computes in unified memory, on the arrays the store's weights became."""
+        return None

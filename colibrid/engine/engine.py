@@ -66,6 +66,7 @@ class Engine:
         self.kv_budget_bytes = kv_budget_bytes
         self.mtp_on = False  # the MTP layer drafts (Engine.load(mtp=True) on a model with one)
         self.backend = "cpu"  # the name of the backend whose ops compute (Engine.load sets it)
+        self.ops: Any = None  # that backend's ops (models.base.Ops; Engine.load sets them)
 
     @property
     def vocab_size(self) -> int:
@@ -133,6 +134,7 @@ class Engine:
         engine = cls(checkpoint, model, args, experts, family, context, info, kv)
         engine.mtp_on = mtp_on and getattr(model, "mtp", None) is not None
         engine.backend = ops.name
+        engine.ops = ops
         return engine
 
     def new_session(self) -> Session:

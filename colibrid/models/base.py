@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from colibrid.backends.base import (
+    DeviceTierStats,
     ExpertBatch,
     GQAWeights,
     KernelFamily,
@@ -206,6 +207,11 @@ class Ops(Protocol):
         ...
 
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray: ...
+
+    def device_tier(self) -> DeviceTierStats | None:
+        """A copy of what the backend holds in device memory now; None for a backend that
+        computes on weights where the store keeps them (cpu, and mlx's unified memory)."""
+        ...
 
 
 @dataclass

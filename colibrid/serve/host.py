@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from colibrid.backends.base import DeviceTierStats
 from colibrid.engine import kv_files
 from colibrid.engine.batcher import Batcher, Member
 from colibrid.engine.constraint import Constraint, Grammar, Vocabulary
@@ -109,6 +110,7 @@ class StoreView:
 
     stats: StoreStats
     pinned: frozenset[tuple[int, int]]
+    vram: DeviceTierStats | None = None  # what the backend holds in device memory
 
 
 class EngineHost:
@@ -307,7 +309,8 @@ class EngineHost:
         if self.engine is None:
             return None
         store = self.engine.experts
-        return StoreView(store.statistics(), frozenset(store.pinned_keys()))
+        vram = self.engine.ops.device_tier() if self.engine.ops is not None else None
+        return StoreView(store.statistics(), frozenset(store.pinned_keys()), vram)
 
     def publish_store(self) -> None:
         """Engine thread: refresh the snapshot `ps` and STATUS read."""
@@ -431,7 +434,8 @@ class EngineHost:
         delta = store.take_usage()
         for profile in dict.fromkeys(m.tag.request.profile for m in members):
             self._usage.add(profile, delta)
-        self.store_view = replace(self.store_view, stats=store.statistics())
+        vram = self.engine.ops.device_tier() if self.engine.ops is not None else None
+        self.store_view = replace(self.store_view, stats=store.statistics(), vram=vram)
 
     def done(self, member: Member, event: DoneEvent) -> None:
         job: Job = member.tag

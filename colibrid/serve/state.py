@@ -63,8 +63,19 @@ class DaemonState:
             return {"vram": empty, "ram": dict(empty), "disk": dict(empty), "hit_rate": None}
         snap = view.stats
         size, total, ram = snap.expert_bytes, snap.total_experts, snap.resident_experts
+        vram = view.vram
         return {
-            "vram": {"experts": 0, "gb": 0.0},
+            "vram": {"experts": 0, "gb": 0.0}
+            if vram is None
+            else {
+                "experts": vram.expert_weights // 3,  # gate, up and down of each
+                "gb": vram.expert_bytes / GB,
+                "weights_gb": vram.bytes / GB,
+                "budget_gb": vram.budget / GB,
+                "hits": vram.hits,
+                "copies": vram.copies,
+                "copied_gb": vram.copied_bytes / GB,
+            },
             "ram": {
                 "experts": ram,
                 "gb": ram * size / GB,

@@ -14,7 +14,9 @@ from colibrid.backends.cuda_device import EMULATE_ENV
 from colibrid.engine.backend import mlx_installed
 
 
-def _answer(home: Home, *start_flags: str, backend: str | None = None) -> str:
+def _answer(
+    home: Home, *start_flags: str, backend: str | None = None, ps: list[str] | None = None
+) -> str:
     result = home.colibrid("start", *start_flags)
     assert result.returncode == 0, result.stderr + home.log()
     try:
@@ -23,6 +25,10 @@ def _answer(home: Home, *start_flags: str, backend: str | None = None) -> str:
         if backend is None:
             backend = "mlx" if "mlx" in (*start_flags, home.settings.get("backend")) else "cpu"
         assert f"on the {backend} backend" in home.log()
+        if ps is not None:
+            shown = home.colibri("ps")
+            assert shown.returncode == 0, shown.stderr
+            ps.append(shown.stdout)
         return asked.stdout
     finally:
         home.close()
@@ -44,6 +50,10 @@ def test_daemon_on_cuda_streams_experts_as_it_answers_resident(
         home = Home(tmp_path / name, chat_model, backend="cuda")
         home.env[EMULATE_ENV] = "1"  # the cuda backend's code and kernels, run on this CPU
         homes.append(home)
+    shown: list[str] = []
     resident = _answer(homes[0], backend="cuda")
-    streamed = _answer(homes[1], "--cache", "1", "--pilot", "on", backend="cuda")
+    streamed = _answer(homes[1], "--cache", "1", "--pilot", "on", backend="cuda", ps=shown)
     assert resident.strip() and streamed == resident
+    vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
+    assert int(vram.split()[1]) > 0, shown[0]  # experts on the device
+    assert "GB of weights on the device" in shown[0]

@@ -32,6 +32,9 @@ class NumpyOps:
     def prepare(self, layouts) -> None:  # noqa: ANN001
         """Nothing to tune: numpy has one way to multiply."""
 
+    def device_tier(self) -> None:
+        return None
+
     def _dense(self, w: QuantWeight) -> np.ndarray:
         key = id(w.data)
         if key not in self._cache:
