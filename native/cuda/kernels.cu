@@ -43,25 +43,27 @@ __device__ __forceinline__ int nibble_code(int fmt, unsigned nib) {
     return fmt == FMT_FP4 ? FP4_CODES[nib] : (int)nib - 8;
 }
 
-/* Weight (o, i) as a float: the code times its group's (or row's) scale, as
- * formats.quant.dequantize computes it. */
-__device__ __forceinline__ float weight_at(const unsigned char *row, const void *scales, int fmt,
-                                           int o, int i, int gsz, int groups) {
+/* The scale of input i of row o: the row's (Q8, per-row Q4: groups == 1) or its group's. */
+__device__ __forceinline__ float scale_at(const void *scales, int fmt, int o, int i, int gsz,
+                                          int groups) {
+    if (fmt == FMT_F32 || fmt == FMT_BF16) return 1.0f;
+    const long long g = (long long)o * groups + (groups == 1 ? 0 : i / gsz);
+    return fmt == FMT_FP4 ? fp4_scale(((const unsigned char *)scales)[g])
+                          : ((const float *)scales)[g];
+}
+
+/* Weight (o, i) as a float given its scale sc: the code times the scale, as
+ * formats.quant.dequantize computes it (f32 and bf16 as they are). */
+__device__ __forceinline__ float weight_at(const unsigned char *row, int fmt, int i, float sc) {
     switch (fmt) {
     case FMT_F32:
         return ((const float *)row)[i];
     case FMT_BF16:
         return bf16_value(((const unsigned short *)row)[i]);
     case FMT_Q8:
-        return (float)((const signed char *)row)[i] * ((const float *)scales)[o];
-    default: {
-        const unsigned nib = (row[i >> 1] >> ((i & 1) * 4)) & 15u;
-        const int g = i / gsz;
-        const float sc = fmt == FMT_FP4
-                             ? fp4_scale(((const unsigned char *)scales)[(long long)o * groups + g])
-                             : ((const float *)scales)[(long long)o * groups + g];
-        return (float)nibble_code(fmt, nib) * sc;
-    }
+        return (float)((const signed char *)row)[i] * sc;
+    default:
+        return (float)nibble_code(fmt, (row[i >> 1] >> ((i & 1) * 4)) & 15u) * sc;
     }
 }
 
@@ -82,8 +84,12 @@ extern "C" __global__ void mm_partial(const unsigned char *w, const void *scales
         float acc[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int c = lane; c < chunks; c += lanes) {
             const int i0 = c * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+            /* one scale for the chunk when no group boundary falls inside it */
+            const bool one_scale = groups == 1 || gsz % CHUNK == 0;
+            float sc = scale_at(scales, fmt, o, i0, gsz, groups);
             for (int i = i0; i < i1; i++) {
-                const float wv = weight_at(row, scales, fmt, o, i, gsz, groups);
+                if (!one_scale) sc = scale_at(scales, fmt, o, i, gsz, groups);
+                const float wv = weight_at(row, fmt, i, sc);
                 for (int r = 0; r < rows; r++) acc[r] += wv * x[(long long)(s0 + r) * I + i];
             }
         }
