@@ -69,8 +69,9 @@ def _rows(x: np.ndarray, width: int) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32).reshape(-1, width)
 
 
-class CudaOps:
-    """Implements models.base.Ops: weight products on the device, the rest on CpuOps."""
+class CudaOps(CpuOps):
+    """Implements models.base.Ops: the CPU backend with its weight products on the device
+    (the router, norms, RoPE, attention over the cache and the rank sums are CpuOps')."""
 
     name = "cuda"
     families = frozenset({KernelFamily.F32})
@@ -81,7 +82,6 @@ class CudaOps:
         if budget is None:
             budget = int(self.device.memory()[0] * VRAM_SHARE)
         self.tier = VramTier(self.device, budget)
-        self.host = CpuOps()
         self._scratch: dict[str, Buffer] = {}
         self._retired: list[Buffer] = []
         self._lock = threading.RLock()  # one op at a time owns the scratch buffers
@@ -236,9 +236,6 @@ class CudaOps:
             ys = self._get(yp, (pairs, width))
         out[np.asarray(batch.dest, dtype=np.int64)] = ys
 
-    def rank_sum(self, parts: np.ndarray) -> np.ndarray:
-        return self.host.rank_sum(parts)
-
     def moe(
         self,
         x: np.ndarray,
@@ -253,11 +250,6 @@ class CudaOps:
         _family(family)
         return moe_each(self, x, weight, bias, rule, layer, shared, family)
 
-    def route(
-        self, h: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, rule: RouteRule, n: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        return self.host.route(h, weight, bias, rule, n)
-
     def gqa_attention(
         self,
         block: GQAWeights,
@@ -271,32 +263,6 @@ class CudaOps:
         """Projections on the device, the rest on the host: gqa_attention_each itself."""
         _family(family)
         return gqa_attention_each(self, block, rope, x, caches, start, scale, family)
-
-    def rope_half(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        return self.host.rope_half(x, cos, sin)
-
-    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-        return self.host.rms_norm(x, weight, eps)
-
-    def add_rms_norm(
-        self, h: np.ndarray, delta: np.ndarray, weight: np.ndarray, eps: float
-    ) -> tuple[np.ndarray, np.ndarray]:
-        return self.host.add_rms_norm(h, delta, weight, eps)
-
-    def attend_gqa(
-        self,
-        q: np.ndarray,
-        keys: np.ndarray,
-        values: np.ndarray,
-        scale: float,
-        start: int,
-        window: int | None = None,
-        sinks: np.ndarray | None = None,
-    ) -> np.ndarray:
-        return self.host.attend_gqa(q, keys, values, scale, start, window, sinks)
-
-    def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray:
-        return self.host.embed(table, ids)
 
     def device_tier(self) -> DeviceTierStats | None:
         return dataclasses.replace(self.tier.stats)
