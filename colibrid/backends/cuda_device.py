@@ -203,7 +203,8 @@ def _build_emulation(source: str, launchers: str) -> Path:
         raise BackendError(
             f"emulating the cuda kernels needs a C++ compiler ({compiler!r} not found)"
         )
-    flags = ["-O2", "-fPIC", "-shared", "-std=c++14", "-DCOLIBRI_CUDA_EMULATE"]
+    flags = ["-O2", "-fPIC", "-shared", "-std=c++14", "-fno-strict-aliasing"]
+    flags.append("-DCOLIBRI_CUDA_EMULATE")
     header = (kernel_dir() / "emulate.h").read_text()
     digest = hashlib.sha256("\0".join([source, header, launchers, compiler, *flags]).encode())
     base = cache_base()

@@ -22,6 +22,10 @@ struct float4 {
     float x, y, z, w;
 };
 
+struct uint4 {
+    unsigned x, y, z, w;
+};
+
 static inline float __int_as_float(int i) {
     float f;
     memcpy(&f, &i, sizeof f);

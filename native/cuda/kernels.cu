@@ -79,6 +79,8 @@ extern "C" __global__ void mm_partial(const unsigned char *w, const void *scales
     const int o = (int)(t / lanes), lane = (int)(t % lanes);
     const unsigned char *row = w + (long long)o * row_bytes;
     const int chunks = (I + CHUNK - 1) / CHUNK;
+    /* whole chunks of nibbles may be read 16 bytes at a time: rows start 16-byte aligned */
+    const bool nibbles = (fmt == FMT_Q4 || fmt == FMT_FP4) && row_bytes % 16 == 0;
     for (int s0 = 0; s0 < S; s0 += ROW_TILE) {
         const int rows = S - s0 < ROW_TILE ? S - s0 : ROW_TILE;
         float acc[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -87,6 +89,21 @@ extern "C" __global__ void mm_partial(const unsigned char *w, const void *scales
             /* one scale for the chunk when no group boundary falls inside it */
             const bool one_scale = groups == 1 || gsz % CHUNK == 0;
             float sc = scale_at(scales, fmt, o, i0, gsz, groups);
+            if (nibbles && one_scale && i1 - i0 == CHUNK) {
+                /* the chunk's 32 codes in one 16-byte load; word k holds inputs 8k..8k+7,
+                 * the lowest nibble first (the container's order, little-endian) */
+                const uint4 words = *(const uint4 *)(row + i0 / 2);
+                const unsigned word[4] = {words.x, words.y, words.z, words.w};
+                for (int k = 0; k < 4; k++) {
+                    for (int n = 0; n < 8; n++) {
+                        const int i = i0 + 8 * k + n;
+                        const float wv = (float)nibble_code(fmt, (word[k] >> (4 * n)) & 15u) * sc;
+                        for (int r = 0; r < rows; r++)
+                            acc[r] += wv * x[(long long)(s0 + r) * I + i];
+                    }
+                }
+                continue;
+            }
             for (int i = i0; i < i1; i++) {
                 if (!one_scale) sc = scale_at(scales, fmt, o, i, gsz, groups);
                 const float wv = weight_at(row, fmt, i, sc);

@@ -17,7 +17,7 @@ from colibrid.backends.base import KernelFamily
 from colibrid.backends.cuda import CudaOps
 from colibrid.backends.cuda_device import EmulatedDevice, kernel_dir, kernel_source, signatures
 from colibrid.errors import BackendError
-from colibrid.formats.quant import quantize
+from colibrid.formats.quant import dequantize, quantize
 from colibrid.formats.weights import QuantWeight, WeightFormat
 
 F32 = KernelFamily.F32
@@ -95,3 +95,19 @@ def test_rows_are_computed_alone(device) -> None:  # noqa: ANN001
 def test_the_i8_family_is_refused(device) -> None:  # noqa: ANN001
     with pytest.raises(BackendError, match="f32 kernel family only"):
         CudaOps(device).matmul(_weight(8, 64, 0), np.ones((1, 64), np.float32), KernelFamily.I8)
+
+
+@pytest.mark.parametrize(
+    "i,group",
+    [(128, 64), (100, 64), (96, 16), (130, 0)],
+    ids=["whole-chunks", "ragged-row", "groups-inside-a-chunk", "per-row-odd"],
+)
+def test_every_path_of_the_product_kernel(device, i: int, group: int) -> None:  # noqa: ANN001
+    """The 16-byte path (whole aligned chunks under one scale) and the per-weight path
+    (ragged rows, a group boundary inside a chunk) against the dequantised product."""
+    w = np.random.default_rng(i).standard_normal((24, i), dtype=np.float32)
+    q = quantize(w, WeightFormat.Q4, group)
+    x = np.random.default_rng(5).standard_normal((5, i), dtype=np.float32)
+    want = x.astype(np.float64) @ dequantize(q).astype(np.float64).T
+    got = CudaOps(device).matmul(q, x, F32)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
