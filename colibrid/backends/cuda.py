@@ -34,7 +34,7 @@ from colibrid.backends.base import (
     SwiGLUWeights,
 )
 from colibrid.backends.cpu import CpuOps
-from colibrid.backends.cuda_device import Buffer, Device, open_device
+from colibrid.backends.cuda_device import Buffer, Device, copy_probe, open_device, read_probe
 from colibrid.backends.cuda_weights import DeviceWeight, VramTier
 from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.backends.moe_plan import moe_each
@@ -263,6 +263,13 @@ class CudaOps(CpuOps):
         """Projections on the device, the rest on the host: gqa_attention_each itself."""
         _family(family)
         return gqa_attention_each(self, block, rope, x, caches, start, scale, family)
+
+    def limits(self, nbytes: int = 256 << 20) -> tuple[float, float, str]:
+        """The device's read probe and host-to-device copy rate (GB/s), measured now over
+        ``nbytes``, and a line saying them: what the benches print their figures beside."""
+        read, copy = read_probe(self.device, nbytes), copy_probe(self.device, nbytes)
+        line = f"{self.device.name}: read probe {read:.1f} GB/s, host to device {copy:.1f} GB/s"
+        return read, copy, line
 
     def device_tier(self) -> DeviceTierStats | None:
         return dataclasses.replace(self.tier.stats)

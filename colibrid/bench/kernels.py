@@ -171,14 +171,12 @@ def run_backend(
     beside the same memory probe as the native rows."""
     from colibrid.backends import native
     from colibrid.backends.cuda import CudaOps
-    from colibrid.backends.cuda_device import copy_probe, read_probe
     from colibrid.engine.backend import make_ops
 
     ops = make_ops(backend)
     if isinstance(ops, CudaOps):  # the device's own memory is the limit of its rows
-        membw = read_probe(ops.device, max(working_set_mb, 256) << 20)
-        pcie = copy_probe(ops.device, 256 << 20)
-        say(f"{ops.device.name}: read probe {membw:.1f} GB/s, host to device {pcie:.1f} GB/s")
+        membw, _copy, line = ops.limits(max(working_set_mb, 256) << 20)
+        say(line)
     else:
         membw = native.membw_probe(max(working_set_mb, 256) << 20, threads=threads, repeats=10)
     rng = np.random.default_rng(0)

@@ -114,6 +114,7 @@ def main(argv: list[str]) -> int:
     args.parser = p
     if args.ram_gb is None and args.cache is None:
         p.error("give --ram-gb N (or --cache N)")
+    from colibrid.backends.cuda import CudaOps
     from colibrid.engine.engine import Engine
     from colibrid.store.tiered import TieredStore
 
@@ -132,6 +133,8 @@ def main(argv: list[str]) -> int:
         f"{threads} threads): {gbs:.2f} GB/s"
     )
     print(store.budget_plan.describe())
+    if isinstance(engine.ops, CudaOps):  # the GPU's limits beside the disk's
+        print(engine.ops.limits()[2])
     kind = engine.family.value  # what the passes compute with, as the engine holds it
     print(f"kernel family: {kind}" + (" (int8 activations: lossy)" if kind == "i8" else ""))
     print(f"slots: {store.plan.describe()}; pins: {store.pins.note}")
