@@ -195,7 +195,7 @@ complete -c colibri -n '_shtab_colibri_using bench kernels' -l threads -x -d 'th
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l seconds -x -d 'seconds per case (best full pass is reported)'
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l working-set -x -d 'bytes of distinct weight copies cycled through (defeats caches)'
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l format -xka "fp4 q4g64 q8" -d 'weight format (repeatable; default: all)'
-complete -c colibri -n '_shtab_colibri_using bench kernels' -l backend -xka "cpu mlx" -d 'cpu: the native kernels per ISA and family (default); mlx: MLX'"'"'s matmul (f32 family) on the same matrices, through the backend'"'"'s Ops'
+complete -c colibri -n '_shtab_colibri_using bench kernels' -l backend -xka "cpu mlx cuda" -d 'cpu: the native kernels per ISA and family (default); mlx or cuda: that backend'"'"'s matmul (f32 family) on the same matrices, through its Ops (cuda beside the GPU'"'"'s read probe and its host-to-device copy rate)'
 complete -c colibri -n '_shtab_colibri_using bench kernels' -l json -d 'print JSON rows instead of a table'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a decode -d 'resident prefill and decode tok/s vs the memory-bandwidth roofline'
 complete -c colibri -n '_shtab_colibri_using bench decode' -s h -l help -d 'show this help message and exit'

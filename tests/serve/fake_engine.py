@@ -181,6 +181,7 @@ class FakeEngine:
         self.layer_delay_s = layer_delay_s
         self.computed = 0
         self.kv_budget_bytes = None
+        self.ops = None  # no backend: nothing held in device memory for `ps`
 
     def request_finished(self) -> None:
         self.experts.request_finished()
