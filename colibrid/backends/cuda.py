@@ -99,9 +99,9 @@ class CudaOps(CpuOps):
         if held is None or held.nbytes < nbytes:
             if held is not None:
                 self._retired.append(held)
-            held = self._scratch[name] = self.device.alloc(
-                max(nbytes, 2 * (held.nbytes if held else 0))
-            )
+            size = max(nbytes, 2 * held.nbytes if held is not None else 0)
+            held = self.tier.with_room(lambda: self.device.alloc(size), f"{size >> 20} MiB of work")
+            self._scratch[name] = held
         return held.ptr
 
     def _put(self, name: str, host: np.ndarray) -> int:

@@ -15,16 +15,22 @@ expert's view dies with its slot's fill), so the tier never serves stale bytes.
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from colibrid.backends.base import DeviceTierStats
 from colibrid.backends.cuda_device import Buffer, Device
+from colibrid.errors import BackendError, first_line
 from colibrid.formats.weights import QuantWeight, WeightFormat
+
+T = TypeVar("T")
 
 FORMAT_CODES = {
     WeightFormat.F32: 0,
@@ -118,7 +124,11 @@ class VramTier:
             self._held.move_to_end(key)
             self.stats.hits += 1
             return entry[0]
-        held = upload(self.device, w)
+        while self._held and self.stats.bytes + w.nbytes > self.stats.budget:
+            self._evict(next(iter(self._held)))  # make room first: no peak over the budget
+        held = self.with_room(
+            lambda: upload(self.device, w), f"a {w.nbytes / 2**20:.1f} MiB weight"
+        )
         if key not in self._watched:
             self._watched.add(key)
             weakref.finalize(w, self._forget, key)
@@ -126,9 +136,25 @@ class VramTier:
         self._count(held, expert, 1)
         self.stats.copies += 1
         self.stats.copied_bytes += held.nbytes
-        while self.stats.bytes > self.stats.budget and len(self._held) > 1:
-            self._evict(next(iter(self._held)))
         return held
+
+    def with_room(self, allocate: Callable[[], T], what: str) -> T:
+        """``allocate()``; when the device is fuller than the budget assumed (another
+        program's memory), again once with the tier emptied; then one clear error."""
+        try:
+            return allocate()
+        except Exception:  # noqa: BLE001 - pycuda's and the emulation's errors differ
+            with self._lock:
+                while self._held:
+                    self._evict(next(iter(self._held)))
+            gc.collect()  # copies only cycles still hold go now
+            try:
+                return allocate()
+            except Exception as exc:  # noqa: BLE001 - one line, as every backend error
+                raise BackendError(
+                    f"the GPU has no room for {what} even with the VRAM tier emptied "
+                    f"({first_line(exc)}); free device memory or use --backend cpu"
+                ) from exc
 
     def _evict(self, key: int) -> None:
         entry = self._held.pop(key, None)

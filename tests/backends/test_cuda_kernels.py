@@ -111,3 +111,36 @@ def test_every_path_of_the_product_kernel(device, i: int, group: int) -> None:  
     want = x.astype(np.float64) @ dequantize(q).astype(np.float64).T
     got = CudaOps(device).matmul(q, x, F32)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+class _CrowdedDevice(EmulatedDevice):
+    """The emulated device, refusing the next ``refuse`` allocations as a GPU does when
+    another program has taken its memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = 0
+
+    def alloc(self, nbytes: int):  # noqa: ANN201
+        if self.refuse > 0:
+            self.refuse -= 1
+            raise MemoryError("cuMemAlloc failed: out of memory")
+        return super().alloc(nbytes)
+
+
+def test_a_crowded_device_empties_the_tier_then_says_so_in_one_line() -> None:
+    device = _CrowdedDevice()
+    ops = CudaOps(device, vram_bytes=1 << 30)
+    weights = [_weight(32, 128, seed) for seed in range(4)]
+    x = np.random.default_rng(2).standard_normal((2, 128), dtype=np.float32)
+    want = [ops.matmul(w, x, F32) for w in weights[:3]]
+    assert ops.vram.weights == 3
+    device.refuse = 1  # the next copy fails once: the tier lets go of all it holds, retries
+    extra = ops.matmul(weights[3], x, F32)
+    assert ops.vram.weights == 1
+    np.testing.assert_array_equal(extra, CudaOps(EmulatedDevice()).matmul(weights[3], x, F32))
+    device.refuse = 2  # no room even when empty: one clear error, and nothing lost
+    with pytest.raises(BackendError, match="no room for a .* MiB weight"):
+        ops.matmul(weights[0], x, F32)
+    for w, expected in zip(weights[:3], want, strict=True):
+        np.testing.assert_array_equal(ops.matmul(w, x, F32), expected)
