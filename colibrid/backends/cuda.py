@@ -53,6 +53,12 @@ rest is left to the scratch buffers and other programs."""
 
 F4 = 4  # bytes of a float32
 
+JOB_INTS = 11
+"""Integers describing one product to kernels.cu's mm_partial / mm_reduce (J_* there)."""
+
+Product = tuple[DeviceWeight, int, int, int]
+"""One product for `_products`: the weight, x's address, its rows, y's address."""
+
 
 def _family(family: KernelFamily) -> None:
     if family is not KernelFamily.F32:
@@ -116,27 +122,54 @@ class CudaOps(CpuOps):
         self._retired.clear()
         return out
 
-    def _mm(self, w: DeviceWeight, x: int, rows: int, y: int) -> None:
-        """y [rows, O] = x [rows, I] @ W^T, all device addresses."""
-        o, i = w.shape
-        lanes = min(MAX_LANES, max(1, -(-i // CHUNK)))
-        part = self._space("part", rows * o * lanes * F4)
-        self.device.launch(
-            "mm_partial", o * lanes, w.data, w.scales, w.fmt, o, i, w.group, w.groups,
-            w.row_bytes, x, rows, part, lanes,
-        )  # fmt: skip
-        self.device.launch("mm_reduce", rows * o, part, lanes, rows * o, y)
+    def _products(self, jobs: list[Product]) -> None:
+        """Every y [rows, O] = x [rows, I] @ W^T of ``jobs`` in two launches (kernels.cu
+        mm_partial, mm_reduce); a product's bits do not depend on the others."""
+        if not jobs:
+            return
+        meta = np.zeros((len(jobs), JOB_INTS), dtype=np.int32)
+        addresses = np.zeros((len(jobs), 4), dtype=np.uint64)
+        threads = outputs = partials = 0
+        for j, (w, x, rows, y) in enumerate(jobs):
+            o, i = w.shape
+            lanes = min(MAX_LANES, max(1, -(-i // CHUNK)))
+            meta[j] = (o, i, rows, lanes, w.fmt, w.group, w.groups, w.row_bytes, threads,
+                       outputs, partials)  # fmt: skip
+            addresses[j] = (w.data, w.scales, x, y)
+            threads, outputs, partials = (
+                threads + o * lanes,
+                outputs + rows * o,
+                partials + rows * o * lanes,
+            )
+        part = self._space("part", partials * F4)
+        meta_at, addresses_at = self._put("meta", meta), self._put("addresses", addresses)
+        self.device.launch("mm_partial", threads, meta_at, addresses_at, len(jobs), threads, part)
+        self.device.launch("mm_reduce", outputs, meta_at, addresses_at, len(jobs), outputs, part)
 
-    def _swiglu(self, weights: SwiGLUWeights, x: int, rows: int, y: int, expert: bool) -> None:
-        """y [rows, D] = down(silu(gate x) * up x), all on the device."""
-        trio = (weights.gate, weights.up, weights.down)
-        gate, up, down = (self.tier.get(w, expert) for w in trio)
-        width = gate.shape[0] * rows
-        g, u, h = (self._space(n, width * F4) for n in ("gate", "up", "hidden"))
-        self._mm(gate, x, rows, g)
-        self._mm(up, x, rows, u)
-        self.device.launch("swiglu", width, g, u, h, width)
-        self._mm(down, h, rows, y)
+    def _swiglus(self, jobs: list[tuple[SwiGLUWeights, int, int, int]], expert: bool) -> None:
+        """y [rows, D] = down(silu(gate x) * up x) for every (weights, x, rows, y) of
+        ``jobs`` (device addresses): the gates and ups in one product launch, one silu
+        over all of them, the downs in another."""
+        trios = [
+            (
+                self.tier.get(t.gate, expert),
+                self.tier.get(t.up, expert),
+                self.tier.get(t.down, expert),
+            )
+            for t, *_ in jobs
+        ]
+        hidden = sum(trio[0].shape[0] * job[2] for trio, job in zip(trios, jobs, strict=True))
+        g, u, h = (self._space(n, hidden * F4) for n in ("gate", "up", "hidden"))
+        first: list[Product] = []
+        second: list[Product] = []
+        at = 0
+        for (gate, up, down), (_, x, rows, y) in zip(trios, jobs, strict=True):
+            first += [(gate, x, rows, g + at), (up, x, rows, u + at)]
+            second.append((down, h + at, rows, y))
+            at += gate.shape[0] * rows * F4
+        self._products(first)
+        self.device.launch("swiglu", hidden, g, u, h, hidden)
+        self._products(second)
 
     # ---- Ops ------------------------------------------------------------------------------
     def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
@@ -158,10 +191,11 @@ class CudaOps(CpuOps):
             xp = self._put("x", xs)
             total = sum(w.shape[0] for w in weights) * xs.shape[0]
             yp = self._space("y", total * F4)
-            at = yp
+            jobs, at = [], yp
             for w in weights:
-                self._mm(self.tier.get(w), xp, xs.shape[0], at)
+                jobs.append((self.tier.get(w), xp, xs.shape[0], at))
                 at += w.shape[0] * xs.shape[0] * F4
+            self._products(jobs)
             flat = self._get(yp, (total,))
         outs, lo = [], 0
         for w in weights:
@@ -183,11 +217,13 @@ class CudaOps(CpuOps):
             dw = self.tier.get(w)
             xp = self._put("x", np.ascontiguousarray(x3.transpose(1, 0, 2), dtype=np.float32))
             yp = self._space("y", count * rows * width * F4)
-            for b in range(count):
-                block_x = xp + b * rows * w.shape[1] * F4
-                self._mm(
-                    dw.rows(b * width, (b + 1) * width), block_x, rows, yp + b * rows * width * F4
-                )
+            self._products(
+                [
+                    (dw.rows(b * width, (b + 1) * width), xp + b * rows * w.shape[1] * F4, rows,
+                     yp + b * rows * width * F4)
+                    for b in range(count)
+                ]
+            )  # fmt: skip
             y = self._get(yp, (count, rows, width))
         out = np.ascontiguousarray(y.transpose(1, 0, 2)).reshape(rows, count * width)
         return out[0] if x.ndim == 2 else out
@@ -205,7 +241,7 @@ class CudaOps(CpuOps):
         with self._lock:
             xp = self._put("x", xs)
             yp = self._space("y", xs.shape[0] * down.shape[0] * F4)
-            self._swiglu(_Trio(gate, up, down), xp, xs.shape[0], yp, expert=False)
+            self._swiglus([(_Trio(gate, up, down), xp, xs.shape[0], yp)], expert=False)
             y = self._get(yp, (xs.shape[0], down.shape[0]))
         return y.reshape(*x.shape[:-1], down.shape[0])
 
@@ -227,11 +263,13 @@ class CudaOps(CpuOps):
             gathered = self._space("gathered", pairs * width * F4)
             self.device.launch("gather_rows", pairs * width, xp, width, rows, pairs, gathered)
             yp = self._space("y", pairs * width * F4)
+            jobs = []
             for e, w in enumerate(batch.weights):
                 lo, hi = batch.start[e], batch.start[e + 1]
                 if lo < hi:
                     offset = lo * width * F4
-                    self._swiglu(w, gathered + offset, hi - lo, yp + offset, expert=True)
+                    jobs.append((w, gathered + offset, hi - lo, yp + offset))
+            self._swiglus(jobs, expert=True)
             self.device.launch("scale_rows", pairs * width, yp, width, gates, pairs)
             ys = self._get(yp, (pairs, width))
         out[np.asarray(batch.dest, dtype=np.int64)] = ys

@@ -67,27 +67,24 @@ __device__ __forceinline__ float weight_at(const unsigned char *row, int fmt, in
     }
 }
 
-/* Partial products of y = x @ W^T: thread (o, lane) sums the chunks lane, lane + lanes, ...
- * of row o against every row s of x, into part[(s * O + o) * lanes + lane]. Neighbouring
+/* Thread (o, lane) of a product y = x @ W^T: sums the chunks lane, lane + lanes, ... of
+ * row o against every row s of x, into part[(s * O + o) * lanes + lane]. Neighbouring
  * lanes read neighbouring chunks of one row, so a warp's loads are contiguous.
  * x: [S, I] float32; W: O rows of row_bytes bytes; gsz: the scale group (I when per row). */
-extern "C" __global__ void mm_partial(const unsigned char *w, const void *scales, int fmt, int O,
-                                      int I, int gsz, int groups, int row_bytes, const float *x,
-                                      int S, float *part, int lanes) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= (long long)O * lanes) return;
-    const int o = (int)(t / lanes), lane = (int)(t % lanes);
+__device__ void partial_sums(const unsigned char *w, const void *scales, int fmt, int O, int I,
+                             int gsz, int groups, int row_bytes, const float *x, int S,
+                             float *part, int lanes, int o, int lane) {
     const unsigned char *row = w + (long long)o * row_bytes;
     const int chunks = (I + CHUNK - 1) / CHUNK;
     /* whole chunks of nibbles may be read 16 bytes at a time: rows start 16-byte aligned */
     const bool nibbles = (fmt == FMT_Q4 || fmt == FMT_FP4) && row_bytes % 16 == 0;
+    /* one scale for a chunk when no group boundary falls inside it */
+    const bool one_scale = groups == 1 || gsz % CHUNK == 0;
     for (int s0 = 0; s0 < S; s0 += ROW_TILE) {
         const int rows = S - s0 < ROW_TILE ? S - s0 : ROW_TILE;
         float acc[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int c = lane; c < chunks; c += lanes) {
             const int i0 = c * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
-            /* one scale for the chunk when no group boundary falls inside it */
-            const bool one_scale = groups == 1 || gsz % CHUNK == 0;
             float sc = scale_at(scales, fmt, o, i0, gsz, groups);
             if (nibbles && one_scale && i1 - i0 == CHUNK) {
                 /* the chunk's 32 codes in one 16-byte load; word k holds inputs 8k..8k+7,
@@ -114,15 +111,65 @@ extern "C" __global__ void mm_partial(const unsigned char *w, const void *scales
     }
 }
 
-/* y[n] = the lanes partial sums of output n, added in lane order (so a result never
+/* Output n of a product: its lanes partial sums added in lane order (so a result never
  * depends on how many rows were in the batch). */
-extern "C" __global__ void mm_reduce(const float *part, int lanes, int n, float *y) {
-    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= n) return;
-    const float *p = part + t * lanes;
+__device__ float lane_sum(const float *part, int lanes, long long n) {
+    const float *p = part + n * lanes;
     float sum = 0.0f;
     for (int l = 0; l < lanes; l++) sum += p[l];
-    y[t] = sum;
+    return sum;
+}
+
+/* Products y = x @ W^T, any number in one launch (q/k/v together, every expert of a layer):
+ * mm_partial over every job's O * lanes threads, then mm_reduce over every job's S * O
+ * outputs. Job j is meta[j * JOB_INTS + J_*] and its four addresses ptrs[j * 4 + P_*]; its
+ * threads start at J_THREADS and its outputs at J_OUTPUTS (running sums over the jobs),
+ * its partial sums at part + J_PART. A job computes the same bits alone or with others. */
+#define JOB_INTS 11
+#define J_O 0
+#define J_I 1
+#define J_ROWS 2
+#define J_LANES 3
+#define J_FMT 4
+#define J_GSZ 5
+#define J_GROUPS 6
+#define J_ROW_BYTES 7
+#define J_THREADS 8
+#define J_OUTPUTS 9
+#define J_PART 10
+#define P_DATA 0
+#define P_SCALES 1
+#define P_X 2
+#define P_Y 3
+
+/* The job whose range [meta[j].field, meta[j + 1].field) holds t. */
+__device__ int job_of(const int *meta, int jobs, int field, long long t) {
+    int j = 0;
+    while (j + 1 < jobs && t >= meta[(j + 1) * JOB_INTS + field]) j++;
+    return j;
+}
+
+extern "C" __global__ void mm_partial(const int *meta, const unsigned long long *ptrs,
+                                           int jobs, int threads, float *part) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= threads) return;
+    const int j = job_of(meta, jobs, J_THREADS, t);
+    const int *m = meta + j * JOB_INTS;
+    const unsigned long long *p = ptrs + j * 4;
+    const int local = (int)(t - m[J_THREADS]), lanes = m[J_LANES];
+    partial_sums((const unsigned char *)p[P_DATA], (const void *)p[P_SCALES], m[J_FMT], m[J_O],
+                 m[J_I], m[J_GSZ], m[J_GROUPS], m[J_ROW_BYTES], (const float *)p[P_X], m[J_ROWS],
+                 part + m[J_PART], lanes, local / lanes, local % lanes);
+}
+
+extern "C" __global__ void mm_reduce(const int *meta, const unsigned long long *ptrs,
+                                          int jobs, int outputs, const float *part) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= outputs) return;
+    const int j = job_of(meta, jobs, J_OUTPUTS, t);
+    const int *m = meta + j * JOB_INTS;
+    const long long n = t - m[J_OUTPUTS];
+    ((float *)ptrs[j * 4 + P_Y])[n] = lane_sum(part + m[J_PART], m[J_LANES], n);
 }
 
 /* h = silu(g) * u, elementwise over n values. */

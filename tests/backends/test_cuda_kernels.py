@@ -9,16 +9,18 @@ import gc
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import ExpertBatch, KernelFamily
 from colibrid.backends.cuda import CudaOps
 from colibrid.backends.cuda_device import EmulatedDevice, kernel_dir, kernel_source, signatures
 from colibrid.errors import BackendError
 from colibrid.formats.quant import dequantize, quantize
 from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.models.base import apply_experts_each
 
 F32 = KernelFamily.F32
 
@@ -52,7 +54,7 @@ def test_kernels_compile_for_the_gpu(tmp_path: Path, arch: str) -> None:
 def test_every_kernel_is_declared_for_the_host() -> None:
     sigs = signatures(kernel_source())
     assert {"mm_partial", "mm_reduce", "swiglu", "gather_rows", "scale_rows"} <= set(sigs)
-    assert [p.kind for p in sigs["mm_reduce"]] == ["ptr", "int", "int", "ptr"]
+    assert [p.kind for p in sigs["mm_reduce"]] == ["ptr", "ptr", "int", "int", "ptr"]
 
 
 def test_the_tier_keeps_to_its_budget_and_never_changes_a_result(device) -> None:  # noqa: ANN001
@@ -144,3 +146,29 @@ def test_a_crowded_device_empties_the_tier_then_says_so_in_one_line() -> None:
         ops.matmul(weights[0], x, F32)
     for w, expected in zip(weights[:3], want, strict=True):
         np.testing.assert_array_equal(ops.matmul(w, x, F32), expected)
+
+
+def test_products_launched_together_give_the_bits_of_each_alone(device) -> None:  # noqa: ANN001
+    """q/k/v in one launch, every expert of a layer in one launch (the shared expert of
+    another width among them): the bits of one product, or one expert, at a time."""
+    ops = CudaOps(device)
+    x = np.random.default_rng(6).standard_normal((3, 128), dtype=np.float32)
+    weights = [_weight(o, 128, seed) for seed, o in enumerate((64, 32, 32))]
+    together = ops.matmul_many(weights, x, F32)
+    for w, got in zip(weights, together, strict=True):
+        np.testing.assert_array_equal(got, ops.matmul(w, x, F32))
+
+    def expert(seed: int, width: int):  # noqa: ANN202
+        return SimpleNamespace(
+            gate=_weight(width, 128, seed),
+            up=_weight(width, 128, seed + 1),
+            down=_weight(128, width, seed + 2),
+        )
+
+    experts = [expert(10, 64), expert(20, 64), expert(30, 96)]  # the last: another width
+    batch = ExpertBatch(experts, [0, 2, 3, 6], [0, 2, 1, 0, 1, 2], [0.5, 0.25, 1.0, 1.0, 1.0, 1.0],
+                        [0, 1, 2, 3, 4, 5])  # fmt: skip
+    got, want = np.zeros((6, 128), np.float32), np.zeros((6, 128), np.float32)
+    ops.apply_experts(batch, x, got, F32)
+    apply_experts_each(ops, batch, x, want, F32)
+    np.testing.assert_array_equal(got, want)
