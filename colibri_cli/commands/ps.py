@@ -63,10 +63,11 @@ def render(status: dict) -> str:
         )
     vram = status["tiers"].get("vram", {})
     if "budget_gb" in vram:
+        budget = "no budget" if vram["budget_gb"] is None else f"budget {vram['budget_gb']:.1f} GB"
         pins += (
-            f"\nvram: {vram['weights_gb']:.3f} GB of weights on the device "
-            f"(budget {vram['budget_gb']:.1f} GB), {vram['hits']} uses from it, "
-            f"{vram['copies']} copies in ({vram['copied_gb']:.3f} GB)"
+            f"\nvram: {vram['weights_gb']:.3f} GB of weights on the device ({budget}), "
+            f"{vram['hits']} uses from it, {vram['copies']} copies in "
+            f"({vram['copied_gb']:.3f} GB)"
         )
     if status.get("speculate"):
         last = speculation_line(status.get("speculation") or {})

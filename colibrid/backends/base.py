@@ -80,7 +80,7 @@ class DeviceTierStats:
 
     weights: int = 0
     bytes: int = 0
-    budget: int = 0
+    budget: int | None = None  # bytes; None: the tier has none
     expert_weights: int = 0
     expert_bytes: int = 0
     hits: int = 0

@@ -35,7 +35,8 @@ from colibrid.backends.base import (
 )
 from colibrid.backends.cpu import CpuOps
 from colibrid.backends.cuda_device import Buffer, Device, copy_probe, open_device, read_probe
-from colibrid.backends.cuda_weights import DeviceWeight, VramTier
+from colibrid.backends.cuda_weights import DeviceWeight, upload
+from colibrid.backends.device_tier import DeviceTier
 from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.backends.moe_plan import moe_each
 from colibrid.errors import BackendError
@@ -87,7 +88,8 @@ class CudaOps(CpuOps):
         budget = vram_bytes
         if budget is None:
             budget = int(self.device.memory()[0] * VRAM_SHARE)
-        self.tier = VramTier(self.device, budget)
+        device = self.device
+        self.tier = DeviceTier(lambda w: upload(device, w), lambda d: d.nbytes, budget)
         self._scratch: dict[str, Buffer] = {}
         self._retired: list[Buffer] = []
         self._lock = threading.RLock()  # one op at a time owns the scratch buffers

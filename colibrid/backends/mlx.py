@@ -4,7 +4,8 @@ numpy arrays in and out at the seam, as every backend: models and the store neve
 an mx array. Inside an op the arithmetic is one lazy MLX graph evaluated once (`_run`),
 so a MoE layer's experts or an attention block cost one synchronisation, not one per
 expert or per projection. Weights are converted once per weight object
-(backends.mlx_weights). Results equal the numpy reference to float tolerance (MLX sums
+(backends.mlx_weights) and kept in the device tier (backends.device_tier), which `ps`
+shows as the vram row. Results equal the numpy reference to float tolerance (MLX sums
 in its own order), which the whole-model oracle checks token for token.
 
 Only the F32 kernel family is computed: I8 (int8 activations, bit-exact integer dot
@@ -13,6 +14,7 @@ products) is a CPU-kernel contract MLX has no matching arithmetic for, so it is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import mlx.core as mx
@@ -27,7 +29,8 @@ from colibrid.backends.base import (
     RouteRule,
     SwiGLUWeights,
 )
-from colibrid.backends.mlx_weights import mlx_weight
+from colibrid.backends.device_tier import DeviceTier
+from colibrid.backends.mlx_weights import MlxWeight, convert
 from colibrid.backends.moe_plan import moe_each
 from colibrid.errors import BackendError
 from colibrid.formats.quant import dequantize_rows
@@ -106,31 +109,42 @@ def _attend(
     return out.reshape(heads, rows, d).transpose(1, 0, 2).reshape(rows, heads * d)
 
 
-def _swiglu(gate: QuantWeight, up: QuantWeight, down: QuantWeight, x: mx.array) -> mx.array:
-    g = mlx_weight(gate).matmul(x)
-    u = mlx_weight(up).matmul(x)
-    return mlx_weight(down).matmul((g / (1.0 + mx.exp(-g))) * u)
+def _swiglu(gate: MlxWeight, up: MlxWeight, down: MlxWeight, x: mx.array) -> mx.array:
+    g = gate.matmul(x)
+    u = up.matmul(x)
+    return down.matmul((g / (1.0 + mx.exp(-g))) * u)
 
 
 class MlxOps:
-    """Implements models.base.Ops on MLX; weights convert lazily at their first use."""
+    """Implements models.base.Ops on MLX; weights convert at their first use and stay
+    converted in the device tier (backends.device_tier) for as long as the weight lives,
+    within ``budget`` bytes when one is given."""
 
     name = "mlx"
     families = frozenset({KernelFamily.F32})
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.tier: DeviceTier[MlxWeight] = DeviceTier(convert, lambda m: m.nbytes, budget)
+
+    def _w(self, w: QuantWeight, expert: bool = False) -> MlxWeight:
+        return self.tier.get(w, expert)
+
+    def _trio(self, weights: SwiGLUWeights, expert: bool) -> tuple[MlxWeight, ...]:
+        return tuple(self._w(w, expert) for w in (weights.gate, weights.up, weights.down))
 
     def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
         """Nothing to tune: MLX picks its own kernels."""
 
     def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         _family(family)
-        return _run(mlx_weight(w).matmul(_in(x)))[0]
+        return _run(self._w(w).matmul(_in(x)))[0]
 
     def matmul_many(
         self, weights: Sequence[QuantWeight], x: np.ndarray, family: KernelFamily
     ) -> list[np.ndarray]:
         _family(family)
         xs = _in(x)
-        return _run(*(mlx_weight(w).matmul(xs) for w in weights))
+        return _run(*(self._w(w).matmul(xs) for w in weights))
 
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
         _family(family)
@@ -139,7 +153,7 @@ class MlxOps:
         width = w.shape[0] // blocks
         if width * blocks != w.shape[0]:
             raise ValueError(f"{w.shape[0]} output rows do not split into {blocks} equal blocks")
-        mw = mlx_weight(w)
+        mw = self._w(w)
         parts = [mw.rows(b * width, (b + 1) * width).matmul(xs[..., b, :]) for b in range(blocks)]
         return _run(mx.concatenate(parts, axis=-1))[0]
 
@@ -152,7 +166,7 @@ class MlxOps:
         family: KernelFamily,
     ) -> np.ndarray:
         _family(family)
-        return _run(_swiglu(gate, up, down, _in(x)))[0]
+        return _run(_swiglu(self._w(gate), self._w(up), self._w(down), _in(x)))[0]
 
     def apply_experts(
         self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
@@ -167,7 +181,7 @@ class MlxOps:
                 continue
             rows = xs[mx.array(batch.rows[lo:hi])]
             gates = mx.array(np.asarray(batch.gates[lo:hi], dtype=np.float32))[:, None]
-            parts.append(_swiglu(w.gate, w.up, w.down, rows) * gates)
+            parts.append(_swiglu(*self._trio(w, expert=True), rows) * gates)
         if not parts:
             return
         (ys,) = _run(mx.concatenate(parts, axis=0))
@@ -236,7 +250,7 @@ class MlxOps:
         keys, values = caches
         rows, kv_heads, d = x.shape[0], keys.shape[1], keys.shape[2]
         xs = _in(x)
-        q, k, v = (mlx_weight(w).matmul(xs) for w in (block.q, block.k, block.v))
+        q, k, v = (self._w(w).matmul(xs) for w in (block.q, block.k, block.v))
         if block.biases is not None:
             q, k, v = (y + _in(b) for y, b in zip((q, k, v), block.biases, strict=True))
         if block.qk_norm is not None and block.qk_norm_whole:  # each row's whole projection
@@ -253,9 +267,7 @@ class MlxOps:
         all_k = mx.concatenate([_in(keys[:start]), k]) if start else k
         all_v = mx.concatenate([_in(values[:start]), v]) if start else v
         sinks = None if block.sinks is None else _in(block.sinks)
-        out = mlx_weight(block.o).matmul(
-            _attend(q, all_k, all_v, scale, start, block.window, sinks)
-        )
+        out = self._w(block.o).matmul(_attend(q, all_k, all_v, scale, start, block.window, sinks))
         y, new_k, new_v = _run(out, k, v)
         keys[start : start + rows] = new_k
         values[start : start + rows] = new_v
@@ -292,5 +304,5 @@ class MlxOps:
         return dequantize_rows(table, np.asarray(ids, dtype=np.int64))
 
     def device_tier(self) -> DeviceTierStats | None:
-        """None: MLX computes in unified memory, on the arrays the store's weights became."""
-        return None
+        """The MLX arrays the weights became (on Apple silicon, wired unified memory)."""
+        return dataclasses.replace(self.tier.stats)

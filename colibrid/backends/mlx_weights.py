@@ -49,6 +49,12 @@ class MlxWeight:
     bits: int = 0
     mode: str = "affine"  # or "mxfp4": e8m0 scales, no biases
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its MLX arrays (what the device tier counts)."""
+        arrays = (self.dense, self.packed, self.scales, self.biases)
+        return sum(a.nbytes for a in arrays if a is not None)
+
     def rows(self, lo: int, hi: int) -> MlxWeight:
         """Rows [lo, hi) as a weight of their own (a lazy slice, no copy until used)."""
         shape = (hi - lo, self.shape[1])
@@ -84,7 +90,9 @@ class MlxWeight:
 
 
 def convert(w: QuantWeight) -> MlxWeight:
-    """``w`` on the MLX side (a fresh conversion; `mlx_weight` keeps it)."""
+    """``w`` on the MLX side, converted now (MlxOps' device tier keeps it)."""
+    if not isinstance(w, QuantWeight):
+        raise ValueError("the mlx backend computes on QuantWeight weights")
     o, i = w.shape
     if w.fmt is WeightFormat.Q4 and w.group_size in MLX_GROUPS and i % w.group_size == 0:
         assert w.scales is not None
@@ -130,16 +138,3 @@ def _quantised(
         group_size=group_size,
         bits=bits,
     )
-
-
-def mlx_weight(w: QuantWeight) -> MlxWeight:
-    """``w`` converted once and kept on the weight object, so it lives exactly as long as
-    the weight: resident weights convert at their first use, a streamed expert's view
-    converts once per fill of its slot and is dropped with the view."""
-    cached = w.__dict__.get("_mlx_weight")
-    if cached is None:
-        if not isinstance(w, QuantWeight):
-            raise ValueError("the mlx backend computes on QuantWeight weights")
-        cached = convert(w)
-        object.__setattr__(w, "_mlx_weight", cached)  # frozen dataclass: a private cache
-    return cached

@@ -209,8 +209,9 @@ class Ops(Protocol):
     def embed(self, table: QuantWeight, ids: np.ndarray) -> np.ndarray: ...
 
     def device_tier(self) -> DeviceTierStats | None:
-        """A copy of what the backend holds in device memory now; None for a backend that
-        computes on weights where the store keeps them (cpu, and mlx's unified memory)."""
+        """A copy of the backend's device tier now (backends.device_tier: GPU memory for
+        cuda, MLX arrays for mlx); None for a backend that computes on the weights where
+        the store keeps them (cpu)."""
         ...
 
 

@@ -71,7 +71,7 @@ class DaemonState:
                 "experts": vram.expert_weights // 3,  # gate, up and down of each
                 "gb": vram.expert_bytes / GB,
                 "weights_gb": vram.bytes / GB,
-                "budget_gb": vram.budget / GB,
+                "budget_gb": None if vram.budget is None else vram.budget / GB,
                 "hits": vram.hits,
                 "copies": vram.copies,
                 "copied_gb": vram.copied_bytes / GB,

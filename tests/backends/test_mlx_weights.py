@@ -4,6 +4,8 @@ numpy's dequantise-and-multiply to float tolerance."""
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,8 @@ from colibrid.formats.quant import dequantize, quantize
 from colibrid.formats.weights import QuantWeight, WeightFormat
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed (pip install 'colibri[mlx]')")
-from colibrid.backends.mlx_weights import convert, mlx_weight  # noqa: E402
+from colibrid.backends.mlx import MlxOps  # noqa: E402
+from colibrid.backends.mlx_weights import convert  # noqa: E402
 
 
 def _w(o: int, i: int, seed: int = 0) -> np.ndarray:
@@ -36,7 +39,7 @@ def test_quantized_matmul_equals_dequantise_and_matmul(
 ) -> None:
     w = quantize(_w(96, 320, seed=rows), fmt, gs)
     x = np.random.default_rng(1).standard_normal((rows, 320), dtype=np.float32)
-    got = np.array(mlx_weight(w).matmul(mx.array(x)))
+    got = np.array(convert(w).matmul(mx.array(x)))
     want = (x.astype(np.float64) @ dequantize(w).astype(np.float64).T).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -59,11 +62,17 @@ def test_other_layouts_are_dequantised_once(w: QuantWeight) -> None:
     np.testing.assert_array_equal(np.array(m.dense), dequantize(w))
 
 
-def test_a_weight_converts_once() -> None:
+def test_a_weight_converts_once_and_its_copy_goes_with_it() -> None:
+    tier = MlxOps().tier
     w = quantize(_w(16, 128), WeightFormat.Q4, 64)
-    assert mlx_weight(w) is mlx_weight(w)
+    assert tier.get(w) is tier.get(w)
     twin = QuantWeight(w.fmt, w.shape, w.data, w.scales, w.group_size)
-    assert mlx_weight(twin) is not mlx_weight(w)  # kept per object, dropped with it
+    assert tier.get(twin) is not tier.get(w)  # kept per object
+    assert tier.stats.weights == 2 and tier.stats.copies == 2 and tier.stats.hits == 2
+    assert tier.stats.bytes == 2 * convert(w).nbytes > 0
+    del twin
+    gc.collect()
+    assert tier.stats.weights == 1  # dropped with it
 
 
 def test_fp4_is_mlx_mxfp4_as_stored() -> None:
