@@ -212,7 +212,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from colibrid.engine.backend import make_ops
 
     family = KernelFamily(args.kernel_family)
-    ops = make_ops(args.backend or "auto", family)  # one line, exit 1, when it cannot run
+    # one line, exit 1, when it cannot run
+    ops = make_ops(args.backend or "auto", family, args.vram_gb)
     codec, stops = _text_side(args, model, params)
     prompt, mode = _prompt_ids(args, text, codec)
 

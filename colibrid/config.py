@@ -17,9 +17,17 @@ from colibrid.paths import Paths
 
 
 def add_backend_flag(p: Any, *, config_key: bool = False) -> None:
-    """--backend, as every command that loads a model takes it."""
+    """--backend and --vram-gb, as every command that loads a model takes them."""
     tail = " (config.toml key `backend`, default auto)" if config_key else " (default auto)"
     p.add_argument("--backend", choices=BACKENDS, help=BACKEND_HELP + tail)
+    p.add_argument(
+        "--vram-gb",
+        type=float,
+        metavar="GB",
+        help="device memory the cuda or mlx backend may keep weights in"
+        + (" (config.toml key `vram_gb`;" if config_key else " (")
+        + " default: cuda 80%% of the GPU memory free at start, mlx no limit)",
+    )
 
 
 # The --pilot help of every command that places experts (kept here: help must not import
@@ -102,6 +110,11 @@ class Settings:
         "what computes: cpu (native SIMD kernels) | mlx (MLX: Apple silicon, or mlx[cpu] on "
         "Linux) | cuda (NVIDIA GPU via pycuda) | auto (mlx on Apple silicon when installed, "
         "else cpu)",
+    )
+    vram_gb: float | None = setting(
+        None,
+        "GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% "
+        "of the GPU memory free at start, mlx no limit)",
     )
     max_queue: int = setting(16, "requests waiting beyond the active ones; more answer BUSY")
     max_active: int = setting(
@@ -192,6 +205,8 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
         if value is not None and not _type_ok(value, str(want)):
             raise ConfigError(f"{paths.config}: {name} has the wrong type ({value!r})")
     speculation(settings)  # a bad mode or depth is refused now, not at the first request
+    if settings.vram_gb is not None and not settings.vram_gb > 0:
+        raise ConfigError(f"{paths.config}: vram_gb must be positive, not {settings.vram_gb!r}")
     if settings.backend not in BACKENDS:
         raise ConfigError(
             f"{paths.config}: backend must be one of {', '.join(BACKENDS)}, "

@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             speculate=args.speculate,
             draft_max=args.draft_max,
             backend=args.backend,
+            vram_gb=args.vram_gb,
         )
         make_ops(settings.backend)  # a backend this machine lacks fails before the socket
         model_dir = resolve_model(paths, settings.default_model)
@@ -226,6 +227,7 @@ def start(args: argparse.Namespace) -> int:
         ("--speculate", args.speculate),
         ("--draft-max", args.draft_max),
         ("--backend", args.backend),
+        ("--vram-gb", args.vram_gb),
     ):
         if value is not None:
             cmd += [flag, str(value)]

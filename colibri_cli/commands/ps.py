@@ -63,7 +63,7 @@ def render(status: dict) -> str:
         )
     vram = status["tiers"].get("vram", {})
     if "budget_gb" in vram:
-        budget = "no budget" if vram["budget_gb"] is None else f"budget {vram['budget_gb']:.1f} GB"
+        budget = "no budget" if vram["budget_gb"] is None else f"budget {vram['budget_gb']:.3g} GB"
         pins += (
             f"\nvram: {vram['weights_gb']:.3f} GB of weights on the device ({budget}), "
             f"{vram['hits']} uses from it, {vram['copies']} copies in "

@@ -206,6 +206,7 @@ def measure(
     warmup: int,
     family: KernelFamily,
     backend: str = "cpu",
+    vram_gb: float | None = None,
 ) -> Result:
     """The kernel floor is the CPU kernels' whatever the backend: the one speed this
     bench can time per matrix."""
@@ -215,7 +216,7 @@ def measure(
     from colibrid.engine.kv import bytes_per_position
     from colibrid.store.options import StoreOptions
 
-    ops = CountingOps(make_ops(backend, family))
+    ops = CountingOps(make_ops(backend, family, vram_gb))
     engine = Engine.load(model_dir, family=family, ops=ops, store=StoreOptions(mode="resident"))
     try:
         needed = prompt_tokens + warmup + tokens + COUNTED_STEPS
@@ -299,6 +300,7 @@ def main(argv: list[str]) -> int:
         warmup=args.warmup,
         family=KernelFamily(args.family),
         backend=args.backend or "auto",
+        vram_gb=args.vram_gb,
     )
     if args.json:
         print(json.dumps(asdict(r)))

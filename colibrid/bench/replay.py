@@ -40,7 +40,7 @@ def engine_ops(args: argparse.Namespace, family: KernelFamily = KernelFamily.F32
     """The ops of the --backend asked for (BackendError, one line, when it cannot run)."""
     from colibrid.engine.backend import make_ops
 
-    return make_ops(args.backend or "auto", family)
+    return make_ops(args.backend or "auto", family, args.vram_gb)
 
 
 def store_options(args: argparse.Namespace):  # noqa: ANN201

@@ -50,9 +50,13 @@ def resolve(name: str, family: KernelFamily = KernelFamily.F32) -> str:
     return "mlx" if mlx else "cpu"
 
 
-def make_ops(name: str = "auto", family: KernelFamily = KernelFamily.F32) -> Ops:
+def make_ops(
+    name: str = "auto", family: KernelFamily = KernelFamily.F32, vram_gb: float | None = None
+) -> Ops:
     """The ops object of backend `name` (for kernel family `family`, which only steers
-    auto); BackendError (one line) when it cannot run here."""
+    auto; `vram_gb` bounds the device tier of cuda and mlx); BackendError (one line) when
+    it cannot run here."""
+    budget = None if vram_gb is None else int(vram_gb * (1 << 30))  # GiB, as --ram-gb
     chosen = resolve(name, family)
     if chosen == "mlx":
         if not mlx_installed():
@@ -62,11 +66,11 @@ def make_ops(name: str = "auto", family: KernelFamily = KernelFamily.F32) -> Ops
             )
         from colibrid.backends.mlx import MlxOps
 
-        return MlxOps()
+        return MlxOps(budget)
     if chosen == "cuda":
         from colibrid.backends.cuda import CudaOps
 
-        return CudaOps()
+        return CudaOps(vram_bytes=budget)
     from colibrid.backends.cpu import CpuOps
 
     return CpuOps()

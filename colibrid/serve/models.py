@@ -79,7 +79,7 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
 
     engine = Engine.load(
         model_dir,
-        ops=make_ops(settings.backend),
+        ops=make_ops(settings.backend, vram_gb=settings.vram_gb),
         max_context=settings.max_context,
         store=store_options(settings),
         mtp=settings.speculate in ("mtp", "auto"),

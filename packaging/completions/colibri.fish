@@ -51,7 +51,7 @@ function _shtab_colibri_using
 end
 
 set -g _shtab_colibri_commands ask repl run list pull stop rm ps logs profile 'profile list' 'profile show' 'profile use' 'profile save' 'profile warm' service 'service install' 'service uninstall' 'service status' completion convert inspect config synth bench 'bench kernels' 'bench decode' 'bench stream' 'bench batch' 'bench spec' 'bench replay' 'bench policy' 'bench peer' 'bench routing'
-set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --mxfp4 --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --warmup --working-set -n
+set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --mxfp4 --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --vram-gb --warmup --working-set -n
 
 complete -c colibri -e
 complete -c colibri -f
@@ -205,6 +205,7 @@ complete -c colibri -n '_shtab_colibri_using bench decode' -l tokens -x -d 'deco
 complete -c colibri -n '_shtab_colibri_using bench decode' -l warmup -x -d 'decode steps before measuring'
 complete -c colibri -n '_shtab_colibri_using bench decode' -l family -xka "f32 i8" -d 'kernel family'
 complete -c colibri -n '_shtab_colibri_using bench decode' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
+complete -c colibri -n '_shtab_colibri_using bench decode' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in ( default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench decode' -l json -d 'print one JSON object'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a stream -d 'decode tok/s streaming experts vs the O_DIRECT roofline'
 complete -c colibri -n '_shtab_colibri_using bench stream' -s h -l help -d 'show this help message and exit'
@@ -224,6 +225,7 @@ complete -c colibri -n '_shtab_colibri_using bench stream' -l io-threads -x -d '
 complete -c colibri -n '_shtab_colibri_using bench stream' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l profile -x -d 'usage profile (.coli_usage) to learn from'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
+complete -c colibri -n '_shtab_colibri_using bench stream' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in ( default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a batch -d '1, 2, 4, 8 requests decoded together: tok/s and expert bytes per token vs the disk'
 complete -c colibri -n '_shtab_colibri_using bench batch' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using bench batch' -l model -x -d 'model name or folder'
@@ -239,6 +241,7 @@ complete -c colibri -n '_shtab_colibri_using bench batch' -l io-threads -x -d 'r
 complete -c colibri -n '_shtab_colibri_using bench batch' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench batch' -l profile -x -d 'usage profile (.coli_usage) to learn from'
 complete -c colibri -n '_shtab_colibri_using bench batch' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
+complete -c colibri -n '_shtab_colibri_using bench batch' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in ( default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a spec -d 'speculative decoding on and off: tok/s, accepted drafts, bytes per token'
 complete -c colibri -n '_shtab_colibri_using bench spec' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using bench spec' -l model -x -d 'model name or folder'
@@ -255,6 +258,7 @@ complete -c colibri -n '_shtab_colibri_using bench spec' -l io-threads -x -d 're
 complete -c colibri -n '_shtab_colibri_using bench spec' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench spec' -l profile -x -d 'usage profile (.coli_usage) to learn from'
 complete -c colibri -n '_shtab_colibri_using bench spec' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
+complete -c colibri -n '_shtab_colibri_using bench spec' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in ( default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a replay -d 'record a request once; replay it teacher-forced'
 complete -c colibri -n '_shtab_colibri_using bench replay' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using bench replay' -l model -x -d DIR
@@ -272,6 +276,7 @@ complete -c colibri -n '_shtab_colibri_using bench replay' -l io-threads -x -d '
 complete -c colibri -n '_shtab_colibri_using bench replay' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench replay' -l profile -x -d 'usage profile (.coli_usage) to learn from'
 complete -c colibri -n '_shtab_colibri_using bench replay' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
+complete -c colibri -n '_shtab_colibri_using bench replay' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in ( default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a policy -d 'cache policies on a recorded trace vs Belady'
 complete -c colibri -n '_shtab_colibri_using bench policy' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using bench policy' -l trace -x -d FILE

@@ -51,7 +51,7 @@ function _shtab_colibrid_using
 end
 
 set -g _shtab_colibrid_commands generate start stop status run
-set -g _shtab_colibrid_opts_with_value --backend --cache --direct --draft-max --http --ids --io-threads --kernel-family --max-tokens --model --pilot --pin --profile --prompt --ram-gb --seed --socket --speculate --stop --system --temperature --timeout --top-k --top-p --wait
+set -g _shtab_colibrid_opts_with_value --backend --cache --direct --draft-max --http --ids --io-threads --kernel-family --max-tokens --model --pilot --pin --profile --prompt --ram-gb --seed --socket --speculate --stop --system --temperature --timeout --top-k --top-p --vram-gb --wait
 
 complete -c colibrid -e
 complete -c colibrid -f
@@ -74,6 +74,7 @@ complete -c colibrid -n '_shtab_colibrid_using generate' -l stop -x -d 'stop whe
 complete -c colibrid -n '_shtab_colibrid_using generate' -l ids-out -d 'print the generated token ids (comma-separated) instead of text'
 complete -c colibrid -n '_shtab_colibrid_using generate' -l kernel-family -xka "f32 i8" -d 'kernel arithmetic (i8 is lossy, opt-in)'
 complete -c colibrid -n '_shtab_colibrid_using generate' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
+complete -c colibrid -n '_shtab_colibrid_using generate' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in ( default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibrid -n '_shtab_colibrid_using generate' -l speculate -xka "auto ngram mtp off" -d 'speculative decoding, lossless (the same tokens, sooner when drafts are accepted): ngram drafts by prompt lookup, mtp with the checkpoint'"'"'s multi-token-prediction layer, auto = mtp where the model has one, else ngram; off (config.toml key `speculate`, default auto)'
 complete -c colibrid -n '_shtab_colibrid_using generate' -l draft-max -x -d 'deepest draft a step may verify, 1-32 (the depth is chosen each step from measured pass times and acceptance; config.toml key `draft_max`, default 8)'
 complete -c colibrid -n '_shtab_colibrid_using generate' -s v -l verbose -d 'more statistics on stderr'
@@ -96,6 +97,7 @@ complete -c colibrid -n '_shtab_colibrid_using start' -l direct -xka "on off" -d
 complete -c colibrid -n '_shtab_colibrid_using start' -l speculate -xka "auto ngram mtp off" -d 'speculative decoding, lossless (the same tokens, sooner when drafts are accepted): ngram drafts by prompt lookup, mtp with the checkpoint'"'"'s multi-token-prediction layer, auto = mtp where the model has one, else ngram; off (config.toml key `speculate`, default auto)'
 complete -c colibrid -n '_shtab_colibrid_using start' -l draft-max -x -d 'deepest draft a step may verify, 1-32 (the depth is chosen each step from measured pass times and acceptance; config.toml key `draft_max`, default 8)'
 complete -c colibrid -n '_shtab_colibrid_using start' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (config.toml key `backend`, default auto)'
+complete -c colibrid -n '_shtab_colibrid_using start' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in (config.toml key `vram_gb`; default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibrid -n '_shtab_colibrid_using start' -l socket -x -d 'socket path (default $COLIBRI_HOME/run/colibrid.sock)'
 complete -c colibrid -n '_shtab_colibrid_using start' -l http -x -d 'serve the OpenAI/Anthropic HTTP API (a bare PORT binds 127.0.0.1; config.toml key `http`)'
 complete -c colibrid -n '_shtab_colibrid_using start' -l wait -x -d 'how long to wait for the model to load'
@@ -119,5 +121,6 @@ complete -c colibrid -n '_shtab_colibrid_using run' -l direct -xka "on off" -d '
 complete -c colibrid -n '_shtab_colibrid_using run' -l speculate -xka "auto ngram mtp off" -d 'speculative decoding, lossless (the same tokens, sooner when drafts are accepted): ngram drafts by prompt lookup, mtp with the checkpoint'"'"'s multi-token-prediction layer, auto = mtp where the model has one, else ngram; off (config.toml key `speculate`, default auto)'
 complete -c colibrid -n '_shtab_colibrid_using run' -l draft-max -x -d 'deepest draft a step may verify, 1-32 (the depth is chosen each step from measured pass times and acceptance; config.toml key `draft_max`, default 8)'
 complete -c colibrid -n '_shtab_colibrid_using run' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (config.toml key `backend`, default auto)'
+complete -c colibrid -n '_shtab_colibrid_using run' -l vram-gb -x -d 'device memory the cuda or mlx backend may keep weights in (config.toml key `vram_gb`; default: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibrid -n '_shtab_colibrid_using run' -l socket -x -d 'socket path (default $COLIBRI_HOME/run/colibrid.sock)'
 complete -c colibrid -n '_shtab_colibrid_using run' -l http -x -d 'serve the OpenAI/Anthropic HTTP API (a bare PORT binds 127.0.0.1; config.toml key `http`)'

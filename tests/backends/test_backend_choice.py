@@ -72,6 +72,21 @@ def test_config_key(tmp_path: Path) -> None:
     paths.config.write_text('backend = "tpu"\n')
     with pytest.raises(ConfigError, match="backend must be one of auto, cpu, mlx, cuda"):
         load_settings(paths)
+    paths.config.write_text("vram_gb = 6.5\n")
+    assert load_settings(paths).vram_gb == 6.5
+    assert load_settings(paths, vram_gb=2.0).vram_gb == 2.0
+    paths.config.write_text("vram_gb = 0\n")
+    with pytest.raises(ConfigError, match="vram_gb must be positive"):
+        load_settings(paths)
+
+
+def test_vram_gb_bounds_the_device_tier(monkeypatch) -> None:
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    assert make_ops("cuda", vram_gb=0.5).device_tier().budget == 1 << 29
+    assert make_ops("cuda").device_tier().budget > 0  # 80% of what is free
+    if mlx_installed():
+        assert make_ops("mlx", vram_gb=1.5).device_tier().budget == 3 << 29
+        assert make_ops("mlx").device_tier().budget is None
 
 
 def _colibrid(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -52,8 +52,10 @@ def test_daemon_on_cuda_streams_experts_as_it_answers_resident(
         homes.append(home)
     shown: list[str] = []
     resident = _answer(homes[0], backend="cuda")
-    streamed = _answer(homes[1], "--cache", "1", "--pilot", "on", backend="cuda", ps=shown)
+    streamed = _answer(
+        homes[1], "--cache", "1", "--pilot", "on", "--vram-gb", "0.002", backend="cuda", ps=shown
+    )
     assert resident.strip() and streamed == resident
     vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
     assert int(vram.split()[1]) > 0, shown[0]  # experts on the device
-    assert "GB of weights on the device" in shown[0]
+    assert "GB of weights on the device (budget 0.002 GB)" in shown[0]  # a tier that evicts
