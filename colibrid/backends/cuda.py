@@ -60,6 +60,9 @@ JOB_INTS = 11
 Product = tuple[DeviceWeight, int, int, int]
 """One product for `_products`: the weight, x's address, its rows, y's address."""
 
+Swiglu = tuple[QuantWeight, QuantWeight, QuantWeight, int, int, int]
+"""One SwiGLU for `_swiglus`: gate, up, down, x's address, its rows, y's address."""
+
 
 def _family(family: KernelFamily) -> None:
     if family is not KernelFamily.F32:
@@ -148,26 +151,19 @@ class CudaOps(CpuOps):
         self.device.launch("mm_partial", threads, meta_at, addresses_at, len(jobs), threads, part)
         self.device.launch("mm_reduce", outputs, meta_at, addresses_at, len(jobs), outputs, part)
 
-    def _swiglus(self, jobs: list[tuple[SwiGLUWeights, int, int, int]], expert: bool) -> None:
-        """y [rows, D] = down(silu(gate x) * up x) for every (weights, x, rows, y) of
+    def _swiglus(self, jobs: list[Swiglu], expert: bool) -> None:
+        """y [rows, D] = down(silu(gate x) * up x) for every (gate, up, down, x, rows, y) of
         ``jobs`` (device addresses): the gates and ups in one product launch, one silu
         over all of them, the downs in another."""
-        trios = [
-            (
-                self.tier.get(t.gate, expert),
-                self.tier.get(t.up, expert),
-                self.tier.get(t.down, expert),
-            )
-            for t, *_ in jobs
-        ]
-        hidden = sum(trio[0].shape[0] * job[2] for trio, job in zip(trios, jobs, strict=True))
+        hidden = sum(gate.shape[0] * rows for gate, _, _, _, rows, _ in jobs)
         g, u, h = (self._space(n, hidden * F4) for n in ("gate", "up", "hidden"))
         first: list[Product] = []
         second: list[Product] = []
         at = 0
-        for (gate, up, down), (_, x, rows, y) in zip(trios, jobs, strict=True):
-            first += [(gate, x, rows, g + at), (up, x, rows, u + at)]
-            second.append((down, h + at, rows, y))
+        for gate, up, down, x, rows, y in jobs:
+            dg, du, dd = (self.tier.get(w, expert) for w in (gate, up, down))
+            first += [(dg, x, rows, g + at), (du, x, rows, u + at)]
+            second.append((dd, h + at, rows, y))
             at += gate.shape[0] * rows * F4
         self._products(first)
         self.device.launch("swiglu", hidden, g, u, h, hidden)
@@ -243,7 +239,7 @@ class CudaOps(CpuOps):
         with self._lock:
             xp = self._put("x", xs)
             yp = self._space("y", xs.shape[0] * down.shape[0] * F4)
-            self._swiglus([(_Trio(gate, up, down), xp, xs.shape[0], yp)], expert=False)
+            self._swiglus([(gate, up, down, xp, xs.shape[0], yp)], expert=False)
             y = self._get(yp, (xs.shape[0], down.shape[0]))
         return y.reshape(*x.shape[:-1], down.shape[0])
 
@@ -265,12 +261,12 @@ class CudaOps(CpuOps):
             gathered = self._space("gathered", pairs * width * F4)
             self.device.launch("gather_rows", pairs * width, xp, width, rows, pairs, gathered)
             yp = self._space("y", pairs * width * F4)
-            jobs = []
+            jobs: list[Swiglu] = []
             for e, w in enumerate(batch.weights):
                 lo, hi = batch.start[e], batch.start[e + 1]
                 if lo < hi:
                     offset = lo * width * F4
-                    jobs.append((w, gathered + offset, hi - lo, yp + offset))
+                    jobs.append((w.gate, w.up, w.down, gathered + offset, hi - lo, yp + offset))
             self._swiglus(jobs, expert=True)
             self.device.launch("scale_rows", pairs * width, yp, width, gates, pairs)
             ys = self._get(yp, (pairs, width))
@@ -313,10 +309,3 @@ class CudaOps(CpuOps):
 
     def device_tier(self) -> DeviceTierStats | None:
         return dataclasses.replace(self.tier.stats)
-
-
-class _Trio:
-    """gate/up/down as a SwiGLUWeights, for expert_swiglu's three loose weights."""
-
-    def __init__(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> None:
-        self.gate, self.up, self.down = gate, up, down
