@@ -206,7 +206,10 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
             raise ConfigError(f"{paths.config}: {name} has the wrong type ({value!r})")
     speculation(settings)  # a bad mode or depth is refused now, not at the first request
     if settings.vram_gb is not None and not settings.vram_gb > 0:
-        raise ConfigError(f"{paths.config}: vram_gb must be positive, not {settings.vram_gb!r}")
+        raise ConfigError(
+            f"vram_gb must be positive, not {settings.vram_gb!r} (--vram-gb, or the key in "
+            f"{paths.config})"
+        )
     if settings.backend not in BACKENDS:
         raise ConfigError(
             f"{paths.config}: backend must be one of {', '.join(BACKENDS)}, "
