@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from colibrid.errors import BackendError
 from colibrid.formats.weights import QuantWeight
 
 
@@ -32,6 +33,16 @@ class KernelFamily(enum.Enum):
 
     F32 = "f32"
     I8 = "i8"
+
+
+def require_f32(backend: str, family: KernelFamily) -> None:
+    """The one-line refusal of a backend that computes the F32 family only (I8's bit-exact
+    integer contract belongs to the CPU kernels)."""
+    if family is not KernelFamily.F32:
+        raise BackendError(
+            f"the {backend} backend computes the f32 kernel family only, not {family.value} "
+            "(use --kernel-family f32, or --backend cpu for i8)"
+        )
 
 
 class SwiGLUWeights(Protocol):

@@ -32,6 +32,7 @@ from colibrid.backends.base import (
     ResidentExperts,
     RouteRule,
     SwiGLUWeights,
+    require_f32,
 )
 from colibrid.backends.cpu import CpuOps
 from colibrid.backends.cuda_device import Buffer, Device, copy_probe, open_device, read_probe
@@ -39,7 +40,6 @@ from colibrid.backends.cuda_weights import DeviceWeight, upload
 from colibrid.backends.device_tier import DeviceTier
 from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.backends.moe_plan import moe_each
-from colibrid.errors import BackendError
 from colibrid.formats.weights import QuantWeight, WeightLayout
 
 CHUNK = 32
@@ -65,11 +65,7 @@ Swiglu = tuple[QuantWeight, QuantWeight, QuantWeight, int, int, int]
 
 
 def _family(family: KernelFamily) -> None:
-    if family is not KernelFamily.F32:
-        raise BackendError(
-            f"the cuda backend computes the f32 kernel family only, not {family.value} "
-            "(use --kernel-family f32, or --backend cpu for i8)"
-        )
+    require_f32("cuda", family)
 
 
 def _rows(x: np.ndarray, width: int) -> np.ndarray:

@@ -28,11 +28,11 @@ from colibrid.backends.base import (
     ResidentExperts,
     RouteRule,
     SwiGLUWeights,
+    require_f32,
 )
 from colibrid.backends.device_tier import DeviceTier
 from colibrid.backends.mlx_weights import MlxWeight, convert
 from colibrid.backends.moe_plan import moe_each
-from colibrid.errors import BackendError
 from colibrid.formats.quant import dequantize_rows
 from colibrid.formats.weights import QuantWeight, WeightLayout
 
@@ -42,11 +42,7 @@ the backends may not import): exp of it minus the row's maximum is exactly 0."""
 
 
 def _family(family: KernelFamily) -> None:
-    if family is not KernelFamily.F32:
-        raise BackendError(
-            f"the mlx backend computes the f32 kernel family only, not {family.value} "
-            "(use --kernel-family f32, or --backend cpu for i8)"
-        )
+    require_f32("mlx", family)
 
 
 def _in(a: np.ndarray) -> mx.array:
