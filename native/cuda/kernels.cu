@@ -78,6 +78,8 @@ __device__ void partial_sums(const unsigned char *w, const void *scales, int fmt
     const int chunks = (I + CHUNK - 1) / CHUNK;
     /* whole chunks of nibbles may be read 16 bytes at a time: rows start 16-byte aligned */
     const bool nibbles = (fmt == FMT_Q4 || fmt == FMT_FP4) && row_bytes % 16 == 0;
+    /* x's rows may be read 16 bytes at a time when they start 16-byte aligned */
+    const bool x_vectors = ((unsigned long long)x % 16 == 0) && I % 4 == 0;
     /* one scale for a chunk when no group boundary falls inside it */
     const bool one_scale = groups == 1 || gsz % CHUNK == 0;
     for (int s0 = 0; s0 < S; s0 += ROW_TILE) {
@@ -92,11 +94,20 @@ __device__ void partial_sums(const unsigned char *w, const void *scales, int fmt
                 const uint4 words = *(const uint4 *)(row + i0 / 2);
                 const unsigned word[4] = {words.x, words.y, words.z, words.w};
                 for (int k = 0; k < 4; k++) {
-                    for (int n = 0; n < 8; n++) {
-                        const int i = i0 + 8 * k + n;
-                        const float wv = (float)nibble_code(fmt, (word[k] >> (4 * n)) & 15u) * sc;
-                        for (int r = 0; r < rows; r++)
-                            acc[r] += wv * x[(long long)(s0 + r) * I + i];
+                    float wv[8];
+                    for (int n = 0; n < 8; n++)
+                        wv[n] = (float)nibble_code(fmt, (word[k] >> (4 * n)) & 15u) * sc;
+                    for (int r = 0; r < rows; r++) {
+                        const float *xr = x + (long long)(s0 + r) * I + i0 + 8 * k;
+                        float xv[8];
+                        if (x_vectors) { /* the 8 inputs in two 16-byte loads */
+                            const float4 a = ((const float4 *)xr)[0], b = ((const float4 *)xr)[1];
+                            xv[0] = a.x, xv[1] = a.y, xv[2] = a.z, xv[3] = a.w;
+                            xv[4] = b.x, xv[5] = b.y, xv[6] = b.z, xv[7] = b.w;
+                        } else {
+                            for (int n = 0; n < 8; n++) xv[n] = xr[n];
+                        }
+                        for (int n = 0; n < 8; n++) acc[r] += wv[n] * xv[n];
                     }
                 }
                 continue;
