@@ -15,6 +15,11 @@ from colibrid.engine.backend import BACKEND_HELP, BACKENDS
 from colibrid.errors import ConfigError
 from colibrid.paths import Paths
 
+VRAM_HELP = (
+    "GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% of "
+    "the GPU memory free at start, mlx no limit)"
+)
+
 
 def add_backend_flag(p: Any, *, config_key: bool = False) -> None:
     """--backend and --vram-gb, as every command that loads a model takes them."""
@@ -24,9 +29,7 @@ def add_backend_flag(p: Any, *, config_key: bool = False) -> None:
         "--vram-gb",
         type=float,
         metavar="GB",
-        help="device memory the cuda or mlx backend may keep weights in"
-        + (" (config.toml key `vram_gb`;" if config_key else " (")
-        + " default: cuda 80%% of the GPU memory free at start, mlx no limit)",
+        help=VRAM_HELP.replace("%", "%%") + (" (config.toml key `vram_gb`)" if config_key else ""),
     )
 
 
@@ -111,11 +114,7 @@ class Settings:
         "Linux) | cuda (NVIDIA GPU via pycuda) | auto (mlx on Apple silicon when installed, "
         "else cpu)",
     )
-    vram_gb: float | None = setting(
-        None,
-        "GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% "
-        "of the GPU memory free at start, mlx no limit)",
-    )
+    vram_gb: float | None = setting(None, VRAM_HELP)
     max_queue: int = setting(16, "requests waiting beyond the active ones; more answer BUSY")
     max_active: int = setting(
         4, "requests decoded at once: one forward pass carries the next token of each"

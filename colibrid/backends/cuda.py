@@ -93,11 +93,6 @@ class CudaOps(CpuOps):
         self._retired: list[Buffer] = []
         self._lock = threading.RLock()  # one op at a time owns the scratch buffers
 
-    @property
-    def vram(self) -> DeviceTierStats:
-        """The tier's live counters (device_tier() is a copy for other threads)."""
-        return self.tier.stats
-
     # ---- device plumbing ------------------------------------------------------------------
     def _space(self, name: str, nbytes: int) -> int:
         """Scratch buffer ``name`` of at least ``nbytes``; a buffer outgrown mid-op is kept
@@ -296,12 +291,12 @@ class CudaOps(CpuOps):
         _family(family)
         return gqa_attention_each(self, block, rope, x, caches, start, scale, family)
 
-    def limits(self, nbytes: int = 256 << 20) -> tuple[float, float, str]:
-        """The device's read probe and host-to-device copy rate (GB/s), measured now over
-        ``nbytes``, and a line saying them: what the benches print their figures beside."""
+    def limits(self, nbytes: int = 256 << 20) -> tuple[float, str]:
+        """The device's read probe (GB/s) measured now over ``nbytes``, and a line saying it
+        and the host-to-device copy rate: what the benches print their figures beside."""
         read, copy = read_probe(self.device, nbytes), copy_probe(self.device, nbytes)
         line = f"{self.device.name}: read probe {read:.1f} GB/s, host to device {copy:.1f} GB/s"
-        return read, copy, line
+        return read, line
 
     def device_tier(self) -> DeviceTierStats | None:
         return dataclasses.replace(self.tier.stats)

@@ -18,6 +18,7 @@ so adding a kernel needs no second declaration here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -325,8 +326,15 @@ def copy_probe(device: Device, nbytes: int, repeats: int = 3) -> float:
 
 def open_device() -> Device:
     """The device `--backend cuda` computes on: the CPU emulation when COLIBRI_CUDA_EMULATE
-    is 1, else GPU 0 through pycuda; BackendError (one line) when there is none."""
-    if os.environ.get(EMULATE_ENV) == "1":
+    is 1, else GPU 0 through pycuda; BackendError (one line) when there is none. Opened
+    once per process: the daemon's start-up check and its model share one device, its
+    context and its compiled kernels."""
+    return _open_device(os.environ.get(EMULATE_ENV) == "1")
+
+
+@functools.cache  # a failure raises, so it is not kept: the next call tries again
+def _open_device(emulate: bool) -> Device:
+    if emulate:
         return EmulatedDevice()
     try:
         import pycuda.driver  # noqa: F401

@@ -175,7 +175,7 @@ def run_backend(
 
     ops = make_ops(backend)
     if isinstance(ops, CudaOps):  # the device's own memory is the limit of its rows
-        membw, _copy, line = ops.limits(max(working_set_mb, 256) << 20)
+        membw, line = ops.limits(max(working_set_mb, 256) << 20)
         say(line)
     else:
         membw = native.membw_probe(max(working_set_mb, 256) << 20, threads=threads, repeats=10)

@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
     )
     print(store.budget_plan.describe())
     if isinstance(engine.ops, CudaOps):  # the GPU's limits beside the disk's
-        print(engine.ops.limits()[2])
+        print(engine.ops.limits()[1])
     kind = engine.family.value  # what the passes compute with, as the engine holds it
     print(f"kernel family: {kind}" + (" (int8 activations: lossy)" if kind == "i8" else ""))
     print(f"slots: {store.plan.describe()}; pins: {store.pins.note}")

@@ -309,8 +309,12 @@ class EngineHost:
         if self.engine is None:
             return None
         store = self.engine.experts
-        vram = self.engine.ops.device_tier() if self.engine.ops is not None else None
-        return StoreView(store.statistics(), frozenset(store.pinned_keys()), vram)
+        return StoreView(store.statistics(), frozenset(store.pinned_keys()), self._vram())
+
+    def _vram(self) -> DeviceTierStats | None:
+        """The backend's device tier now (None without one, or without ops at all)."""
+        ops = self.engine.ops
+        return ops.device_tier() if ops is not None else None
 
     def publish_store(self) -> None:
         """Engine thread: refresh the snapshot `ps` and STATUS read."""
@@ -434,8 +438,7 @@ class EngineHost:
         delta = store.take_usage()
         for profile in dict.fromkeys(m.tag.request.profile for m in members):
             self._usage.add(profile, delta)
-        vram = self.engine.ops.device_tier() if self.engine.ops is not None else None
-        self.store_view = replace(self.store_view, stats=store.statistics(), vram=vram)
+        self.store_view = replace(self.store_view, stats=store.statistics(), vram=self._vram())
 
     def done(self, member: Member, event: DoneEvent) -> None:
         job: Job = member.tag

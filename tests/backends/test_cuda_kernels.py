@@ -67,21 +67,22 @@ def test_the_tier_keeps_to_its_budget_and_never_changes_a_result(device) -> None
         got = [one_fits.matmul(w, x, F32) for w in weights]
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(g, w)
-    assert one_fits.vram.weights == 1 and one_fits.vram.bytes <= one_fits.vram.budget
-    assert one_fits.vram.copies == 12 and one_fits.vram.hits == 0
+    small, big = one_fits.tier.stats, roomy.tier.stats
+    assert small.weights == 1 and small.bytes <= small.budget
+    assert small.copies == 12 and small.hits == 0
     for w in weights:
         roomy.matmul(w, x, F32)
-    assert roomy.vram.weights == 6 and roomy.vram.copies == 6 and roomy.vram.hits == 6
+    assert big.weights == 6 and big.copies == 6 and big.hits == 6
 
 
 def test_a_weights_copy_goes_with_it(device) -> None:  # noqa: ANN001
     ops = CudaOps(device, vram_bytes=1 << 30)
     w = _weight(16, 64, 1)
     ops.matmul(w, np.ones((1, 64), dtype=np.float32), F32)
-    assert ops.vram.weights == 1 and ops.vram.bytes > 0
+    assert ops.tier.stats.weights == 1 and ops.tier.stats.bytes > 0
     del w
     gc.collect()
-    assert ops.vram.weights == 0 and ops.vram.bytes == 0
+    assert ops.tier.stats.weights == 0 and ops.tier.stats.bytes == 0
 
 
 def test_rows_are_computed_alone(device) -> None:  # noqa: ANN001
@@ -136,10 +137,10 @@ def test_a_crowded_device_empties_the_tier_then_says_so_in_one_line() -> None:
     weights = [_weight(32, 128, seed) for seed in range(4)]
     x = np.random.default_rng(2).standard_normal((2, 128), dtype=np.float32)
     want = [ops.matmul(w, x, F32) for w in weights[:3]]
-    assert ops.vram.weights == 3
+    assert ops.tier.stats.weights == 3
     device.refuse = 1  # the next copy fails once: the tier lets go of all it holds, retries
     extra = ops.matmul(weights[3], x, F32)
-    assert ops.vram.weights == 1
+    assert ops.tier.stats.weights == 1
     np.testing.assert_array_equal(extra, CudaOps(EmulatedDevice()).matmul(weights[3], x, F32))
     device.refuse = 2  # no room even when empty: one clear error, and nothing lost
     with pytest.raises(BackendError, match="no room for a .* MiB weight"):
