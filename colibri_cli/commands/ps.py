@@ -64,10 +64,13 @@ def render(status: dict) -> str:
     vram = status["tiers"].get("vram", {})
     if "budget_gb" in vram:
         budget = "no budget" if vram["budget_gb"] is None else f"budget {vram['budget_gb']:.3g} GB"
+        hit = vram.get("hit_rate")
         pins += (
             f"\nvram: {vram['weights_gb']:.3f} GB of weights on the device ({budget}), "
-            f"{vram['hits']} uses from it, {vram['copies']} copies in "
-            f"({vram['copied_gb']:.3f} GB)"
+            f"{vram['hits']} uses from it"
+            + ("" if hit is None else f" ({100 * hit:.1f}% of uses)")
+            + f", {vram['copies']} copies in ({vram['copied_gb']:.3f} GB), "
+            f"{vram.get('passed', 0)} of them expert weights used once and not kept"
         )
     if status.get("speculate"):
         last = speculation_line(status.get("speculation") or {})

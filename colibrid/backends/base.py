@@ -86,8 +86,9 @@ class ExpertBatch:
 @dataclass
 class DeviceTierStats:
     """What a backend holds in device memory (the VRAM tier of `ps` and /metrics):
-    weights and their bytes under the tier's budget, how many of them belong to routed or
-    shared experts, and the hits and copies in since the start."""
+    weights and their bytes under the tier's budget, how many of them belong to routed
+    experts, and since the start: the uses served from it, the copies in, and of those the
+    expert weights passed through (copied for one op, colder than what the tier held)."""
 
     weights: int = 0
     bytes: int = 0
@@ -97,6 +98,7 @@ class DeviceTierStats:
     hits: int = 0
     copies: int = 0  # weights copied in (a miss each)
     copied_bytes: int = 0
+    passed: int = 0  # of the copies, expert weights not kept
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,20 @@
 """The device tier: which weights a backend keeps copies of in its own memory (GPU memory
-for cuda, MLX arrays for mlx), under a byte budget, least recently used out first.
+for cuda, MLX arrays for mlx), under a byte budget.
 
-A weight not held is copied (converted) at its use. Which weights are held never changes
-a result: a backend computes the same arithmetic on the same copy wherever the weight came
-from, so placement stays token-invariant (docs/architecture.md). What is resident on the
-host for good (the dense weights, pinned and cached experts) is used every token and
-stays held; a streamed expert is copied once per read from disk, over a bus faster than
-the disk that brought it. A copy goes when its weight object goes (a streamed expert's
-view dies with its slot's fill), so the tier never serves stale bytes. `ps` and /metrics
-show it through `Ops.device_tier()`.
+Which copies stay is the RAM cache's rule (colibrid.policy, gated LFRU): every use of an
+expert's weight counts, held or not, and a weight not held displaces the coldest held
+expert weight only when its own score (heat, then recency) is higher; otherwise it is
+copied for the op that needs it and dropped after. So a token's streamed experts, each a
+weight seen once, no longer push out the experts RAM holds for good and every token uses
+(with least-recently-used they did, and each token copied them all again). Dense weights
+(attention, shared experts, the head) are used every token: they are always kept, room
+made for them from the coldest experts first.
+
+Which weights are held never changes a result: a backend computes the same arithmetic on
+the same copy wherever the weight came from, so placement stays token-invariant
+(docs/architecture.md). A copy goes when its weight object goes (a streamed expert's view
+dies with its slot's fill), so the tier never serves stale bytes. `ps` and /metrics show
+it through `Ops.device_tier()`.
 """
 
 from __future__ import annotations
@@ -23,51 +29,104 @@ from typing import Generic, TypeVar
 from colibrid.backends.base import DeviceTierStats
 from colibrid.errors import BackendError, first_line
 from colibrid.formats.weights import QuantWeight
+from colibrid.policy import Policy
+from colibrid.policy.gated import GatedLFRU
 
 T = TypeVar("T")  # a backend's copy of a weight
 A = TypeVar("A")  # whatever an allocation returns
 
+HEAT_DECAY_USES = 1 << 16
+"""Expert-weight uses between halvings of the device tier's heat: a per-layer RAM cache
+halves every 256 of its layer's uses (32-64 tokens); the device tier sees every layer's
+uses, three weights an expert, so about 36 tokens of GLM-5 (1,800 uses a token) or 180 of
+the demo's."""
+
 
 class DeviceTier(Generic[T]):
     """Copies of weights by weight object, made by ``copy`` and ``size(copy)`` bytes each,
-    least recently used out first once their bytes pass ``budget`` (None: no budget). An
-    evicted copy's memory goes when the last op using it lets go of it."""
+    under ``budget`` bytes (None: no budget). Expert weights are kept by ``policy``
+    (default: gated LFRU, heat halved every HEAT_DECAY_USES uses), dense weights always,
+    the least recently used of them out last, after every expert. An evicted copy's memory
+    goes when the last op using it lets go of it."""
 
     def __init__(
-        self, copy: Callable[[QuantWeight], T], size: Callable[[T], int], budget: int | None
+        self,
+        copy: Callable[[QuantWeight], T],
+        size: Callable[[T], int],
+        budget: int | None,
+        policy: Policy | None = None,
     ) -> None:
         self._copy, self._size = copy, size
         self.stats = DeviceTierStats(budget=budget)
-        self._held: OrderedDict[int, tuple[T, int, bool]] = OrderedDict()
+        self._dense: OrderedDict[int, tuple[T, int]] = OrderedDict()  # least recent first
+        self._experts: dict[int, tuple[T, int]] = {}
+        self._policy = policy if policy is not None else GatedLFRU(HEAT_DECAY_USES)
         self._watched: set[int] = set()  # weights whose death drops their copy
         self._lock = threading.RLock()  # a finalizer may run inside get, on any thread
 
     def get(self, w: QuantWeight, expert: bool = False) -> T:
-        """``w``'s copy (made now if it is not held); ``expert``: it is one of an expert's
-        weights, counted apart in the stats."""
+        """``w``'s copy: the held one, or one made now and kept when the policy keeps it;
+        ``expert``: it is one of an expert's weights (kept by heat, counted apart)."""
         with self._lock:
-            return self._get(w, expert)
+            return self._get_expert(w) if expert else self._get_dense(w)
 
-    def _get(self, w: QuantWeight, expert: bool) -> T:
+    def _get_dense(self, w: QuantWeight) -> T:
         key = id(w)
-        entry = self._held.get(key)
+        entry = self._dense.get(key)
         if entry is not None:
-            self._held.move_to_end(key)
+            self._dense.move_to_end(key)
             self.stats.hits += 1
             return entry[0]
+        self._make_room(w.nbytes, dense=True)
+        held, size = self._new_copy(w)
+        self._dense[key] = (held, size)
+        self._count(size, False, 1)
+        return held
+
+    def _get_expert(self, w: QuantWeight) -> T:
+        key = id(w)
+        entry = self._experts.get(key)
+        if entry is not None:
+            self._policy.touch(key)
+            self.stats.hits += 1
+            return entry[0]
+        self._policy.seen(key)
+        kept = self._make_room(w.nbytes, dense=False, key=key)
+        held, size = self._new_copy(w)
+        if kept:
+            self._policy.admit(key)
+            self._experts[key] = (held, size)
+            self._count(size, True, 1)
+        else:
+            self.stats.passed += 1
+        return held
+
+    def _make_room(self, nbytes: int, dense: bool, key: int = 0) -> bool:
+        """Evict until ``nbytes`` more fit the budget (no peak over it): the policy's
+        victims among the experts, for an expert weight (``key``) only those the policy
+        lets it displace; then, for a dense weight, the least recently used dense
+        weights. False: it does not fit (an expert weight passes through)."""
         budget = self.stats.budget
-        while budget is not None and self._held and self.stats.bytes + w.nbytes > budget:
-            self._evict(next(iter(self._held)))  # make room first: no peak over the budget
+        while budget is not None and self.stats.bytes + nbytes > budget:
+            victim = self._policy.victim()
+            if victim is not None and (dense or self._policy.admits(key, victim)):
+                self._evict(victim)
+            elif dense and self._dense:
+                self._evict(next(iter(self._dense)))
+            else:
+                return False
+        return True
+
+    def _new_copy(self, w: QuantWeight) -> tuple[T, int]:
         held = self.with_room(lambda: self._copy(w), f"a {w.nbytes / 2**20:.1f} MiB weight")
         size = self._size(held)
+        key = id(w)
         if key not in self._watched:
             self._watched.add(key)
             weakref.finalize(w, self._forget, key)
-        self._held[key] = (held, size, expert)
-        self._count(size, expert, 1)
         self.stats.copies += 1
         self.stats.copied_bytes += size
-        return held
+        return held, size
 
     def with_room(self, allocate: Callable[[], A], what: str) -> A:
         """``allocate()``; when the device is fuller than the budget assumed (another
@@ -76,8 +135,8 @@ class DeviceTier(Generic[T]):
             return allocate()
         except Exception:  # noqa: BLE001 - pycuda's and the emulation's errors differ
             with self._lock:
-                while self._held:
-                    self._evict(next(iter(self._held)))
+                for key in [*self._dense, *self._experts]:
+                    self._evict(key)
             gc.collect()  # copies only cycles still hold go now
             try:
                 return allocate()
@@ -88,9 +147,13 @@ class DeviceTier(Generic[T]):
                 ) from exc
 
     def _evict(self, key: int) -> None:
-        entry = self._held.pop(key, None)
+        entry = self._dense.pop(key, None)
         if entry is not None:
-            self._count(entry[1], entry[2], -1)
+            self._count(entry[1], False, -1)
+        entry = self._experts.pop(key, None)
+        if entry is not None:
+            self._policy.remove(key)
+            self._count(entry[1], True, -1)
 
     def _count(self, size: int, expert: bool, sign: int) -> None:
         self.stats.weights += sign
@@ -104,3 +167,4 @@ class DeviceTier(Generic[T]):
         with self._lock:
             self._watched.discard(key)
             self._evict(key)
+            self._policy.forget(key)

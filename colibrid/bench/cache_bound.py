@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from colibrid.bench.policy import per_layer
-from colibrid.store.policy.belady import fewest_reads
+from colibrid.policy.belady import fewest_reads
 
 if TYPE_CHECKING:
     from colibrid.store.tiered import TieredStore

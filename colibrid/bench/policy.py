@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from colibrid.store.policy import DEFAULT_POLICY, POLICIES, make_policy, simulate
-from colibrid.store.policy.belady import belady_hits
+from colibrid.policy import DEFAULT_POLICY, POLICIES, make_policy, simulate
+from colibrid.policy.belady import belady_hits
 
 
 def per_layer(

@@ -39,6 +39,13 @@ class _DaemonCollector:
             "share of expert lookups served from memory",
             value=1.0 if hit is None else hit,
         )
+        vram_hit = tiers["vram"].get("hit_rate")
+        if vram_hit is not None:
+            yield GaugeMetricFamily(
+                "colibri_vram_hit_rate",
+                "share of weight uses served from the backend's device memory",
+                value=vram_hit,
+            )
         store = tiers.get("store") or {}
         yield CounterMetricFamily(
             "colibri_expert_bytes_read",

@@ -75,6 +75,10 @@ class DaemonState:
                 "hits": vram.hits,
                 "copies": vram.copies,
                 "copied_gb": vram.copied_bytes / GB,
+                "passed": vram.passed,
+                "hit_rate": vram.hits / (vram.hits + vram.copies)
+                if vram.hits + vram.copies
+                else None,
             },
             "ram": {
                 "experts": ram,

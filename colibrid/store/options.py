@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
+from colibrid.policy import DEFAULT_POLICY
 from colibrid.store import budget as budgets
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout
 from colibrid.store.extents import NotStreamable
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pins import PIN_MODES, PinBudget
-from colibrid.store.policy import DEFAULT_POLICY
 from colibrid.store.protocol import ExpertStore
 from colibrid.store.resident import ResidentExpertStore
 from colibrid.store.tiered import TieredStore

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from colibrid.errors import ColibriError
-from colibrid.store.policy import Policy, make_policy
+from colibrid.policy import Policy, make_policy
 
 FREE, DEMAND, PREFETCH, LANDED, CACHED, PINNED, HELD = range(7)
 STATE_NAMES = ("free", "demand", "prefetch", "landed", "cached", "pinned", "held")

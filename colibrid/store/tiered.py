@@ -21,13 +21,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from colibrid.backends.base import ResidentExperts
+from colibrid.policy import DEFAULT_POLICY
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.completions import Completions
 from colibrid.store.experts import ExpertLayout, ExpertWeights
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pin_moves import PinMoves
 from colibrid.store.pins import PinBudget, PinController, repin_swaps
-from colibrid.store.policy import DEFAULT_POLICY
 from colibrid.store.prefetch import Prefetcher
 from colibrid.store.reader import ExpertReader
 from colibrid.store.recorder import UsageRecorder

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
-from daemon_helpers import Home
+from daemon_helpers import Home, free_port
 
 from colibrid.backends.cuda_device import EMULATE_ENV
 from colibrid.engine.backend import mlx_installed
 
 
 def _answer(
-    home: Home, *start_flags: str, backend: str | None = None, ps: list[str] | None = None
+    home: Home,
+    *start_flags: str,
+    backend: str | None = None,
+    ps: list[str] | None = None,
+    metrics_url: str | None = None,
 ) -> str:
     result = home.colibrid("start", *start_flags)
     assert result.returncode == 0, result.stderr + home.log()
@@ -29,6 +34,8 @@ def _answer(
             shown = home.colibri("ps")
             assert shown.returncode == 0, shown.stderr
             ps.append(shown.stdout)
+            if metrics_url is not None:
+                ps.append(httpx.get(metrics_url, timeout=30).text)
         return asked.stdout
     finally:
         home.close()
@@ -52,10 +59,22 @@ def test_daemon_on_cuda_streams_experts_as_it_answers_resident(
         homes.append(home)
     shown: list[str] = []
     resident = _answer(homes[0], backend="cuda")
+    http = f"127.0.0.1:{free_port()}"
     streamed = _answer(
-        homes[1], "--cache", "1", "--pilot", "on", "--vram-gb", "0.002", backend="cuda", ps=shown
+        homes[1],
+        *("--cache", "1", "--pilot", "on", "--vram-gb", "0.0025", "--http", http),
+        backend="cuda",
+        ps=shown,
+        metrics_url=f"http://{http}/metrics",
     )
     assert resident.strip() and streamed == resident
     vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
     assert int(vram.split()[1]) > 0, shown[0]  # experts on the device
-    assert "GB of weights on the device (budget 0.002 GB)" in shown[0]  # a tier that evicts
+    # a tier the dense weights fit, its experts competing for the rest
+    assert "GB of weights on the device (budget 0.0025 GB)" in shown[0]
+    assert "% of uses)" in shown[0] and "used once and not kept" in shown[0]
+    metrics = dict(
+        line.rsplit(" ", 1) for line in shown[1].splitlines() if not line.startswith("#")
+    )
+    assert 0.0 < float(metrics["colibri_vram_hit_rate"]) < 1.0
+    assert float(metrics['colibri_tier_experts{tier="vram"}']) > 0

@@ -13,14 +13,14 @@ import pytest
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import TokenEvent, generate
 from colibrid.engine.sampling import SamplingParams
+from colibrid.policy import POLICIES, make_policy, simulate
+from colibrid.policy.belady import belady_hits, fewest_reads
+from colibrid.policy.gated import GatedLFRU
 from colibrid.store import io_pool
 from colibrid.store.budget import mem_available
 from colibrid.store.extents import ALIGN
 from colibrid.store.memwatch import MemWatch
 from colibrid.store.options import StoreOptions
-from colibrid.store.policy import POLICIES, make_policy, simulate
-from colibrid.store.policy.belady import belady_hits, fewest_reads
-from colibrid.store.policy.gated import GatedLFRU
 from colibrid.store.slabs import SlabArena
 
 GiB = 1 << 30

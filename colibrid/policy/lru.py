@@ -26,6 +26,9 @@ class LRU:
     def remove(self, key: int) -> None:
         self._order.pop(key, None)
 
+    def forget(self, key: int) -> None:
+        self.remove(key)
+
     def victim(self, protected: Container[int] = ()) -> int | None:
         for key in self._order:
             if key not in protected:

@@ -45,6 +45,12 @@ class LFRU:
     def remove(self, key: int) -> None:
         self._resident.pop(key, None)
 
+    def forget(self, key: int) -> None:
+        """The key's object is gone (a key may then name another): its heat goes too."""
+        self._resident.pop(key, None)
+        self._heat.pop(key, None)
+        self._used.pop(key, None)
+
     def score(self, key: int) -> int:
         age = self._clock - self._used.get(key, self._clock)
         return (self._heat.get(key, 0) << 8) | (255 - age if age < 255 else 0)

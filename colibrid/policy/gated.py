@@ -19,7 +19,7 @@ counts no use until the model asks for it.
 
 from __future__ import annotations
 
-from colibrid.store.policy.lfru import LFRU
+from colibrid.policy.lfru import LFRU
 
 
 class GatedLFRU(LFRU):

@@ -1,9 +1,13 @@
-"""Eviction policies for one layer's expert cache, and an offline simulator.
+"""Eviction and admission policies, one for every tier, and an offline simulator.
 
-A policy only orders keys; the store owns slots. Every policy implements ``touch`` (a
-hit), ``seen`` (a lookup that missed), ``admit`` (a new entry), ``remove``, ``victim`` (the
-entry to evict, skipping ``protected`` keys: experts the current layer still needs) and
-``admits`` (whether a demand read may displace that victim, or is used once and dropped).
+The same policies order the store's per-layer expert caches (RAM, keyed by expert index)
+and a backend's device tier (VRAM or MLX memory, keyed by weight: backends/device_tier.py),
+so a tier above RAM keeps experts by the rule the RAM cache keeps them by. A policy only
+orders keys; its owner holds the memory. Every policy implements ``touch`` (a hit),
+``seen`` (a lookup that missed), ``admit`` (a new entry), ``remove``, ``forget`` (the key's
+object is gone: drop its history too), ``victim`` (the entry to evict, skipping
+``protected`` keys: experts the current layer still needs) and ``admits`` (whether a
+demand read may displace that victim, or is used once and dropped).
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
-from colibrid.store.policy.gated import GatedLFRU
-from colibrid.store.policy.lfru import LFRU
-from colibrid.store.policy.lru import LRU
+from colibrid.policy.gated import GatedLFRU
+from colibrid.policy.lfru import LFRU
+from colibrid.policy.lru import LRU
 
 
 class Policy(Protocol):
@@ -21,6 +25,7 @@ class Policy(Protocol):
     def seen(self, key: int) -> None: ...
     def admit(self, key: int) -> None: ...
     def remove(self, key: int) -> None: ...
+    def forget(self, key: int) -> None: ...
     def victim(self, protected: Container[int] = ()) -> int | None: ...
     def admits(self, key: int, victim: int) -> bool: ...
     def __len__(self) -> int: ...

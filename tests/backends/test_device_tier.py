@@ -1,0 +1,98 @@
+"""The device tier's policy (backends/device_tier.py), on any copy function: expert weights
+are kept by the RAM cache's rule (gated LFRU), dense weights always. What it keeps only
+changes what is copied, never what is computed: the cuda and mlx tests check that side."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from colibrid.backends.device_tier import DeviceTier
+from colibrid.formats.quant import quantize
+from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.policy.gated import GatedLFRU
+from colibrid.policy.lru import LRU
+
+
+def _weight(seed: int, rows: int = 16) -> QuantWeight:
+    w = np.random.default_rng(seed).standard_normal((rows, 64), dtype=np.float32)
+    return quantize(w, WeightFormat.Q4, 64)
+
+
+def _tier(budget: int | None, policy=None) -> DeviceTier[int]:  # noqa: ANN001
+    return DeviceTier(lambda w: w.nbytes, lambda size: size, budget, policy)
+
+
+def _decode(tier: DeviceTier[int], hot: list[QuantWeight], tokens: int) -> None:
+    """Each token uses every hot expert weight (what RAM holds for good) and two weights
+    seen once (streamed experts: a new view per read), interleaved."""
+    for t in range(tokens):
+        for n, w in enumerate(hot):
+            tier.get(w, expert=True)
+            if n % 2:
+                tier.get(_weight(1000 + t * 100 + n), expert=True)  # dies right after
+
+
+def test_streamed_experts_pass_through_and_the_hot_ones_stay() -> None:
+    hot = [_weight(s) for s in range(4)]
+    tier = _tier(budget=4 * hot[0].nbytes)
+    _decode(tier, hot, tokens=3)  # heat builds: the first tokens' reads still get in
+    stats = tier.stats
+    copies, passed, hits = stats.copies, stats.passed, stats.hits
+    _decode(tier, hot, tokens=10)
+    assert stats.copies - copies == stats.passed - passed == 20  # only the streamed ones
+    assert stats.hits - hits == 40  # every hot use served from the tier
+    assert stats.expert_weights == 4 and stats.bytes <= stats.budget
+
+
+def test_least_recently_used_would_copy_the_hot_experts_every_token() -> None:
+    """The contrast that makes the policy matter: the same trace under LRU."""
+    hot = [_weight(s) for s in range(4)]
+    tier = _tier(budget=4 * hot[0].nbytes, policy=LRU())
+    _decode(tier, hot, tokens=10)
+    assert tier.stats.passed == 0 and tier.stats.copies > 40
+
+
+def test_a_hotter_expert_displaces_a_colder_one() -> None:
+    a, b, c = _weight(1), _weight(2), _weight(3)
+    tier = _tier(budget=2 * a.nbytes)
+    for _ in range(3):
+        tier.get(a, expert=True)
+        tier.get(b, expert=True)
+    for _ in range(2):
+        tier.get(c, expert=True)  # colder than a and b: passes through
+    assert tier.stats.passed == 2
+    for _ in range(6):
+        tier.get(c, expert=True)  # now the hottest: takes the colder one's place
+    assert tier.stats.passed < 8 and tier.stats.expert_weights == 2
+    hits = tier.stats.hits
+    tier.get(c, expert=True)
+    assert tier.stats.hits == hits + 1
+
+
+def test_dense_weights_are_always_kept_room_made_from_experts() -> None:
+    experts = [_weight(s) for s in range(3)]
+    dense = _weight(9, rows=32)  # twice an expert weight
+    tier = _tier(budget=3 * experts[0].nbytes)
+    for _ in range(5):
+        for w in experts:
+            tier.get(w, expert=True)
+    tier.get(dense)
+    assert tier.stats.weights == 2 and tier.stats.expert_weights == 1
+    tier.get(dense)
+    assert tier.stats.hits == 4 * 3 + 1 and tier.stats.bytes <= tier.stats.budget
+
+
+def test_a_dead_weight_takes_its_copy_and_its_heat() -> None:
+    policy = GatedLFRU()
+    tier = _tier(budget=None, policy=policy)
+    w = _weight(5)
+    for _ in range(3):
+        tier.get(w, expert=True)
+    key = id(w)
+    assert tier.stats.expert_weights == 1
+    del w
+    gc.collect()
+    assert tier.stats.expert_weights == 0 and tier.stats.bytes == 0
+    assert policy.score(key) >> 8 == 0  # no heat: an id reused later starts cold
