@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import DeviceTierStats, KernelFamily
 from colibrid.bench.cache_bound import fewest_read_bytes
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options, take_pass
 
@@ -62,6 +62,21 @@ def probe(store, n_reads: int, threads: int, seed: int = 0) -> tuple[float, int]
         return total / (time.perf_counter() - t0) / 1e9, total
     finally:
         pool.close()
+
+
+def tier_line(now: DeviceTierStats, before: DeviceTierStats, tokens: int) -> str:
+    """The device tier over the measured tokens: what it held, how many weight uses it
+    served, and what crossed to the device per token (the bus's share of a token)."""
+    hits, copies = now.hits - before.hits, now.copies - before.copies
+    copied = (now.copied_bytes - before.copied_bytes) / 1e9 / tokens
+    budget = "no budget" if now.budget is None else f"budget {now.budget / 1e9:.3g} GB"
+    rate = f"{100 * hits / (hits + copies):.1f}%" if hits + copies else "-"
+    return (
+        f"vram: {now.bytes / 1e9:.3f} GB held ({budget}; {now.expert_weights // 3} experts' "
+        f"weights); {rate} of weight uses served from it; {copies / tokens:.1f} copies in "
+        f"({copied:.4f} GB) a token, {(now.passed - before.passed) / tokens:.1f} of them "
+        "expert weights used once and not kept"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +159,7 @@ def main(argv: list[str]) -> int:
     for _ in range(args.warmup):
         logits = session.decode(next_token(logits))
     base = store.stats.copy()
+    tier_base = engine.ops.device_tier()
     store.take_usage()  # starts the feed: each measured token's routing (the cache bound)
     trace: list = []
     wall = 0.0
@@ -203,6 +219,9 @@ def main(argv: list[str]) -> int:
     )
     for line in st.lines("stream"):
         print(line)
+    tier = engine.ops.device_tier()
+    if tier is not None and tier_base is not None:
+        print(tier_line(tier, tier_base, args.tokens))
     engine.close()
     return 0
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from colibrid.backends.cuda_device import EMULATE_ENV
+
 
 def colibri(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -100,6 +102,25 @@ def test_stream_reports_against_its_own_probe(oracle_checkpoint, family: str) ->
     assert f"kernel family: {family}" in text
     cache = re.search(r"cache: ([0-9.e+-]+) GB read/token; .* could read .*: ([0-9.e+-]+) ", text)
     assert cache and 0 <= float(cache.group(2)) <= float(cache.group(1)), text
+    assert "vram:" not in text  # the cpu backend keeps no device tier
+
+
+def test_stream_on_cuda_reports_the_device_tier(oracle_checkpoint, monkeypatch) -> None:
+    """On the cuda backend (its kernels emulated here), beside the disk: the GPU's read and
+    copy probes, and what the device tier served and copied a token."""
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    ref = oracle_checkpoint("deepseek_v3")
+    flags = ("--cache", "1", "--tokens", "4", "--warmup", "1", "--probe-reads", "8")
+    out = colibri("bench", "stream", "--model", str(ref.out_dir), *flags, "--backend", "cuda")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"read probe [0-9.]+ GB/s, host to device [0-9.]+ GB/s", out.stdout)
+    tier = re.search(
+        r"vram: [0-9.]+ GB held \(budget .*\); ([0-9.]+)% of weight uses served from it; "
+        r"([0-9.]+) copies in \([0-9.]+ GB\) a token, ([0-9.]+) of them",
+        out.stdout,
+    )
+    assert tier, out.stdout
+    assert 0 < float(tier.group(1)) < 100 and float(tier.group(2)) > 0  # experts stream in
 
 
 def test_record_needs_a_model(tmp_path: Path) -> None:
