@@ -71,6 +71,12 @@ def render(status: dict) -> str:
             + ("" if hit is None else f" ({100 * hit:.1f}% of uses)")
             + f", {vram['copies']} copies in ({vram['copied_gb']:.3f} GB), "
             f"{vram.get('passed', 0)} of them expert weights used once and not kept"
+            + (
+                f"; {vram['host_experts']} expert uses computed on the host"
+                if vram.get("host_experts")
+                else ""
+            )
+            + (f"\nvram: {vram['host_rule']}" if vram.get("host_rule") else "")
         )
     if status.get("speculate"):
         last = speculation_line(status.get("speculation") or {})

@@ -99,6 +99,8 @@ class DeviceTierStats:
     copies: int = 0  # weights copied in (a miss each)
     copied_bytes: int = 0
     passed: int = 0  # of the copies, expert weights not kept
+    host_experts: int = 0  # expert uses computed on the host instead (cuda, I8)
+    host_rule: str = ""  # where such experts go and the times that decided it
 
 
 @dataclass(frozen=True)

@@ -7,23 +7,33 @@ weights held in VRAM by the tier (backends.cuda_weights) in the container's own 
 The router, norms, RoPE, attention over the KV cache and the rank-ordered sums are small
 next to them and run on the host's native kernels, as on `--backend cpu`; numpy arrays
 cross the seam as for every backend, so models and the store never see device memory.
-Every expert is computed on the device, wherever its bytes were (VRAM, RAM, a slab just
-read from disk): the same kernel on the same bytes, so placement never changes a token.
-
-Only the F32 kernel family is computed (I8's bit-exact integer contract belongs to the CPU
-kernels). Within an op the launches queue on one stream and the host waits once, at the
-copy back. Results equal the numpy reference to float tolerance, which the conformance
-module checks on the device, or on the CPU emulation of it where there is no GPU.
+Both kernel families. In F32 every expert is computed on the device, wherever its bytes
+were (VRAM, RAM, a slab just read from disk): the same kernel on the same bytes, so
+placement never changes a token; results equal the numpy reference to float tolerance.
+In I8 the device reproduces the CPU kernels' integer arithmetic bit for bit
+(native/src/ref/ref.c defines it; activations quantised and the SwiGLU step taken by the
+same native code on the host), so an expert may be computed on either side with the same
+bits: an expert the device tier does not keep is computed where its bytes are, on the
+CPU, when the CPU's product beats copying it over the bus (measured once, on the first
+such expert; the seed's finding for batch-1 decode), and weights whose format the device
+cannot do exactly (f32/bf16 matrices, int4 groups that are not whole 32-input chunks) are
+computed by the CPU kernels. Within an op the launches queue on one stream and the host
+waits at the copies back. The conformance module checks both families on the device, or
+on the CPU emulation of it where there is no GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from colibrid.backends import native
 from colibrid.backends.base import (
     DeviceTierStats,
     ExpertBatch,
@@ -32,7 +42,6 @@ from colibrid.backends.base import (
     ResidentExperts,
     RouteRule,
     SwiGLUWeights,
-    require_f32,
 )
 from colibrid.backends.cpu import CpuOps
 from colibrid.backends.cuda_device import Buffer, Device, copy_probe, open_device, read_probe
@@ -40,7 +49,9 @@ from colibrid.backends.cuda_weights import DeviceWeight, upload
 from colibrid.backends.device_tier import DeviceTier
 from colibrid.backends.gqa_plan import gqa_attention_each
 from colibrid.backends.moe_plan import moe_each
-from colibrid.formats.weights import QuantWeight, WeightLayout
+from colibrid.formats.weights import QuantWeight, WeightFormat, WeightLayout
+
+log = logging.getLogger("colibri.backend")
 
 CHUNK = 32
 """Inputs a kernel thread reads at a time (kernels.cu CHUNK)."""
@@ -57,15 +68,50 @@ F4 = 4  # bytes of a float32
 JOB_INTS = 11
 """Integers describing one product to kernels.cu's mm_partial / mm_reduce (J_* there)."""
 
-Product = tuple[DeviceWeight, int, int, int]
-"""One product for `_products`: the weight, x's address, its rows, y's address."""
+I8_PTRS = 5
+"""Addresses of one I8 product (kernels.cu I8_PTRS): the F32 four and the rows' scales."""
 
-Swiglu = tuple[QuantWeight, QuantWeight, QuantWeight, int, int, int]
-"""One SwiGLU for `_swiglus`: gate, up, down, x's address, its rows, y's address."""
+INTEGER_FORMATS = (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4)
 
 
-def _family(family: KernelFamily) -> None:
-    require_f32("cuda", family)
+@dataclass(frozen=True)
+class Activations:
+    """A product's input rows on the device, ``width`` values a row: float32 rows at ``x``
+    (F32 family), or int8 codes at ``x`` with one float scale a row at ``xs`` (I8)."""
+
+    x: int
+    width: int
+    xs: int = 0
+
+    @property
+    def integer(self) -> bool:
+        return self.xs != 0
+
+    def from_row(self, r: int) -> Activations:
+        """The rows from row ``r`` on."""
+        if self.integer:
+            return Activations(self.x + r * self.width, self.width, self.xs + r * F4)
+        return Activations(self.x + r * self.width * F4, self.width)
+
+
+Product = tuple[DeviceWeight, Activations, int, int]
+"""One product for `_products`: the weight, its input rows, how many, y's address."""
+
+Swiglu = tuple[DeviceWeight, DeviceWeight, DeviceWeight, Activations, int, int]
+"""One SwiGLU for `_swiglus`: gate, up, down, its input rows, how many, y's address."""
+
+
+def exact_on_device(w: QuantWeight) -> bool:
+    """Whether the device computes ``w`` in the I8 family with the CPU kernels' bits:
+    integer codes whose scale groups are whole 32-input chunks, or one group a row."""
+    if w.fmt not in INTEGER_FORMATS:
+        return False
+    group, width = w.group_size, w.shape[1]
+    return w.fmt is WeightFormat.Q8 or group <= 0 or group >= width or group % CHUNK == 0
+
+
+def _exact_expert(w: SwiGLUWeights) -> bool:
+    return all(exact_on_device(m) for m in (w.gate, w.up, w.down))
 
 
 def _rows(x: np.ndarray, width: int) -> np.ndarray:
@@ -80,9 +126,16 @@ class CudaOps(CpuOps):
     (the router, norms, RoPE, attention over the cache and the rank sums are CpuOps')."""
 
     name = "cuda"
-    families = frozenset({KernelFamily.F32})
+    families = frozenset(KernelFamily)
 
-    def __init__(self, device: Device | None = None, vram_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device: Device | None = None,
+        vram_bytes: int | None = None,
+        host_experts: bool | None = None,
+    ) -> None:
+        """``host_experts``: in I8, compute the experts the tier does not keep on the CPU
+        (True), copy them over (False), or decide by timing both on the first (None)."""
         self.device = device if device is not None else open_device()
         budget = vram_bytes
         if budget is None:
@@ -92,6 +145,7 @@ class CudaOps(CpuOps):
         self._scratch: dict[str, Buffer] = {}
         self._retired: list[Buffer] = []
         self._lock = threading.RLock()  # one op at a time owns the scratch buffers
+        self.host_experts = host_experts
 
     # ---- device plumbing ------------------------------------------------------------------
     def _space(self, name: str, nbytes: int) -> int:
@@ -118,47 +172,101 @@ class CudaOps(CpuOps):
         self._retired.clear()
         return out
 
+    def _activations(self, name: str, rows: np.ndarray, family: KernelFamily) -> Activations:
+        """float32 ``rows`` [S, width] on the device as ``family``'s input: as they are
+        (F32), or their int8 codes and scales as the native kernels quantise them (I8)."""
+        if family is KernelFamily.F32:
+            return Activations(self._put(name, rows), rows.shape[1])
+        q, scales = native.quant_rows(rows)
+        return Activations(self._put(name, q), rows.shape[1], self._put(name + "_xs", scales))
+
     def _products(self, jobs: list[Product]) -> None:
         """Every y [rows, O] = x [rows, I] @ W^T of ``jobs`` in two launches (kernels.cu
-        mm_partial, mm_reduce); a product's bits do not depend on the others."""
+        mm_partial and mm_reduce, or mm_i8_partial and mm_i8_reduce for int8 inputs); a
+        product's bits do not depend on the others."""
         if not jobs:
             return
+        integer = jobs[0][1].integer
         meta = np.zeros((len(jobs), JOB_INTS), dtype=np.int32)
-        addresses = np.zeros((len(jobs), 4), dtype=np.uint64)
+        addresses = np.zeros((len(jobs), I8_PTRS if integer else 4), dtype=np.uint64)
         threads = outputs = partials = 0
         for j, (w, x, rows, y) in enumerate(jobs):
+            if x.integer != integer:
+                raise ValueError("one launch computes one kernel family")
             o, i = w.shape
-            lanes = min(MAX_LANES, max(1, -(-i // CHUNK)))
+            chunks = -(-i // CHUNK)
+            lanes = min(MAX_LANES, max(1, chunks))
             meta[j] = (o, i, rows, lanes, w.fmt, w.group, w.groups, w.row_bytes, threads,
                        outputs, partials)  # fmt: skip
-            addresses[j] = (w.data, w.scales, x, y)
-            threads, outputs, partials = (
-                threads + o * lanes,
-                outputs + rows * o,
-                partials + rows * o * lanes,
-            )
+            addresses[j, :4] = (w.data, w.scales, x.x, y)
+            if integer:
+                addresses[j, 4] = x.xs
+            threads += o * lanes
+            outputs += rows * o
+            partials += rows * o * (chunks if integer else lanes)
         part = self._space("part", partials * F4)
         meta_at, addresses_at = self._put("meta", meta), self._put("addresses", addresses)
-        self.device.launch("mm_partial", threads, meta_at, addresses_at, len(jobs), threads, part)
-        self.device.launch("mm_reduce", outputs, meta_at, addresses_at, len(jobs), outputs, part)
+        first, second = (
+            ("mm_i8_partial", "mm_i8_reduce") if integer else ("mm_partial", "mm_reduce")
+        )
+        self.device.launch(first, threads, meta_at, addresses_at, len(jobs), threads, part)
+        self.device.launch(second, outputs, meta_at, addresses_at, len(jobs), outputs, part)
 
-    def _swiglus(self, jobs: list[Swiglu], expert: bool) -> None:
+    def _swiglus(self, jobs: list[Swiglu]) -> None:
         """y [rows, D] = down(silu(gate x) * up x) for every (gate, up, down, x, rows, y) of
-        ``jobs`` (device addresses): the gates and ups in one product launch, one silu
-        over all of them, the downs in another."""
+        ``jobs``: the gates and ups in one product launch, the downs in another."""
         hidden = sum(gate.shape[0] * rows for gate, _, _, _, rows, _ in jobs)
-        g, u, h = (self._space(n, hidden * F4) for n in ("gate", "up", "hidden"))
+        g, u = (self._space(n, hidden * F4) for n in ("gate", "up"))
         first: list[Product] = []
-        second: list[Product] = []
         at = 0
-        for gate, up, down, x, rows, y in jobs:
-            dg, du, dd = (self.tier.get(w, expert) for w in (gate, up, down))
-            first += [(dg, x, rows, g + at), (du, x, rows, u + at)]
-            second.append((dd, h + at, rows, y))
+        for gate, up, _, x, rows, _ in jobs:
+            first += [(gate, x, rows, g + at), (up, x, rows, u + at)]
             at += gate.shape[0] * rows * F4
         self._products(first)
+        integer = bool(jobs) and jobs[0][3].integer
+        inputs = self._hidden_i8(jobs, g, u) if integer else self._hidden_f32(jobs, g, u)
+        self._products(
+            [(down, h, rows, y) for (_, _, down, _, rows, y), h in zip(jobs, inputs, strict=True)]
+        )
+
+    def _hidden_f32(self, jobs: list[Swiglu], g: int, u: int) -> list[Activations]:
+        """silu(g) * u on the device: each job's hidden rows as float inputs."""
+        hidden = sum(gate.shape[0] * rows for gate, _, _, _, rows, _ in jobs)
+        h = self._space("hidden", hidden * F4)
         self.device.launch("swiglu", hidden, g, u, h, hidden)
-        self._products(second)
+        inputs, at = [], h
+        for gate, _, _, _, rows, _ in jobs:
+            inputs.append(Activations(at, gate.shape[0]))
+            at += rows * gate.shape[0] * F4
+        return inputs
+
+    def _hidden_i8(self, jobs: list[Swiglu], g: int, u: int) -> list[Activations]:
+        """silu(g) * u on the host by the native code, each job's hidden rows quantised
+        there as the CPU kernels quantise them: their bits, whatever expf the GPU has."""
+        hidden = sum(gate.shape[0] * rows for gate, _, _, _, rows, _ in jobs)
+        gates, ups = np.empty(hidden, dtype=np.float32), np.empty(hidden, dtype=np.float32)
+        self.device.download(gates, g)
+        self.device.download(ups, u)
+        native.silu_mul(gates, ups)
+        codes, scales, at = [], [], 0
+        for gate, _, _, _, rows, _ in jobs:
+            width = gate.shape[0]
+            q, xs = native.quant_rows(gates[at : at + rows * width].reshape(rows, width))
+            codes.append(q.reshape(-1))
+            scales.append(xs)
+            at += rows * width
+        q_at = self._put("hidden_q", np.concatenate(codes))
+        xs_at = self._put("hidden_xs", np.concatenate(scales))
+        inputs, at, row = [], 0, 0
+        for gate, _, _, _, rows, _ in jobs:
+            inputs.append(Activations(q_at + at, gate.shape[0], xs_at + row * F4))
+            at += rows * gate.shape[0]
+            row += rows
+        return inputs
+
+    def _on_device(self, weights: Sequence[QuantWeight], family: KernelFamily) -> list[bool]:
+        """Which of ``weights`` the device computes in ``family`` (F32: all)."""
+        return [family is KernelFamily.F32 or exact_on_device(w) for w in weights]
 
     # ---- Ops ------------------------------------------------------------------------------
     def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
@@ -170,31 +278,39 @@ class CudaOps(CpuOps):
     def matmul_many(
         self, weights: Sequence[QuantWeight], x: np.ndarray, family: KernelFamily
     ) -> list[np.ndarray]:
-        _family(family)
         if not weights:
             return []
-        width = weights[0].shape[1]
-        xs = _rows(x, width)
-        lead = x.shape[:-1]
-        with self._lock:
-            xp = self._put("x", xs)
-            total = sum(w.shape[0] for w in weights) * xs.shape[0]
-            yp = self._space("y", total * F4)
-            jobs, at = [], yp
-            for w in weights:
-                jobs.append((self.tier.get(w), xp, xs.shape[0], at))
-                at += w.shape[0] * xs.shape[0] * F4
-            self._products(jobs)
-            flat = self._get(yp, (total,))
-        outs, lo = [], 0
-        for w in weights:
-            n = w.shape[0] * xs.shape[0]
-            outs.append(flat[lo : lo + n].reshape(*lead, w.shape[0]))
-            lo += n
-        return outs
+        here = self._on_device(weights, family)
+        outs: list[np.ndarray | None] = [None] * len(weights)
+        if not all(here):  # what the device cannot do exactly: the CPU kernels, same bits
+            away = [k for k, on in enumerate(here) if not on]
+            done = super().matmul_many([weights[k] for k in away], x, family)
+            for k, y in zip(away, done, strict=True):
+                outs[k] = y
+        if any(here):
+            mine = [w for w, on in zip(weights, here, strict=True) if on]
+            xs = _rows(x, weights[0].shape[1])
+            lead = x.shape[:-1]
+            with self._lock:
+                xin = self._activations("x", xs, family)
+                total = sum(w.shape[0] for w in mine) * xs.shape[0]
+                yp = self._space("y", total * F4)
+                jobs, at = [], yp
+                for w in mine:
+                    jobs.append((self.tier.get(w), xin, xs.shape[0], at))
+                    at += w.shape[0] * xs.shape[0] * F4
+                self._products(jobs)
+                flat = self._get(yp, (total,))
+            lo = 0
+            for k in (k for k, on in enumerate(here) if on):
+                n = weights[k].shape[0] * xs.shape[0]
+                outs[k] = flat[lo : lo + n].reshape(*lead, weights[k].shape[0])
+                lo += n
+        return [y for y in outs if y is not None]
 
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
-        _family(family)
+        if not self._on_device([w], family)[0] or family is KernelFamily.I8:
+            return super().matmul_blocks(w, x, family)  # I8: small per-head blocks, same bits
         if x.ndim not in (2, 3):
             raise ValueError("x must be a 2-D [B, I] or 3-D [S, B, I] numpy array")
         x3 = x.reshape(1, *x.shape) if x.ndim == 2 else x
@@ -204,11 +320,13 @@ class CudaOps(CpuOps):
             raise ValueError(f"{w.shape[0]} output rows do not split into {count} equal blocks")
         with self._lock:
             dw = self.tier.get(w)
-            xp = self._put("x", np.ascontiguousarray(x3.transpose(1, 0, 2), dtype=np.float32))
+            xin = self._activations(
+                "x", np.ascontiguousarray(x3.transpose(1, 0, 2)).reshape(-1, w.shape[1]), family
+            )
             yp = self._space("y", count * rows * width * F4)
             self._products(
                 [
-                    (dw.rows(b * width, (b + 1) * width), xp + b * rows * w.shape[1] * F4, rows,
+                    (dw.rows(b * width, (b + 1) * width), xin.from_row(b * rows), rows,
                      yp + b * rows * width * F4)
                     for b in range(count)
                 ]
@@ -225,24 +343,67 @@ class CudaOps(CpuOps):
         x: np.ndarray,
         family: KernelFamily,
     ) -> np.ndarray:
-        _family(family)
+        if not all(self._on_device((gate, up, down), family)):
+            return super().expert_swiglu(gate, up, down, x, family)
         xs = _rows(x, gate.shape[1])
         with self._lock:
-            xp = self._put("x", xs)
+            xin = self._activations("x", xs, family)
             yp = self._space("y", xs.shape[0] * down.shape[0] * F4)
-            self._swiglus([(gate, up, down, xp, xs.shape[0], yp)], expert=False)
+            gate_d, up_d, down_d = (self.tier.get(w) for w in (gate, up, down))
+            self._swiglus([(gate_d, up_d, down_d, xin, xs.shape[0], yp)])
             y = self._get(yp, (xs.shape[0], down.shape[0]))
         return y.reshape(*x.shape[:-1], down.shape[0])
 
     def apply_experts(
         self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray, family: KernelFamily
     ) -> None:
-        """Every expert's rows gathered, computed and gated on the device, one copy back,
-        one scatter into out: as apply_experts_each, row for row."""
-        _family(family)
-        pairs = len(batch.rows)
-        if pairs == 0:
+        """F32: every expert's rows gathered, computed and gated on the device, one copy
+        back, one scatter into out. I8: the experts the device computes exactly and the
+        tier keeps (or that cost less to copy than to compute here) on the device, the
+        rest by the CPU kernels meanwhile, with the same bits either way."""
+        if len(batch.rows) == 0:
             return
+        if family is KernelFamily.F32:
+            self._apply_experts_f32(batch, x, out)
+            return
+        xs = _rows(x, x.shape[-1])
+        with self._lock:
+            placed = [self._place_expert(w) for w in batch.weights]
+            host = [
+                e for e, d in enumerate(placed) if d is None and batch.start[e] < batch.start[e + 1]
+            ]
+            self.tier.stats.host_experts += len(host)
+            mine = [
+                e
+                for e, d in enumerate(placed)
+                if d is not None and batch.start[e] < batch.start[e + 1]
+            ]
+            jobs: list[Swiglu] = []
+            pairs: list[int] = []
+            if mine:
+                for e in mine:
+                    pairs += range(batch.start[e], batch.start[e + 1])
+                gathered = xs[np.asarray([batch.rows[p] for p in pairs], dtype=np.int64)]
+                xin = self._activations("x", gathered, family)
+                yp = self._space("y", len(pairs) * xs.shape[1] * F4)
+                at = 0
+                for e in mine:
+                    n = batch.start[e + 1] - batch.start[e]
+                    gate, up, down = placed[e]  # type: ignore[misc]
+                    jobs.append((gate, up, down, xin.from_row(at), n, yp + at * xs.shape[1] * F4))
+                    at += n
+                self._swiglus(jobs)  # queued; the host computes its experts meanwhile
+            if host:
+                super().apply_experts(_sub_batch(batch, host), x, out, family)
+            if mine:
+                ys = self._get(yp, (len(pairs), xs.shape[1]))
+                gates = np.asarray([batch.gates[p] for p in pairs], dtype=np.float32)
+                out[np.asarray([batch.dest[p] for p in pairs], dtype=np.int64)] = (
+                    ys * gates[:, None]
+                )
+
+    def _apply_experts_f32(self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray) -> None:
+        pairs = len(batch.rows)
         xs = _rows(x, x.shape[-1])
         width = xs.shape[1]
         with self._lock:
@@ -252,16 +413,55 @@ class CudaOps(CpuOps):
             gathered = self._space("gathered", pairs * width * F4)
             self.device.launch("gather_rows", pairs * width, xp, width, rows, pairs, gathered)
             yp = self._space("y", pairs * width * F4)
+            xin = Activations(gathered, width)
             jobs: list[Swiglu] = []
             for e, w in enumerate(batch.weights):
                 lo, hi = batch.start[e], batch.start[e + 1]
                 if lo < hi:
-                    offset = lo * width * F4
-                    jobs.append((w.gate, w.up, w.down, gathered + offset, hi - lo, yp + offset))
-            self._swiglus(jobs, expert=True)
+                    gate, up, down = (self.tier.get(m, expert=True) for m in (w.gate, w.up, w.down))
+                    jobs.append((gate, up, down, xin.from_row(lo), hi - lo, yp + lo * width * F4))
+            self._swiglus(jobs)
             self.device.launch("scale_rows", pairs * width, yp, width, gates, pairs)
             ys = self._get(yp, (pairs, width))
         out[np.asarray(batch.dest, dtype=np.int64)] = ys
+
+    def _place_expert(
+        self, w: SwiGLUWeights
+    ) -> tuple[DeviceWeight, DeviceWeight, DeviceWeight] | None:
+        """An I8 expert's device copies, or None: it is computed on the host (a format the
+        device cannot do exactly, or copies the tier would not keep, where the CPU's
+        product is faster than the copy)."""
+        if not _exact_expert(w):
+            return None
+        mats = (w.gate, w.up, w.down)
+        kept = [self.tier.keep(m) for m in mats]
+        if all(k is not None for k in kept):
+            return kept[0], kept[1], kept[2]  # type: ignore[return-value]
+        if self._host_beats_bus(w.gate):
+            return None
+        copies = [
+            k if k is not None else self.tier.copy_once(m) for k, m in zip(kept, mats, strict=True)
+        ]
+        return copies[0], copies[1], copies[2]
+
+    def _host_beats_bus(self, w: QuantWeight) -> bool:
+        """Whether the CPU's I8 product of a weight takes less time than copying it to the
+        device: timed once, on the first expert weight the tier passes through."""
+        if self.host_experts is None:
+            x = np.ones((1, w.shape[1]), dtype=np.float32)
+            compute = min(
+                _timed(lambda: CpuOps.matmul(self, w, x, KernelFamily.I8)) for _ in range(3)
+            )
+            copy = min(_timed(lambda: upload(self.device, w)) for _ in range(3))
+            self.host_experts = compute < copy
+            where = "computed on the cpu" if self.host_experts else "copied to the device"
+            self.tier.stats.host_rule = (
+                f"i8 experts the tier does not keep are {where} (the cpu's product of a "
+                f"{w.nbytes / 1e6:.2f} MB expert weight {compute * 1e3:.2f} ms, its copy "
+                f"{copy * 1e3:.2f} ms)"
+            )
+            log.info("cuda: %s", self.tier.stats.host_rule)
+        return self.host_experts
 
     def moe(
         self,
@@ -273,8 +473,7 @@ class CudaOps(CpuOps):
         shared: SwiGLUWeights | None,
         family: KernelFamily,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Routed on the host, the experts in one apply_experts on the device (moe_each)."""
-        _family(family)
+        """Routed on the host, the experts in one apply_experts (moe_each)."""
         return moe_each(self, x, weight, bias, rule, layer, shared, family)
 
     def gqa_attention(
@@ -288,7 +487,6 @@ class CudaOps(CpuOps):
         family: KernelFamily,
     ) -> np.ndarray:
         """Projections on the device, the rest on the host: gqa_attention_each itself."""
-        _family(family)
         return gqa_attention_each(self, block, rope, x, caches, start, scale, family)
 
     def limits(self, nbytes: int = 256 << 20) -> tuple[float, str]:
@@ -300,3 +498,22 @@ class CudaOps(CpuOps):
 
     def device_tier(self) -> DeviceTierStats | None:
         return dataclasses.replace(self.tier.stats)
+
+
+def _timed(run) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
+
+
+def _sub_batch(batch: ExpertBatch, experts: Sequence[int]) -> ExpertBatch:
+    """The pairs of ``experts`` only, as a batch of their own (same rows, gates, dests)."""
+    weights, start, rows, gates, dest = [], [0], [], [], []
+    for e in experts:
+        lo, hi = batch.start[e], batch.start[e + 1]
+        weights.append(batch.weights[e])
+        rows += batch.rows[lo:hi]
+        gates += batch.gates[lo:hi]
+        dest += batch.dest[lo:hi]
+        start.append(len(rows))
+    return ExpertBatch(weights, start, rows, gates, dest)

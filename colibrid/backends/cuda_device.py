@@ -204,7 +204,7 @@ def _build_emulation(source: str, launchers: str) -> Path:
         raise BackendError(
             f"emulating the cuda kernels needs a C++ compiler ({compiler!r} not found)"
         )
-    flags = ["-O2", "-fPIC", "-shared", "-std=c++14", "-fno-strict-aliasing"]
+    flags = ["-O2", "-fPIC", "-shared", "-std=c++14", "-fno-strict-aliasing", "-ffp-contract=off"]
     flags.append("-DCOLIBRI_CUDA_EMULATE")
     header = (kernel_dir() / "emulate.h").read_text()
     digest = hashlib.sha256("\0".join([source, header, launchers, compiler, *flags]).encode())

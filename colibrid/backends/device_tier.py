@@ -1,20 +1,21 @@
 """The device tier: which weights a backend keeps copies of in its own memory (GPU memory
 for cuda, MLX arrays for mlx), under a byte budget.
 
-Which copies stay is the RAM cache's rule (colibrid.policy, gated LFRU): every use of an
-expert's weight counts, held or not, and a weight not held displaces the coldest held
-expert weight only when its own score (heat, then recency) is higher; otherwise it is
-copied for the op that needs it and dropped after. So a token's streamed experts, each a
-weight seen once, no longer push out the experts RAM holds for good and every token uses
-(with least-recently-used they did, and each token copied them all again). Dense weights
-(attention, shared experts, the head) are used every token: they are always kept, room
-made for them from the coldest experts first.
+Which copies stay is the RAM cache's kind of rule (colibrid.policy, gated LFRU): every use
+of an expert's weight counts, held or not, and a weight not held displaces the coldest held
+expert weight only when it has been used more (HeatGatedLFRU: heat alone decides, as each
+admission costs a copy over the bus); otherwise it is copied for the op that needs it and
+dropped after, or, in the I8 family, computed where its bytes are (backends/cuda.py). So a
+token's streamed experts, each a weight seen once, no longer push out the experts RAM
+holds for good and every token uses (with least-recently-used they did, and each token
+copied them all again). Dense weights (attention, shared experts, the head) are used every
+token: they are always kept, room made for them from the coldest experts first.
 
 Which weights are held never changes a result: a backend computes the same arithmetic on
-the same copy wherever the weight came from, so placement stays token-invariant
-(docs/architecture.md). A copy goes when its weight object goes (a streamed expert's view
-dies with its slot's fill), so the tier never serves stale bytes. `ps` and /metrics show
-it through `Ops.device_tier()`.
+the same copy wherever the weight came from (and cuda's I8 the CPU kernels' bits on either
+side), so placement stays token-invariant (docs/architecture.md). A copy goes when its
+weight object goes (a streamed expert's view dies with its slot's fill), so the tier never
+serves stale bytes. `ps` and /metrics show it through `Ops.device_tier()`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from colibrid.backends.base import DeviceTierStats
 from colibrid.errors import BackendError, first_line
 from colibrid.formats.weights import QuantWeight
 from colibrid.policy import Policy
-from colibrid.policy.gated import GatedLFRU
+from colibrid.policy.gated import HeatGatedLFRU
 
 T = TypeVar("T")  # a backend's copy of a weight
 A = TypeVar("A")  # whatever an allocation returns
@@ -45,7 +46,7 @@ the demo's."""
 class DeviceTier(Generic[T]):
     """Copies of weights by weight object, made by ``copy`` and ``size(copy)`` bytes each,
     under ``budget`` bytes (None: no budget). Expert weights are kept by ``policy``
-    (default: gated LFRU, heat halved every HEAT_DECAY_USES uses), dense weights always,
+    (default: heat-gated LFRU, heat halved every HEAT_DECAY_USES uses), dense weights always,
     the least recently used of them out last, after every expert. An evicted copy's memory
     goes when the last op using it lets go of it."""
 
@@ -60,7 +61,7 @@ class DeviceTier(Generic[T]):
         self.stats = DeviceTierStats(budget=budget)
         self._dense: OrderedDict[int, tuple[T, int]] = OrderedDict()  # least recent first
         self._experts: dict[int, tuple[T, int]] = {}
-        self._policy = policy if policy is not None else GatedLFRU(HEAT_DECAY_USES)
+        self._policy = policy if policy is not None else HeatGatedLFRU(HEAT_DECAY_USES)
         self._watched: set[int] = set()  # weights whose death drops their copy
         self._lock = threading.RLock()  # a finalizer may run inside get, on any thread
 
@@ -68,7 +69,22 @@ class DeviceTier(Generic[T]):
         """``w``'s copy: the held one, or one made now and kept when the policy keeps it;
         ``expert``: it is one of an expert's weights (kept by heat, counted apart)."""
         with self._lock:
-            return self._get_expert(w) if expert else self._get_dense(w)
+            if not expert:
+                return self._get_dense(w)
+            held = self._keep(w)
+            return held if held is not None else self._copy_once(w)
+
+    def keep(self, w: QuantWeight) -> T | None:
+        """An expert weight's copy when the tier holds it or keeps it now (its use counted
+        either way); None, with no copy made, when the policy would only pass it through:
+        the caller may compute it where its bytes are, or take ``copy_once``."""
+        with self._lock:
+            return self._keep(w)
+
+    def copy_once(self, w: QuantWeight) -> T:
+        """A copy of an expert weight for one op, not kept (its use counted by ``keep``)."""
+        with self._lock:
+            return self._copy_once(w)
 
     def _get_dense(self, w: QuantWeight) -> T:
         key = id(w)
@@ -83,7 +99,7 @@ class DeviceTier(Generic[T]):
         self._count(size, False, 1)
         return held
 
-    def _get_expert(self, w: QuantWeight) -> T:
+    def _keep(self, w: QuantWeight) -> T | None:
         key = id(w)
         entry = self._experts.get(key)
         if entry is not None:
@@ -91,14 +107,17 @@ class DeviceTier(Generic[T]):
             self.stats.hits += 1
             return entry[0]
         self._policy.seen(key)
-        kept = self._make_room(w.nbytes, dense=False, key=key)
+        if not self._make_room(w.nbytes, dense=False, key=key):
+            return None
         held, size = self._new_copy(w)
-        if kept:
-            self._policy.admit(key)
-            self._experts[key] = (held, size)
-            self._count(size, True, 1)
-        else:
-            self.stats.passed += 1
+        self._policy.admit(key)
+        self._experts[key] = (held, size)
+        self._count(size, True, 1)
+        return held
+
+    def _copy_once(self, w: QuantWeight) -> T:
+        held, _ = self._new_copy(w)
+        self.stats.passed += 1
         return held
 
     def _make_room(self, nbytes: int, dense: bool, key: int = 0) -> bool:

@@ -469,6 +469,28 @@ def rank_sum(parts: np.ndarray) -> np.ndarray:
     return out
 
 
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """g <- silu(g) * u in place (float32, same shape): the SwiGLU step the native expert
+    paths compute, with their bits. Returns g."""
+    _check_array("g", g, np.float32, g.shape)
+    _check_array("u", u, np.float32, g.shape)
+    _raise_rc(lib.colibri_silu_mul(ffi.from_buffer("float[]", g), _fptr(u), g.size))
+    return g
+
+
+def quant_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The I8 family's activations: each row of float32 x [S, I] as the integer kernels
+    quantise it. Returns codes int8 [S, I] and scales float32 [S]."""
+    if not isinstance(x, np.ndarray) or x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError("x must be a 2-D [S, I] numpy array with I >= 1")
+    _check_array("x", x, np.float32, x.shape)
+    q = np.empty(x.shape, dtype=np.int8)
+    xs = np.empty(x.shape[0], dtype=np.float32)
+    codes, scales = ffi.from_buffer("int8_t[]", q), ffi.from_buffer("float[]", xs)
+    _raise_rc(lib.colibri_quant_rows(_fptr(x), x.shape[0], x.shape[1], codes, scales))
+    return q, xs
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis of float32 x [..., D] with weight [D]: weight * (x /
     sqrt(mean(x^2) + eps)); each row alone, so S rows equal S one-row calls."""

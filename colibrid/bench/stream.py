@@ -68,6 +68,7 @@ def tier_line(now: DeviceTierStats, before: DeviceTierStats, tokens: int) -> str
     """The device tier over the measured tokens: what it held, how many weight uses it
     served, and what crossed to the device per token (the bus's share of a token)."""
     hits, copies = now.hits - before.hits, now.copies - before.copies
+    host = now.host_experts - before.host_experts
     copied = (now.copied_bytes - before.copied_bytes) / 1e9 / tokens
     budget = "no budget" if now.budget is None else f"budget {now.budget / 1e9:.3g} GB"
     rate = f"{100 * hits / (hits + copies):.1f}%" if hits + copies else "-"
@@ -76,6 +77,8 @@ def tier_line(now: DeviceTierStats, before: DeviceTierStats, tokens: int) -> str
         f"weights); {rate} of weight uses served from it; {copies / tokens:.1f} copies in "
         f"({copied:.4f} GB) a token, {(now.passed - before.passed) / tokens:.1f} of them "
         "expert weights used once and not kept"
+        + (f"; {host / tokens:.1f} experts a token computed on the host" if host else "")
+        + (f"\nvram: {now.host_rule}" if now.host_rule else "")
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
-from colibrid.policy.gated import GatedLFRU
+from colibrid.policy.gated import GatedLFRU, HeatGatedLFRU
 from colibrid.policy.lfru import LFRU
 from colibrid.policy.lru import LRU
 
@@ -31,7 +31,12 @@ class Policy(Protocol):
     def __len__(self) -> int: ...
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {"lru": LRU, "lfru": LFRU, "gated-lfru": GatedLFRU}
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "lru": LRU,
+    "lfru": LFRU,
+    "gated-lfru": GatedLFRU,
+    "heat-gated-lfru": HeatGatedLFRU,
+}
 DEFAULT_POLICY = "gated-lfru"
 """Chosen by `colibri bench policy` on REPLAY traces (decode hit rates). Four demo requests
 of 64 tokens, 1 / 2 / 4 / 8 experts per layer of 16: LRU 19.7 / 36.4 / 65.9 / 90.1%, LFRU

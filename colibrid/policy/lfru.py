@@ -51,6 +51,9 @@ class LFRU:
         self._heat.pop(key, None)
         self._used.pop(key, None)
 
+    def heat(self, key: int) -> int:
+        return self._heat.get(key, 0)
+
     def score(self, key: int) -> int:
         age = self._clock - self._used.get(key, self._clock)
         return (self._heat.get(key, 0) << 8) | (255 - age if age < 255 else 0)

@@ -76,6 +76,8 @@ class DaemonState:
                 "copies": vram.copies,
                 "copied_gb": vram.copied_bytes / GB,
                 "passed": vram.passed,
+                "host_experts": vram.host_experts,
+                "host_rule": vram.host_rule,
                 "hit_rate": vram.hits / (vram.hits + vram.copies)
                 if vram.hits + vram.copies
                 else None,

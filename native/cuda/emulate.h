@@ -32,4 +32,10 @@ static inline float __int_as_float(int i) {
     return f;
 }
 
+/* The rounding intrinsics: one IEEE operation each (the emulation is built with
+ * -ffp-contract=off, so none is fused, as on the device). */
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __int2float_rn(int i) { return (float)i; }
+
 #endif

@@ -183,6 +183,79 @@ extern "C" __global__ void mm_reduce(const int *meta, const unsigned long long *
     ((float *)ptrs[j * 4 + P_Y])[n] = lane_sum(part + m[J_PART], m[J_LANES], n);
 }
 
+/* ---- The I8 family: int8 activations, exact integer dots (native/src/ref/ref.c defines
+ * the arithmetic; every CPU ISA reproduces it bit for bit, and so do these kernels):
+ * per output, per scale group in increasing order, isum = the exact int32 dot of the
+ * weight codes and the row's int8 codes over the group, then
+ *     acc = acc + (float)isum * (wscale[o, g] * xs[s]),   acc starting at 0.0f,
+ * each operation rounded alone (the _rn intrinsics are never contracted into an FMA).
+ * mm_i8_partial writes the integer sum of each 32-input chunk (a chunk never crosses a
+ * scale group: the host sends only weights whose groups are whole chunks, or one group a
+ * row), mm_i8_reduce adds a group's chunks (integers: exact in any order) and takes the
+ * float steps in group order. Job j's addresses are ptrs[j * I8_PTRS + P_*] plus its
+ * activation scales at P_XS; its partial sums start at part + J_PART, `chunks` a row. */
+#define I8_PTRS 5
+#define P_XS 4
+
+/* Thread (o, lane): for each chunk c = lane, lane + lanes, ... and each activation row s,
+ * the chunk's exact integer dot into part[(s * O + o) * chunks + c]. q: [S, I] int8. */
+__device__ void int_partials(const unsigned char *w, int fmt, int O, int I, int row_bytes,
+                             const signed char *q, int S, int *part, int lanes, int o,
+                             int lane) {
+    const unsigned char *row = w + (long long)o * row_bytes;
+    const int chunks = (I + CHUNK - 1) / CHUNK;
+    for (int c = lane; c < chunks; c += lanes) {
+        const int i0 = c * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+        for (int s0 = 0; s0 < S; s0 += ROW_TILE) {
+            const int rows = S - s0 < ROW_TILE ? S - s0 : ROW_TILE;
+            int acc[ROW_TILE] = {0, 0, 0, 0};
+            for (int i = i0; i < i1; i++) {
+                const int code = fmt == FMT_Q8 ? (int)((const signed char *)row)[i]
+                                               : nibble_code(fmt, (row[i >> 1] >> ((i & 1) * 4)) & 15u);
+                for (int r = 0; r < rows; r++) acc[r] += code * (int)q[(long long)(s0 + r) * I + i];
+            }
+            for (int r = 0; r < rows; r++) part[((long long)(s0 + r) * O + o) * chunks + c] = acc[r];
+        }
+    }
+}
+
+extern "C" __global__ void mm_i8_partial(const int *meta, const unsigned long long *ptrs,
+                                         int jobs, int threads, int *part) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= threads) return;
+    const int j = job_of(meta, jobs, J_THREADS, t);
+    const int *m = meta + j * JOB_INTS;
+    const unsigned long long *p = ptrs + j * I8_PTRS;
+    const int local = (int)(t - m[J_THREADS]), lanes = m[J_LANES];
+    int_partials((const unsigned char *)p[P_DATA], m[J_FMT], m[J_O], m[J_I], m[J_ROW_BYTES],
+                 (const signed char *)p[P_X], m[J_ROWS], part + m[J_PART], lanes, local / lanes,
+                 local % lanes);
+}
+
+extern "C" __global__ void mm_i8_reduce(const int *meta, const unsigned long long *ptrs,
+                                        int jobs, int outputs, const int *part) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= outputs) return;
+    const int j = job_of(meta, jobs, J_OUTPUTS, t);
+    const int *m = meta + j * JOB_INTS;
+    const unsigned long long *p = ptrs + j * I8_PTRS;
+    const int O = m[J_O], I = m[J_I], gsz = m[J_GSZ], groups = m[J_GROUPS];
+    const long long n = t - m[J_OUTPUTS];
+    const int s = (int)(n / O), o = (int)(n % O), chunks = (I + CHUNK - 1) / CHUNK;
+    const int *sums = part + m[J_PART] + n * chunks;
+    const float xs = ((const float *)p[P_XS])[s];
+    float acc = 0.0f;
+    int c = 0;
+    for (int g = 0; g < groups; g++) {
+        const int end = g + 1 == groups ? I : (g + 1) * gsz;
+        int isum = 0;
+        for (; c < chunks && c * CHUNK < end; c++) isum += sums[c];
+        const float sc = scale_at((const void *)p[P_SCALES], m[J_FMT], o, g * gsz, gsz, groups);
+        acc = __fadd_rn(acc, __fmul_rn(__int2float_rn(isum), __fmul_rn(sc, xs)));
+    }
+    ((float *)p[P_Y])[n] = acc;
+}
+
 /* h = silu(g) * u, elementwise over n values. */
 extern "C" __global__ void swiglu(const float *g, const float *u, float *h, int n) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;

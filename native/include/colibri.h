@@ -75,6 +75,14 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
                           const colibri_weight *down, int family, const float *x, int S,
                           float *y);
 
+/* g[k] = silu(g[k]) * u[k] = g / (1 + expf(-g)) * u for n values: the SwiGLU step of every
+ * expert path (C and the cuda backend's), one definition so they give the same bits. */
+int colibri_silu_mul(float *g, const float *u, size_t n);
+
+/* The I8 family's activation rows: each of the S rows of x [S, I] as the integer kernels
+ * quantise it (absmax / 127, round half to even): codes q [S, I] and scales xs [S]. */
+int colibri_quant_rows(const float *x, int S, int I, int8_t *q, float *xs);
+
 /* Several products of one activation in one dispatch: y[k][S, O_k] = x[S, I] @ W_k^T for
  * n weights of the same I. Bit-identical to n colibri_matmul calls. */
 int colibri_matmul_many(const colibri_weight *const *w, int n, int family, const float *x, int S,

@@ -155,7 +155,7 @@ int colibri_experts(const colibri_weight *const *w, int E, int family, const flo
         const float *uy = jobs[a + 1].y;
         a += 2;
         const size_t nf = (size_t)n * w[3 * e]->O;
-        for (size_t k = 0; k < nf; k++) gy[k] = gy[k] / (1.0f + expf(-gy[k])) * uy[k];
+        colibri_silu_mul(gy, uy, nf);
         mm_job d = downs[e];
         colibri_prepare_into(&d, family, gy, n, mem);
         mem += up64(colibri_prep_bytes(&d, family, n));

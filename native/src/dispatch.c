@@ -345,7 +345,7 @@ int colibri_expert_swiglu(const colibri_weight *gate, const colibri_weight *up,
         if ((rc = prepare(&j, family, x, S))) return rc;
     }
     if ((rc = colibri_run_jobs(&j, 1, family))) return rc;
-    for (size_t k = 0; k < (size_t)S * F; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    colibri_silu_mul(g, u, (size_t)S * F);
     colibri_describe(&j, down, family);
     j.y = y;
     if ((rc = prepare(&j, family, g, S))) return rc;
@@ -411,4 +411,16 @@ int colibri_matmul_blocks(const colibri_weight *w, int family, const float *x, i
     const double work = (double)w->O * w->I * S;
     colibri_pool_for(B, work < (double)(1 << 18) ? 1 : colibri_get_threads(), block_chunk, &c);
     return atomic_load(&c.rc);
+}
+
+int colibri_silu_mul(float *g, const float *u, size_t n) {
+    if ((!g || !u) && n) return -1;
+    for (size_t k = 0; k < n; k++) g[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    return 0;
+}
+
+int colibri_quant_rows(const float *x, int S, int I, int8_t *q, float *xs) {
+    if (!x || !q || !xs || S < 0 || I < 1) return -1;
+    for (int s = 0; s < S; s++) colibri_quant_row(x + (size_t)s * I, I, q + (size_t)s * I, (size_t)I, xs + s);
+    return 0;
 }

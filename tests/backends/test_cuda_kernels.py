@@ -15,14 +15,18 @@ import numpy as np
 import pytest
 
 from colibrid.backends.base import ExpertBatch, KernelFamily
-from colibrid.backends.cuda import CudaOps
+from colibrid.backends.cpu import CpuOps
+from colibrid.backends.cuda import CudaOps, exact_on_device
 from colibrid.backends.cuda_device import EmulatedDevice, kernel_dir, kernel_source, signatures
+from colibrid.engine.engine import Engine
 from colibrid.errors import BackendError
-from colibrid.formats.quant import dequantize, quantize
+from colibrid.formats.quant import container_tensors, dequantize, quantize
 from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.models.base import apply_experts_each
+from colibrid.store.options import StoreOptions
 
 F32 = KernelFamily.F32
+I8 = KernelFamily.I8
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +97,6 @@ def test_rows_are_computed_alone(device) -> None:  # noqa: ANN001
     together = ops.matmul(w, x, F32)
     for s in range(6):
         np.testing.assert_array_equal(ops.matmul(w, x[s : s + 1], F32)[0], together[s])
-
-
-def test_the_i8_family_is_refused(device) -> None:  # noqa: ANN001
-    with pytest.raises(BackendError, match="f32 kernel family only"):
-        CudaOps(device).matmul(_weight(8, 64, 0), np.ones((1, 64), np.float32), KernelFamily.I8)
 
 
 @pytest.mark.parametrize(
@@ -173,3 +172,136 @@ def test_products_launched_together_give_the_bits_of_each_alone(device) -> None:
     ops.apply_experts(batch, x, got, F32)
     apply_experts_each(ops, batch, x, want, F32)
     np.testing.assert_array_equal(got, want)
+
+
+# ---- the I8 family: the CPU kernels' bits, so an expert may be computed on either side ----
+def _any_weight(fmt: str, o: int, i: int, seed: int) -> QuantWeight:
+    w = np.random.default_rng(seed).standard_normal((o, i), dtype=np.float32)
+    if fmt == "fp4":  # MXFP4 codes and e8m0 bytes
+        rng = np.random.default_rng(seed + 1)
+        codes = rng.integers(0, 256, (o, i // 2), dtype=np.uint8)
+        scales = rng.integers(120, 124, (o, i // 32)).astype(np.uint8)
+        return QuantWeight(WeightFormat.FP4, (o, i), codes, scales, 32)
+    if fmt == "f32":
+        return QuantWeight(WeightFormat.F32, (o, i), w)
+    kind, _, group = fmt.partition("-g")
+    return quantize(w, WeightFormat.Q8 if kind == "int8" else WeightFormat.Q4, int(group or 0))
+
+
+I8_CASES = [("int4-g64", 256), ("int4-g32", 96), ("int4", 130), ("int8", 200), ("fp4", 128),
+            ("int4-g16", 96), ("f32", 40)]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,width", I8_CASES, ids=[f for f, _ in I8_CASES])
+def test_i8_products_are_the_cpu_kernels_bits(device, fmt: str, width: int) -> None:  # noqa: ANN001
+    """Every format, S = 1 and S = 5, alone and launched with others: bit for bit what the
+    CPU kernels give (the last two run there: groups of 16, f32 matrices)."""
+    w = _any_weight(fmt, 40, width, seed=width)
+    x = np.random.default_rng(1).standard_normal((5, width), dtype=np.float32) * 3
+    ops, cpu = CudaOps(device), CpuOps()
+    assert exact_on_device(w) == (fmt not in ("int4-g16", "f32"))
+    for rows in (x[:1], x):
+        np.testing.assert_array_equal(ops.matmul(w, rows, I8), cpu.matmul(w, rows, I8))
+    other = _any_weight("int8", 24, width, seed=3)
+    for got, ref in zip(
+        ops.matmul_many([w, other], x, I8), cpu.matmul_many([w, other], x, I8), strict=True
+    ):
+        np.testing.assert_array_equal(got, ref)
+
+
+def _i8_experts(seed: int) -> list[SimpleNamespace]:
+    def expert(s: int, fmt: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            gate=_any_weight(fmt, 64, 128, s), up=_any_weight(fmt, 64, 128, s + 1),
+            down=_any_weight(fmt, 128, 64, s + 2),
+        )  # fmt: skip
+
+    return [
+        expert(seed + 10 * k, fmt) for k, fmt in enumerate(("int4-g64", "int8", "fp4", "int4-g16"))
+    ]
+
+
+@pytest.mark.parametrize("host_experts", [False, True], ids=["copied", "on-the-host"])
+@pytest.mark.parametrize("budget", [1 << 30, 25_000], ids=["roomy", "small-tier"])
+def test_i8_experts_give_the_cpu_bits_wherever_they_are_computed(
+    device,
+    host_experts: bool,
+    budget: int,  # noqa: ANN001
+) -> None:
+    """apply_experts in I8: kept on the device, copied for one op, or computed by the CPU
+    kernels beside it (host_experts): the same bits as the CPU backend, twice over (the
+    second pass finds the tier warm)."""
+    experts = _i8_experts(5)
+    x = np.random.default_rng(2).standard_normal((3, 128), dtype=np.float32)
+    batch = ExpertBatch(experts, [0, 2, 3, 5, 6], [0, 2, 1, 0, 2, 1],
+                        [0.5, 0.25, 1.0, 0.75, 0.125, 2.0], [0, 1, 2, 3, 4, 5])  # fmt: skip
+    want = np.zeros((6, 128), np.float32)
+    CpuOps().apply_experts(batch, x, want, I8)
+    ops = CudaOps(device, vram_bytes=budget, host_experts=host_experts)
+    for _ in range(2):
+        got = np.zeros((6, 128), np.float32)
+        ops.apply_experts(batch, x, got, I8)
+        np.testing.assert_array_equal(got, want)
+    stats = ops.tier.stats
+    assert stats.host_experts >= 2  # the int4-g16 expert always, twice
+    if budget < 1 << 30 and host_experts:
+        assert stats.host_experts > 2  # experts the small tier passed through
+    one = ops.expert_swiglu(experts[0].gate, experts[0].up, experts[0].down, x, I8)
+    np.testing.assert_array_equal(
+        one, CpuOps().expert_swiglu(experts[0].gate, experts[0].up, experts[0].down, x, I8)
+    )
+
+
+def test_the_host_or_the_bus_is_decided_by_timing_both(device, caplog) -> None:  # noqa: ANN001
+    ops = CudaOps(device, vram_bytes=1)  # nothing fits: every expert weight passes through
+    experts = _i8_experts(7)[:1]
+    batch = ExpertBatch(experts, [0, 1], [0], [1.0], [0])
+    got = np.zeros((1, 128), np.float32)
+    with caplog.at_level("INFO", logger="colibri.backend"):
+        ops.apply_experts(batch, np.ones((1, 128), np.float32), got, I8)
+    assert ops.host_experts is not None
+    assert "i8 experts the tier does not keep are" in caplog.text
+    assert ops.tier.stats.host_rule.startswith("i8 experts the tier does not keep are")
+
+
+def _i8_logits(ref, ops, store) -> np.ndarray:  # noqa: ANN001
+    engine = Engine.load(ref.out_dir, family=I8, ops=ops, store=store)
+    try:
+        session = engine.new_session()
+        first = np.asarray(session.prefill(list(ref.tf_ids[:20]), all_logits=True))
+        steps = [np.asarray(session.decode(int(t))) for t in ref.tf_ids[20:26]]
+        return np.concatenate([first.reshape(-1), *(s.reshape(-1) for s in steps)])
+    finally:
+        engine.close()
+
+
+def _int_experts(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """Routed experts as container tensors the device computes exactly: int4-g64 gates and
+    ups, int8 downs."""
+    fmt = WeightFormat.Q8 if "down" in name else WeightFormat.Q4
+    return container_tensors(name, quantize(w, fmt, 64))
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3", "qwen3_moe"])
+def test_i8_model_on_cuda_gives_the_cpu_logits_streamed_or_resident(
+    oracle_checkpoint,
+    device,
+    arch: str,  # noqa: ANN001
+) -> None:
+    """The whole model in I8 (integer experts): the CPU backend resident, and the cuda
+    backend streaming its experts (one cached a layer) through a device tier too small for
+    them all, those it passes through computed on the host or copied: the same logits,
+    bit for bit."""
+    ref = oracle_checkpoint(arch, expert_container=_int_experts)
+    want = _i8_logits(ref, CpuOps(), StoreOptions(mode="resident"))
+    streamed = StoreOptions(mode="tiered", cache=1, pin="off")
+    stats = {}
+    for host_experts in (True, False):
+        ops = CudaOps(device, vram_bytes=200_000, host_experts=host_experts)
+        np.testing.assert_array_equal(_i8_logits(ref, ops, streamed), want)
+        stats[host_experts] = ops.tier.stats
+        assert ops.tier.stats.expert_weights > 0  # experts computed on the device
+    # the MTP layer's f32 experts run on the host either way; passed-through ones only with
+    # host_experts off
+    assert stats[True].host_experts > stats[False].host_experts
+    assert stats[False].passed > 0 and stats[True].passed == 0
