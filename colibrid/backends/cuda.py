@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -212,9 +212,10 @@ class CudaOps(CpuOps):
         self.device.launch(first, threads, meta_at, addresses_at, len(jobs), threads, part)
         self.device.launch(second, outputs, meta_at, addresses_at, len(jobs), outputs, part)
 
-    def _swiglus(self, jobs: list[Swiglu]) -> None:
+    def _swiglus(self, jobs: list[Swiglu], meanwhile: Callable[[], None] | None = None) -> None:
         """y [rows, D] = down(silu(gate x) * up x) for every (gate, up, down, x, rows, y) of
-        ``jobs``: the gates and ups in one product launch, the downs in another."""
+        ``jobs``: the gates and ups in one product launch, the downs in another;
+        ``meanwhile`` runs on the host while the first launch computes."""
         hidden = sum(gate.shape[0] * rows for gate, _, _, _, rows, _ in jobs)
         g, u = (self._space(n, hidden * F4) for n in ("gate", "up"))
         first: list[Product] = []
@@ -223,6 +224,8 @@ class CudaOps(CpuOps):
             first += [(gate, x, rows, g + at), (up, x, rows, u + at)]
             at += gate.shape[0] * rows * F4
         self._products(first)
+        if meanwhile is not None:
+            meanwhile()
         integer = bool(jobs) and jobs[0][3].integer
         inputs = self._hidden_i8(jobs, g, u) if integer else self._hidden_f32(jobs, g, u)
         self._products(
@@ -366,41 +369,39 @@ class CudaOps(CpuOps):
         if family is KernelFamily.F32:
             self._apply_experts_f32(batch, x, out)
             return
+        self._apply_experts_i8(batch, x, out)
+
+    def _apply_experts_i8(self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray) -> None:
         xs = _rows(x, x.shape[-1])
+        width = xs.shape[1]
         with self._lock:
-            placed = [self._place_expert(w) for w in batch.weights]
-            host = [
-                e for e, d in enumerate(placed) if d is None and batch.start[e] < batch.start[e + 1]
-            ]
+            used = [e for e in range(len(batch.weights)) if batch.start[e] < batch.start[e + 1]]
+            placed = {e: self._place_expert(batch.weights[e]) for e in used}
+            host = [e for e in used if placed[e] is None]
             self.tier.stats.host_experts += len(host)
-            mine = [
-                e
-                for e, d in enumerate(placed)
-                if d is not None and batch.start[e] < batch.start[e + 1]
-            ]
+
+            def on_the_host() -> None:
+                if host:
+                    CpuOps.apply_experts(self, _sub_batch(batch, host), x, out, KernelFamily.I8)
+
+            mine = [e for e in used if placed[e] is not None]
+            if not mine:
+                on_the_host()
+                return
+            pairs = [p for e in mine for p in range(batch.start[e], batch.start[e + 1])]
+            xin = self._activations("x", xs[[batch.rows[p] for p in pairs]], KernelFamily.I8)
+            yp = self._space("y", len(pairs) * width * F4)
             jobs: list[Swiglu] = []
-            pairs: list[int] = []
-            if mine:
-                for e in mine:
-                    pairs += range(batch.start[e], batch.start[e + 1])
-                gathered = xs[np.asarray([batch.rows[p] for p in pairs], dtype=np.int64)]
-                xin = self._activations("x", gathered, family)
-                yp = self._space("y", len(pairs) * xs.shape[1] * F4)
-                at = 0
-                for e in mine:
-                    n = batch.start[e + 1] - batch.start[e]
-                    gate, up, down = placed[e]  # type: ignore[misc]
-                    jobs.append((gate, up, down, xin.from_row(at), n, yp + at * xs.shape[1] * F4))
-                    at += n
-                self._swiglus(jobs)  # queued; the host computes its experts meanwhile
-            if host:
-                super().apply_experts(_sub_batch(batch, host), x, out, family)
-            if mine:
-                ys = self._get(yp, (len(pairs), xs.shape[1]))
-                gates = np.asarray([batch.gates[p] for p in pairs], dtype=np.float32)
-                out[np.asarray([batch.dest[p] for p in pairs], dtype=np.int64)] = (
-                    ys * gates[:, None]
-                )
+            at = 0
+            for e in mine:
+                n = batch.start[e + 1] - batch.start[e]
+                gate, up, down = placed[e]  # type: ignore[misc]
+                jobs.append((gate, up, down, xin.from_row(at), n, yp + at * width * F4))
+                at += n
+            self._swiglus(jobs, meanwhile=on_the_host)
+            ys = self._get(yp, (len(pairs), width))
+        gates = np.asarray([batch.gates[p] for p in pairs], dtype=np.float32)
+        out[[batch.dest[p] for p in pairs]] = ys * gates[:, None]  # as C: y times the gate
 
     def _apply_experts_f32(self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray) -> None:
         pairs = len(batch.rows)
