@@ -153,34 +153,40 @@ __device__ float lane_sum(const float *part, int lanes, long long n) {
 #define P_X 2
 #define P_Y 3
 
-/* The job whose range [meta[j].field, meta[j + 1].field) holds t. */
-__device__ int job_of(const int *meta, int jobs, int field, long long t) {
+/* Thread t's job in a launch over every job's threads (field J_THREADS) or outputs
+ * (J_OUTPUTS): its meta row, its addresses (`stride` a job) and t's index within it. */
+struct Job {
+    const int *m;
+    const unsigned long long *p;
+    long long local;
+};
+
+__device__ Job job_at(const int *meta, const unsigned long long *ptrs, int stride, int jobs,
+                      int field, long long t) {
     int j = 0;
     while (j + 1 < jobs && t >= meta[(j + 1) * JOB_INTS + field]) j++;
-    return j;
+    const int *m = meta + j * JOB_INTS;
+    return {m, ptrs + (long long)j * stride, t - m[field]};
 }
 
 extern "C" __global__ void mm_partial(const int *meta, const unsigned long long *ptrs,
-                                           int jobs, int threads, float *part) {
+                                      int jobs, int threads, float *part) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= threads) return;
-    const int j = job_of(meta, jobs, J_THREADS, t);
-    const int *m = meta + j * JOB_INTS;
-    const unsigned long long *p = ptrs + j * 4;
-    const int local = (int)(t - m[J_THREADS]), lanes = m[J_LANES];
-    partial_sums((const unsigned char *)p[P_DATA], (const void *)p[P_SCALES], m[J_FMT], m[J_O],
-                 m[J_I], m[J_GSZ], m[J_GROUPS], m[J_ROW_BYTES], (const float *)p[P_X], m[J_ROWS],
-                 part + m[J_PART], lanes, local / lanes, local % lanes);
+    const Job job = job_at(meta, ptrs, 4, jobs, J_THREADS, t);
+    const int *m = job.m, lanes = m[J_LANES], local = (int)job.local;
+    partial_sums((const unsigned char *)job.p[P_DATA], (const void *)job.p[P_SCALES], m[J_FMT],
+                 m[J_O], m[J_I], m[J_GSZ], m[J_GROUPS], m[J_ROW_BYTES],
+                 (const float *)job.p[P_X], m[J_ROWS], part + m[J_PART], lanes, local / lanes,
+                 local % lanes);
 }
 
 extern "C" __global__ void mm_reduce(const int *meta, const unsigned long long *ptrs,
-                                          int jobs, int outputs, const float *part) {
+                                     int jobs, int outputs, const float *part) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= outputs) return;
-    const int j = job_of(meta, jobs, J_OUTPUTS, t);
-    const int *m = meta + j * JOB_INTS;
-    const long long n = t - m[J_OUTPUTS];
-    ((float *)ptrs[j * 4 + P_Y])[n] = lane_sum(part + m[J_PART], m[J_LANES], n);
+    const Job job = job_at(meta, ptrs, 4, jobs, J_OUTPUTS, t);
+    ((float *)job.p[P_Y])[job.local] = lane_sum(part + job.m[J_PART], job.m[J_LANES], job.local);
 }
 
 /* ---- The I8 family: int8 activations, exact integer dots (native/src/ref/ref.c defines
@@ -223,24 +229,22 @@ extern "C" __global__ void mm_i8_partial(const int *meta, const unsigned long lo
                                          int jobs, int threads, int *part) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= threads) return;
-    const int j = job_of(meta, jobs, J_THREADS, t);
-    const int *m = meta + j * JOB_INTS;
-    const unsigned long long *p = ptrs + j * I8_PTRS;
-    const int local = (int)(t - m[J_THREADS]), lanes = m[J_LANES];
-    int_partials((const unsigned char *)p[P_DATA], m[J_FMT], m[J_O], m[J_I], m[J_ROW_BYTES],
-                 (const signed char *)p[P_X], m[J_ROWS], part + m[J_PART], lanes, local / lanes,
-                 local % lanes);
+    const Job job = job_at(meta, ptrs, I8_PTRS, jobs, J_THREADS, t);
+    const int *m = job.m, lanes = m[J_LANES], local = (int)job.local;
+    int_partials((const unsigned char *)job.p[P_DATA], m[J_FMT], m[J_O], m[J_I], m[J_ROW_BYTES],
+                 (const signed char *)job.p[P_X], m[J_ROWS], part + m[J_PART], lanes,
+                 local / lanes, local % lanes);
 }
 
 extern "C" __global__ void mm_i8_reduce(const int *meta, const unsigned long long *ptrs,
                                         int jobs, int outputs, const int *part) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= outputs) return;
-    const int j = job_of(meta, jobs, J_OUTPUTS, t);
-    const int *m = meta + j * JOB_INTS;
-    const unsigned long long *p = ptrs + j * I8_PTRS;
+    const Job job = job_at(meta, ptrs, I8_PTRS, jobs, J_OUTPUTS, t);
+    const int *m = job.m;
+    const unsigned long long *p = job.p;
     const int O = m[J_O], I = m[J_I], gsz = m[J_GSZ], groups = m[J_GROUPS];
-    const long long n = t - m[J_OUTPUTS];
+    const long long n = job.local;
     const int s = (int)(n / O), o = (int)(n % O), chunks = (I + CHUNK - 1) / CHUNK;
     const int *sums = part + m[J_PART] + n * chunks;
     const float xs = ((const float *)p[P_XS])[s];
