@@ -135,3 +135,6 @@ class CpuOps:
 
     def device_tier(self) -> DeviceTierStats | None:
         return None
+
+    def promote(self, experts: Sequence[SwiGLUWeights]) -> int:
+        return 0

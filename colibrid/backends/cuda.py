@@ -500,6 +500,9 @@ class CudaOps(CpuOps):
     def device_tier(self) -> DeviceTierStats | None:
         return dataclasses.replace(self.tier.stats)
 
+    def promote(self, experts: Sequence[SwiGLUWeights]) -> int:
+        return self.tier.promote([m for e in experts for m in (e.gate, e.up, e.down)])
+
 
 def _timed(run) -> float:  # noqa: ANN001
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ import gc
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 from colibrid.backends.base import DeviceTierStats
@@ -85,6 +85,29 @@ class DeviceTier(Generic[T]):
         """A copy of an expert weight for one op, not kept (its use counted by ``keep``)."""
         with self._lock:
             return self._copy_once(w)
+
+    def promote(self, weights: Sequence[QuantWeight]) -> int:
+        """Copy in expert ``weights`` (hottest first) while they fit the budget, evicting
+        nothing; each counts as used once. Without a budget there is nothing to choose:
+        every weight is copied at its first use anyway. Returns how many were copied."""
+        budget = self.stats.budget
+        if budget is None:
+            return 0
+        copied = 0
+        with self._lock:
+            for w in weights:
+                key = id(w)
+                if key in self._experts or key in self._dense:
+                    continue
+                if self.stats.bytes + w.nbytes > budget:
+                    break
+                self._policy.seen(key)
+                held, size = self._new_copy(w)
+                self._policy.admit(key)
+                self._experts[key] = (held, size)
+                self._count(size, True, 1)
+                copied += 1
+        return copied
 
     def _get_dense(self, w: QuantWeight) -> T:
         key = id(w)

@@ -302,3 +302,6 @@ class MlxOps:
     def device_tier(self) -> DeviceTierStats | None:
         """The MLX arrays the weights became (on Apple silicon, wired unified memory)."""
         return dataclasses.replace(self.tier.stats)
+
+    def promote(self, experts: Sequence[SwiGLUWeights]) -> int:
+        return self.tier.promote([m for e in experts for m in (e.gate, e.up, e.down)])

@@ -27,6 +27,7 @@ from colibrid.models.mtp import MTPLayer
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout
 from colibrid.store.options import StoreOptions, allocate_store, open_store
+from colibrid.store.pins import hottest
 from colibrid.store.protocol import ExpertStore
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -135,7 +136,29 @@ class Engine:
         engine.mtp_on = mtp_on and getattr(model, "mtp", None) is not None
         engine.backend = ops.name
         engine.ops = ops
+        engine.promote_hottest(experts.counts)  # the profile's pins, on the device too
         return engine
+
+    def apply_profile(self, counts: np.ndarray) -> None:
+        """A usage profile's selection counts take effect: the store pins its hottest
+        experts in RAM (store/pins.py's rule), then the backend's device tier is offered
+        them, hottest first (``promote_hottest``). Placement only: no token changes."""
+        self.experts.apply_pins(counts)
+        self.promote_hottest(counts)
+
+    def promote_hottest(self, counts: np.ndarray) -> int:
+        """Offer the backend's device tier (Ops.promote) the experts in RAM by heat: every
+        used expert when the store holds them all, else the pinned ones. Returns the
+        weights it copied (0 on the cpu backend, or without a profile)."""
+        store = self.experts
+        layers = store.layout.profiled_layers
+        if all(store.resident(layer) is not None for layer in layers):
+            keys = hottest(counts, layers, counts.size)
+        else:
+            keys = sorted(store.pinned_keys(), key=lambda k: (-int(counts[k]), k))
+        if not keys:
+            return 0
+        return self.ops.promote([store.get(layer, expert) for layer, expert in keys])
 
     def new_session(self) -> Session:
         return Session(self)

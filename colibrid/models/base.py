@@ -214,6 +214,13 @@ class Ops(Protocol):
         the store keeps them (cpu)."""
         ...
 
+    def promote(self, experts: Sequence[SwiGLUWeights]) -> int:
+        """Experts a usage profile ranks hottest, hottest first, all in host memory: a
+        backend whose device tier has a budget copies in those that fit now, evicting
+        nothing, so a warmed profile starts on the device (each counted as used once).
+        Returns how many weights it copied; 0 for a backend without such a tier."""
+        ...
+
 
 @dataclass
 class PassClock:

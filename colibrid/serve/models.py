@@ -230,7 +230,7 @@ class ModelSlot:
                 engine.info.model_type,
                 self.settings.profile,
             )
-            engine.experts.apply_pins(book.counts(book.active))
+            engine.apply_profile(book.counts(book.active))
             log.info("pins from profile %r: %s", book.active, engine.experts.pins.note)
             self.host.install(engine, codec, book)
             kv_dir = self.paths.kv / path.name

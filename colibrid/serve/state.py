@@ -209,7 +209,7 @@ class DaemonState:
         def repin() -> None:  # runs on the engine thread; the host publishes the result
             loaded = self.models.current  # the model loaded by then, if any
             if loaded is not None:
-                loaded.engine.experts.apply_pins(loaded.book.counts(loaded.book.active))
+                loaded.engine.apply_profile(loaded.book.counts(loaded.book.active))
 
         self.host.call_soon(repin)
 

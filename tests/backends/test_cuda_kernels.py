@@ -264,9 +264,11 @@ def test_the_host_or_the_bus_is_decided_by_timing_both(device, caplog) -> None: 
     assert ops.tier.stats.host_rule.startswith("i8 experts the tier does not keep are")
 
 
-def _i8_logits(ref, ops, store) -> np.ndarray:  # noqa: ANN001
+def _i8_logits(ref, ops, store, profile: np.ndarray | None = None) -> np.ndarray:  # noqa: ANN001
     engine = Engine.load(ref.out_dir, family=I8, ops=ops, store=store)
     try:
+        if profile is not None:
+            engine.apply_profile(profile)
         session = engine.new_session()
         first = np.asarray(session.prefill(list(ref.tf_ids[:20]), all_logits=True))
         steps = [np.asarray(session.decode(int(t))) for t in ref.tf_ids[20:26]]
@@ -305,3 +307,32 @@ def test_i8_model_on_cuda_gives_the_cpu_logits_streamed_or_resident(
     # host_experts off
     assert stats[True].host_experts > stats[False].host_experts
     assert stats[False].passed > 0 and stats[True].passed == 0
+
+
+def test_a_profile_promotes_its_hottest_experts_onto_the_device(oracle_checkpoint, device) -> None:  # noqa: ANN001
+    """Engine.apply_profile: the profile's hottest experts are copied to the device before
+    the first token, as many as the tier's budget holds, and the logits do not move."""
+    ref = oracle_checkpoint("glm4_moe", expert_container=_int_experts)
+    store = StoreOptions(mode="resident")
+    plain = _i8_logits(ref, CpuOps(), store)
+    ops = CudaOps(device, vram_bytes=400_000)
+    engine = Engine.load(ref.out_dir, family=I8, ops=ops, store=store)
+    try:
+        experts = engine.experts
+        counts = np.zeros(experts.counts.shape, dtype=np.int64)
+        layer = experts.layout.moe_layers[0]
+        counts[layer, 3], counts[layer, 1] = 50, 40  # the two hottest, in that order
+        dense = ops.tier.stats.bytes  # nothing before the profile but what load copied
+        engine.apply_profile(counts)
+        stats = ops.tier.stats
+        assert stats.expert_weights == 6 and stats.bytes > dense
+        hits = stats.hits
+        for e in (3, 1):
+            w = experts.get(layer, e)
+            assert all(ops.tier.keep(m) is not None for m in (w.gate, w.up, w.down))
+        assert stats.hits == hits + 6  # the promoted experts were on the device already
+    finally:
+        engine.close()
+    ops = CudaOps(device, vram_bytes=400_000)
+    np.testing.assert_array_equal(_i8_logits(ref, ops, store, profile=counts), plain)
+    assert ops.tier.stats.hits > 0

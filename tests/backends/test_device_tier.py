@@ -96,3 +96,19 @@ def test_a_dead_weight_takes_its_copy_and_its_heat() -> None:
     gc.collect()
     assert tier.stats.expert_weights == 0 and tier.stats.bytes == 0
     assert policy.score(key) >> 8 == 0  # no heat: an id reused later starts cold
+
+
+def test_promotion_copies_the_hottest_that_fit_and_evicts_nothing() -> None:
+    held = [_weight(s) for s in range(2)]
+    ranked = [_weight(10 + s) for s in range(5)]  # a profile's order, hottest first
+    tier = _tier(budget=4 * held[0].nbytes)
+    for w in held:
+        tier.get(w, expert=True)
+    assert tier.promote(ranked) == 2  # the two hottest fit beside what is held
+    assert tier.stats.expert_weights == 4 and tier.stats.copies == 4
+    hits = tier.stats.hits
+    for w in [*held, *ranked[:2]]:
+        tier.get(w, expert=True)
+    assert tier.stats.hits == hits + 4  # all four served from the tier
+    assert tier.promote(ranked) == 0  # full: nothing evicted for a promotion
+    assert _tier(budget=None).promote(ranked) == 0  # no budget: copies come at first use

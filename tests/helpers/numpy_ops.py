@@ -35,6 +35,9 @@ class NumpyOps:
     def device_tier(self) -> None:
         return None
 
+    def promote(self, experts) -> int:  # noqa: ANN001
+        return 0
+
     def _dense(self, w: QuantWeight) -> np.ndarray:
         key = id(w.data)
         if key not in self._cache:

@@ -186,6 +186,9 @@ class FakeEngine:
     def request_finished(self) -> None:
         self.experts.request_finished()
 
+    def apply_profile(self, counts: np.ndarray) -> None:
+        self.experts.apply_pins(counts)  # no backend, so no device tier to promote into
+
     def new_session(self) -> FakeSession:
         return FakeSession(self)
 
