@@ -38,4 +38,20 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __int2float_rn(int i) { return (float)i; }
 
+/* c plus the four products of a's and b's signed bytes. */
+static inline int __dp4a(int a, int b, int c) {
+    for (int k = 0; k < 4; k++)
+        c += (int)(signed char)(a >> (8 * k)) * (int)(signed char)(b >> (8 * k));
+    return c;
+}
+
+/* Byte n of the result: byte (s >> 4n) & 7 of the eight bytes of y:x (x's first). */
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; n++)
+        r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+    return r;
+}
+
 #endif

@@ -203,6 +203,33 @@ extern "C" __global__ void mm_reduce(const int *meta, const unsigned long long *
 #define I8_PTRS 5
 #define P_XS 4
 
+/* The exact integer dot of one whole 32-input chunk from input i0 of a weight row (int4:
+ * its 16 bytes of nibbles; int8: its 32 bytes) with q's 32 codes there (8 ints). Word k
+ * of int4 holds inputs 8k..8k+7, the even ones in the low nibbles: the nibbles (q + 8, so
+ * 0..15) against q's even and odd bytes, less 8 times the sum of q. */
+__device__ __forceinline__ int chunk_dot(const unsigned char *row, int fmt, const int *q, int i0) {
+    int acc = 0;
+    if (fmt == FMT_Q8) {
+        const uint4 a = *(const uint4 *)(row + i0), b = *(const uint4 *)(row + i0 + 16);
+        const unsigned wv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        for (int k = 0; k < 8; k++) acc = __dp4a((int)wv[k], q[k], acc);
+        return acc;
+    }
+    const uint4 v = *(const uint4 *)(row + i0 / 2);
+    const unsigned wv[4] = {v.x, v.y, v.z, v.w};
+    int sum_q = 0;
+    for (int k = 0; k < 4; k++) {
+        const int qa = q[2 * k], qb = q[2 * k + 1];
+        const int even = (int)__byte_perm((unsigned)qa, (unsigned)qb, 0x6420);
+        const int odd = (int)__byte_perm((unsigned)qa, (unsigned)qb, 0x7531);
+        acc = __dp4a((int)(wv[k] & 0x0F0F0F0Fu), even, acc);
+        acc = __dp4a((int)((wv[k] >> 4) & 0x0F0F0F0Fu), odd, acc);
+        sum_q = __dp4a(0x01010101, qa, sum_q);
+        sum_q = __dp4a(0x01010101, qb, sum_q);
+    }
+    return acc - 8 * sum_q;
+}
+
 /* Thread (o, lane): for each chunk c = lane, lane + lanes, ... and each activation row s,
  * the chunk's exact integer dot into part[(s * O + o) * chunks + c]. q: [S, I] int8. */
 __device__ void int_partials(const unsigned char *w, int fmt, int O, int I, int row_bytes,
@@ -210,17 +237,32 @@ __device__ void int_partials(const unsigned char *w, int fmt, int O, int I, int 
                              int lane) {
     const unsigned char *row = w + (long long)o * row_bytes;
     const int chunks = (I + CHUNK - 1) / CHUNK;
+    /* whole chunks four codes at a time (dp4a) where the weight rows and q's rows start
+     * 16-byte aligned: int4 as 16 bytes of nibbles, int8 as 32 bytes */
+    const bool words = (fmt == FMT_Q4 || fmt == FMT_Q8) && row_bytes % 16 == 0 &&
+                       (unsigned long long)q % 16 == 0 && I % 16 == 0;
     for (int c = lane; c < chunks; c += lanes) {
         const int i0 = c * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
         for (int s0 = 0; s0 < S; s0 += ROW_TILE) {
             const int rows = S - s0 < ROW_TILE ? S - s0 : ROW_TILE;
             int acc[ROW_TILE] = {0, 0, 0, 0};
-            for (int i = i0; i < i1; i++) {
-                const int code = fmt == FMT_Q8 ? (int)((const signed char *)row)[i]
-                                               : nibble_code(fmt, (row[i >> 1] >> ((i & 1) * 4)) & 15u);
-                for (int r = 0; r < rows; r++) acc[r] += code * (int)q[(long long)(s0 + r) * I + i];
+            if (words && i1 - i0 == CHUNK) {
+                for (int r = 0; r < rows; r++) {
+                    const signed char *qr = q + (long long)(s0 + r) * I + i0;
+                    part[((long long)(s0 + r) * O + o) * chunks + c] =
+                        chunk_dot(row, fmt, (const int *)qr, i0);
+                }
+                continue;
             }
-            for (int r = 0; r < rows; r++) part[((long long)(s0 + r) * O + o) * chunks + c] = acc[r];
+            for (int i = i0; i < i1; i++) {
+                const unsigned nib = (row[i >> 1] >> ((i & 1) * 4)) & 15u;
+                const int code =
+                    fmt == FMT_Q8 ? (int)((const signed char *)row)[i] : nibble_code(fmt, nib);
+                for (int r = 0; r < rows; r++)
+                    acc[r] += code * (int)q[(long long)(s0 + r) * I + i];
+            }
+            for (int r = 0; r < rows; r++)
+                part[((long long)(s0 + r) * O + o) * chunks + c] = acc[r];
         }
     }
 }
