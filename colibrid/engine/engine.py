@@ -6,6 +6,7 @@ heavy arithmetic runs in native kernels that release the GIL.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,8 @@ from colibrid.store.experts import ExpertLayout
 from colibrid.store.options import StoreOptions, allocate_store, open_store
 from colibrid.store.pins import hottest
 from colibrid.store.protocol import ExpertStore
+
+log = logging.getLogger("colibri.engine")
 
 DEFAULT_MAX_CONTEXT = 4096
 Hook = Callable[[int], None]  # called before each layer of a pass with its index
@@ -158,7 +161,13 @@ class Engine:
             keys = sorted(store.pinned_keys(), key=lambda k: (-int(counts[k]), k))
         if not keys:
             return 0
-        return self.ops.promote([store.get(layer, expert) for layer, expert in keys])
+        copied = self.ops.promote([store.get(layer, expert) for layer, expert in keys])
+        if copied:
+            log.info(
+                "colibri: %d weights of the profile's hottest experts copied to the %s "
+                "device tier", copied, self.ops.name,
+            )  # fmt: skip
+        return copied
 
     def new_session(self) -> Session:
         return Session(self)

@@ -21,12 +21,24 @@ def _answer(
     backend: str | None = None,
     ps: list[str] | None = None,
     metrics_url: str | None = None,
+    switch_profile: bool = False,
 ) -> str:
+    """The daemon's answer; with ``switch_profile``, after warming the `code` profile and
+    switching to it (pins and the device tier's promotion move), the same answer again."""
     result = home.colibrid("start", *start_flags)
     assert result.returncode == 0, result.stderr + home.log()
     try:
         asked = home.colibri("ask", "--max-tokens", "12", "What is the capital?")
         assert asked.returncode == 0, asked.stderr + home.log()
+        if switch_profile:
+            warm = home.colibri("profile", "warm", "code", "--limit", "2", "--max-tokens", "6")
+            assert warm.returncode == 0, warm.stderr + home.log()
+            use = home.colibri("profile", "use", "code")
+            assert use.returncode == 0, use.stderr + home.log()
+            again = home.colibri("ask", "--max-tokens", "12", "What is the capital?")
+            assert again.stdout == asked.stdout, home.log()
+            if backend == "cuda":  # the pinned experts were offered to the device tier
+                assert "hottest experts copied to the cuda device tier" in home.log()
         if backend is None:
             backend = "mlx" if "mlx" in (*start_flags, home.settings.get("backend")) else "cpu"
         assert f"on the {backend} backend" in home.log()
@@ -62,10 +74,11 @@ def test_daemon_on_cuda_streams_experts_as_it_answers_resident(
     http = f"127.0.0.1:{free_port()}"
     streamed = _answer(
         homes[1],
-        *("--cache", "1", "--pilot", "on", "--vram-gb", "0.0025", "--http", http),
+        *("--cache", "1", "--pilot", "on", "--pin", "all", "--vram-gb", "0.0025", "--http", http),
         backend="cuda",
         ps=shown,
         metrics_url=f"http://{http}/metrics",
+        switch_profile=True,
     )
     assert resident.strip() and streamed == resident
     vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
