@@ -332,6 +332,12 @@ def open_device() -> Device:
     return _open_device(os.environ.get(EMULATE_ENV) == "1")
 
 
+def open_gpu() -> Device:
+    """GPU 0 through pycuda whatever COLIBRI_CUDA_EMULATE says (the tests that run the
+    kernels on both); BackendError when there is none."""
+    return _open_device(False)
+
+
 @functools.cache  # a failure raises, so it is not kept: the next call tries again
 def _open_device(emulate: bool) -> Device:
     if emulate:

@@ -17,7 +17,13 @@ import pytest
 from colibrid.backends.base import ExpertBatch, KernelFamily
 from colibrid.backends.cpu import CpuOps
 from colibrid.backends.cuda import CudaOps, exact_on_device
-from colibrid.backends.cuda_device import EmulatedDevice, kernel_dir, kernel_source, signatures
+from colibrid.backends.cuda_device import (
+    EmulatedDevice,
+    kernel_dir,
+    kernel_source,
+    open_gpu,
+    signatures,
+)
 from colibrid.engine.engine import Engine
 from colibrid.errors import BackendError
 from colibrid.formats.quant import container_tensors, dequantize, quantize
@@ -29,9 +35,16 @@ F32 = KernelFamily.F32
 I8 = KernelFamily.I8
 
 
-@pytest.fixture(scope="module")
-def device() -> EmulatedDevice:
-    return EmulatedDevice()
+@pytest.fixture(scope="module", params=["emulated", "gpu"])
+def device(request):  # noqa: ANN001, ANN201
+    """The kernels' device: the CPU emulation everywhere, and GPU 0 through pycuda where
+    there is one (a GPU session: `pytest tests/backends -k "cuda and not emulated"`)."""
+    if request.param == "emulated":
+        return EmulatedDevice()
+    try:
+        return open_gpu()
+    except BackendError as exc:
+        pytest.skip(str(exc))
 
 
 def _weight(o: int, i: int, seed: int) -> QuantWeight:
