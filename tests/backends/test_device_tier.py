@@ -11,7 +11,7 @@ import numpy as np
 from colibrid.backends.device_tier import DeviceTier
 from colibrid.formats.quant import quantize
 from colibrid.formats.weights import QuantWeight, WeightFormat
-from colibrid.policy.gated import GatedLFRU
+from colibrid.policy.gated import GatedLFRU, HeatGatedLFRU
 from colibrid.policy.lru import LRU
 
 
@@ -112,3 +112,33 @@ def test_promotion_copies_the_hottest_that_fit_and_evicts_nothing() -> None:
     assert tier.stats.hits == hits + 4  # all four served from the tier
     assert tier.promote(ranked) == 0  # full: nothing evicted for a promotion
     assert _tier(budget=None).promote(ranked) == 0  # no budget: copies come at first use
+
+
+def test_the_heat_gate_finds_its_victim_as_a_scan_would() -> None:
+    """HeatGatedLFRU's heap (stale entries, rebuilds at each decay) against a scan for the
+    least (heat, last use) resident, over random uses, admissions, removals and deaths."""
+    rng = np.random.default_rng(3)
+    policy = HeatGatedLFRU(decay_every=50)
+    resident: set[int] = set()
+    last: dict[int, int] = {}
+    for step in range(3000):
+        key, op = int(rng.integers(0, 40)), int(rng.integers(0, 10))
+        if op < 5:
+            (policy.touch if key in resident else policy.seen)(key)
+            last[key] = step
+        elif op < 8 and key not in resident:
+            policy.seen(key)
+            policy.admit(key)
+            resident.add(key)
+            last[key] = step
+        elif op == 8:
+            policy.remove(key)
+            resident.discard(key)
+        else:
+            policy.forget(key)
+            resident.discard(key)
+            last.pop(key, None)
+        protected = {int(k) for k in rng.integers(0, 40, 3)}
+        candidates = [k for k in resident if k not in protected]
+        want = min(candidates, key=lambda k: (policy.heat(k), last[k]), default=None)
+        assert policy.victim(protected) == want
