@@ -137,16 +137,23 @@ class IOPool:
     read is queued or running (a guess fills the drive's idle time: the attention and the
     last expert of a layer, before the next layer's misses are known), and one that has
     not started yet can be withdrawn (:meth:`cancel`) or promoted (:meth:`promote`) once
-    the router has spoken. At most ``max_background`` background reads run at once (one
-    expert-sized read already keeps a drive's queue deep), so the later, less confident
-    guesses stay queued long enough to be withdrawn instead of costing disk time. Each
-    tag has at most one read in the pool at a time.
+    the router has spoken. At most ``max_background`` background reads run at once, so the
+    later, less confident guesses stay queued long enough to be withdrawn instead of
+    costing disk time. Two, not one: an expert-sized read keeps the drive's queue deep
+    while it runs, but when it ends its reader thread must get a core to start the next,
+    and during decode the kernels hold the cores. With two in flight the drive stays busy
+    through that gap: on the synthetic GLM-5 at 3x the budget (`colibri bench stream
+    --model synth-glm5-64 --ram-gb 3.5 --pilot on`) the drive read at 96-102% of the
+    O_DIRECT probe instead of 80-94%, and decode was 2-7% faster in each of three
+    interleaved pairs though 5-6% more bytes were read (more guesses); on the demo at
+    `--cache 2` 5-17% faster. Three were slower than two on GLM-5 in both pairs tried.
+    Each tag has at most one read in the pool at a time.
 
     With ``threads == 0`` the read runs inline in ``submit`` and its result is queued
     the same way, so callers have one code path and the output cannot depend on it.
     """
 
-    def __init__(self, files: ReadFiles, threads: int, max_background: int = 1) -> None:
+    def __init__(self, files: ReadFiles, threads: int, max_background: int = 2) -> None:
         self.files = files
         self.threads = max(0, int(threads))
         self.max_background = max(1, int(max_background))
