@@ -102,10 +102,7 @@ class DeviceTier(Generic[T]):
                 if self.stats.bytes + w.nbytes > budget:
                     break
                 self._policy.seen(key)
-                held, size = self._new_copy(w)
-                self._policy.admit(key)
-                self._experts[key] = (held, size)
-                self._count(size, True, 1)
+                self._admit(w)
                 copied += 1
         return copied
 
@@ -132,9 +129,13 @@ class DeviceTier(Generic[T]):
         self._policy.seen(key)
         if not self._make_room(w.nbytes, dense=False, key=key):
             return None
+        return self._admit(w)
+
+    def _admit(self, w: QuantWeight) -> T:
+        """Copy an expert weight in and keep it (its use already counted)."""
         held, size = self._new_copy(w)
-        self._policy.admit(key)
-        self._experts[key] = (held, size)
+        self._policy.admit(id(w))
+        self._experts[id(w)] = (held, size)
         self._count(size, True, 1)
         return held
 
