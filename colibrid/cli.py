@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from colibrid import __version__, control
-from colibrid.config import PILOT_HELP, add_backend_flag, add_speculate_flags, resolve_model
+from colibrid.config import (
+    PILOT_HELP,
+    add_backend_flag,
+    add_kernel_family_flag,
+    add_speculate_flags,
+    resolve_model,
+)
 from colibrid.errors import ColibriError, RequestError
 from colibrid.paths import Paths
 
@@ -88,12 +94,7 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the generated token ids (comma-separated) instead of text",
     )
-    p.add_argument(
-        "--kernel-family",
-        choices=("f32", "i8"),
-        default="f32",
-        help="kernel arithmetic (i8 is lossy, opt-in)",
-    )
+    add_kernel_family_flag(p)
     add_backend_flag(p)
     add_speculate_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="more statistics on stderr")

@@ -33,6 +33,25 @@ def add_backend_flag(p: Any, *, config_key: bool = False) -> None:
     )
 
 
+KERNEL_FAMILIES = ("f32", "i8")
+KERNEL_FAMILY_HELP = (
+    "kernel arithmetic: f32 (activations stay float) or i8 (int8 activations and integer "
+    "dots: lossy, so opt-in; faster on a few cores, and on the cuda backend the experts "
+    "VRAM does not keep may then be computed on the CPU with the same bits)"
+)
+
+
+def add_kernel_family_flag(p: Any, *, config_key: bool = False) -> None:
+    """--kernel-family, as every command that decodes with a chosen arithmetic takes it."""
+    tail = " (config.toml key `kernel_family`, default f32)" if config_key else " (default f32)"
+    p.add_argument(
+        "--kernel-family",
+        choices=KERNEL_FAMILIES,
+        default=None if config_key else "f32",
+        help=KERNEL_FAMILY_HELP + tail,
+    )
+
+
 # The --pilot help of every command that places experts (kept here: help must not import
 # the store).
 PILOT_HELP = (
@@ -115,6 +134,7 @@ class Settings:
         "else cpu)",
     )
     vram_gb: float | None = setting(None, VRAM_HELP)
+    kernel_family: str = setting("f32", KERNEL_FAMILY_HELP)
     max_queue: int = setting(16, "requests waiting beyond the active ones; more answer BUSY")
     max_active: int = setting(
         4, "requests decoded at once: one forward pass carries the next token of each"
@@ -208,6 +228,11 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
         raise ConfigError(
             f"vram_gb must be positive, not {settings.vram_gb!r} (--vram-gb, or the key in "
             f"{paths.config})"
+        )
+    if settings.kernel_family not in KERNEL_FAMILIES:
+        raise ConfigError(
+            f"{paths.config}: kernel_family must be one of {', '.join(KERNEL_FAMILIES)}, "
+            f"not {settings.kernel_family!r}"
         )
     if settings.backend not in BACKENDS:
         raise ConfigError(

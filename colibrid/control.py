@@ -25,6 +25,7 @@ import time
 from colibrid.config import (
     PILOT_HELP,
     add_backend_flag,
+    add_kernel_family_flag,
     add_speculate_flags,
     load_settings,
     resolve_model,
@@ -66,6 +67,7 @@ def configure_daemon(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
     add_speculate_flags(p)
     add_backend_flag(p, config_key=True)
+    add_kernel_family_flag(p, config_key=True)
     p.add_argument(
         "--socket", metavar="PATH", help="socket path (default $COLIBRI_HOME/run/colibrid.sock)"
     )
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from colibrid import daemon
-    from colibrid.engine.backend import make_ops
+    from colibrid.backends.base import KernelFamily
+    from colibrid.engine.backend import make_ops, require_family
 
     ready_fd = args.ready_fd
     try:
@@ -144,8 +147,11 @@ def run(args: argparse.Namespace) -> int:
             draft_max=args.draft_max,
             backend=args.backend,
             vram_gb=args.vram_gb,
+            kernel_family=args.kernel_family,
         )
-        make_ops(settings.backend)  # a backend this machine lacks fails before the socket
+        # a backend this machine lacks (or one refusing the family) fails before the socket
+        family = KernelFamily(settings.kernel_family)
+        require_family(make_ops(settings.backend, family), family)
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
     except ColibriError as exc:
@@ -228,6 +234,7 @@ def start(args: argparse.Namespace) -> int:
         ("--draft-max", args.draft_max),
         ("--backend", args.backend),
         ("--vram-gb", args.vram_gb),
+        ("--kernel-family", args.kernel_family),
     ):
         if value is not None:
             cmd += [flag, str(value)]

@@ -18,10 +18,11 @@ import numpy as np
 
 from colibrid.backends.base import KernelFamily
 from colibrid.engine import batch
+from colibrid.engine.backend import require_family
 from colibrid.engine.kv import KVCache, bytes_per_position
 from colibrid.engine.mtp_draft import MTPState
 from colibrid.engine.validate import validate
-from colibrid.errors import BackendError, Cancelled, RequestError
+from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
 from colibrid.models.base import PassClock, Segment, Step
 from colibrid.models.mtp import MTPLayer
@@ -95,12 +96,7 @@ class Engine:
             from colibrid.backends.cpu import CpuOps
 
             ops = CpuOps()
-        if family not in ops.families:
-            raise BackendError(
-                f"the {ops.name} backend computes the "
-                f"{', '.join(sorted(f.value for f in ops.families))} kernel family only, not "
-                f"{family.value}"
-            )
+        require_family(ops, family)
         started = time.perf_counter()
         checkpoint = Checkpoint.open(model_dir)
         try:

@@ -8,8 +8,9 @@ One ``.npz`` per session under ``$COLIBRI_HOME/kv/<model>/`` (numpy's zip of arr
 with pickling off): its tokens, the KV rows of every layer, the remembered prompt-end
 logits, the identity of what computed them, and a SHA-256 digest of all of it. A file is
 used only when its identity matches this engine's exactly (model config, weight files'
-names, sizes and modification times, kernel family, cache layout), so a re-converted
-model or another kernel family never inherits stale KV, and when its digest matches its
+names, sizes and modification times, kernel family, backend, cache layout), so a
+re-converted model, another kernel family or another backend (whose f32 sums differ in
+their last bits) never inherits stale KV, and when its digest matches its
 contents, so a damaged or edited file is never read as KV; anything else (a damaged or
 hostile file) is skipped with a warning and removed. Even then a restored session is
 trusted only after its first use recomputes its last positions (`Session.verify`, from
@@ -50,6 +51,7 @@ def identity(engine: Any) -> str:
         "config": ckpt.config,
         "files": files,
         "family": engine.family.name,
+        "backend": engine.backend,
         "layouts": engine.model.cache_layouts(),
     }
     text = json.dumps(facts, sort_keys=True, default=str)

@@ -73,13 +73,16 @@ def parse_keep_alive(value: object) -> float:
 
 def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
     """The engine and its text codec (None when the checkpoint has no tokenizer)."""
+    from colibrid.backends.base import KernelFamily
     from colibrid.engine.backend import make_ops
     from colibrid.engine.engine import Engine
     from colibrid.engine.tokenizer import TextCodec
 
+    family = KernelFamily(settings.kernel_family)
     engine = Engine.load(
         model_dir,
-        ops=make_ops(settings.backend, vram_gb=settings.vram_gb),
+        family=family,
+        ops=make_ops(settings.backend, family, vram_gb=settings.vram_gb),
         max_context=settings.max_context,
         store=store_options(settings),
         mtp=settings.speculate in ("mtp", "auto"),
@@ -214,10 +217,11 @@ class ModelSlot:
         keep = self.keep_alive_s
         self.unload_at = time.monotonic() + max(keep, LOAD_GRACE_S) if keep >= 0 else None
         log.info(
-            "loaded %s from %s on the %s backend in %.1f s",
+            "loaded %s from %s on the %s backend (%s kernel family) in %.1f s",
             path.name,
             path,
             self.current.engine.backend,
+            self.current.engine.family.value,
             time.perf_counter() - started,
         )
 

@@ -78,6 +78,12 @@ def test_config_key(tmp_path: Path) -> None:
     paths.config.write_text("vram_gb = 0\n")
     with pytest.raises(ConfigError, match="vram_gb must be positive"):
         load_settings(paths)
+    paths.config.write_text('kernel_family = "i8"\n')
+    assert load_settings(paths).kernel_family == "i8"
+    assert load_settings(paths, kernel_family="f32").kernel_family == "f32"  # the flag wins
+    paths.config.write_text('kernel_family = "int4"\n')
+    with pytest.raises(ConfigError, match="kernel_family must be one of f32, i8"):
+        load_settings(paths)
 
 
 def test_vram_gb_bounds_the_device_tier(monkeypatch) -> None:

@@ -5,14 +5,18 @@ with PILOT answer what the resident model answers."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
-from daemon_helpers import Home, free_port
+from daemon_helpers import Home, free_port, install_chat_tokenizer
 
 from colibrid.backends.cuda_device import EMULATE_ENV
 from colibrid.engine.backend import mlx_installed
+from colibrid.formats.quant import container_tensors, quantize
+from colibrid.formats.weights import WeightFormat
 
 
 def _answer(
@@ -91,3 +95,57 @@ def test_daemon_on_cuda_streams_experts_as_it_answers_resident(
     )
     assert 0.0 < float(metrics["colibri_vram_hit_rate"]) < 1.0
     assert float(metrics['colibri_tier_experts{tier="vram"}']) > 0
+
+
+@pytest.fixture(scope="module")
+def int_chat_model(oracle_checkpoint, tmp_path_factory) -> Path:  # noqa: ANN001
+    """The chat model with integer experts (int4-g64 gates and ups, int8 downs): what the
+    cuda backend computes on the device in the i8 family."""
+
+    def as_container(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+        fmt = WeightFormat.Q8 if "down" in name else WeightFormat.Q4
+        return container_tensors(name, quantize(w, fmt, 64))
+
+    ref = oracle_checkpoint("glm4_moe", expert_container=as_container)
+    model = tmp_path_factory.mktemp("int-chat") / "model"
+    shutil.copytree(ref.out_dir, model)
+    install_chat_tokenizer(model)
+    return model
+
+
+def test_daemon_in_the_i8_family_gives_the_cpu_answer_on_cuda(
+    int_chat_model: Path, tmp_path: Path
+) -> None:
+    """`kernel_family = "i8"` (config key) or `--kernel-family i8`: the resident CPU daemon,
+    and the cuda daemon (emulated) streaming its experts through a small device tier with
+    those it passes through computed on the host, answer the same (i8 on cuda gives the
+    CPU kernels' bits)."""
+    chat_model = int_chat_model
+    on_cpu = Home(tmp_path / "cpu", chat_model, kernel_family="i8")
+    cpu_answer = _answer(on_cpu)
+    assert "(i8 kernel family)" in on_cpu.log()
+    on_cuda = Home(tmp_path / "cuda", chat_model, backend="cuda")
+    on_cuda.env[EMULATE_ENV] = "1"
+    shown: list[str] = []
+    cuda_answer = _answer(
+        on_cuda,
+        *("--kernel-family", "i8", "--cache", "1", "--pin", "off", "--vram-gb", "0.0025"),
+        backend="cuda",
+        ps=shown,
+    )
+    assert cpu_answer.strip() and cuda_answer == cpu_answer
+    assert "(i8 kernel family)" in on_cuda.log()
+    vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
+    assert int(vram.split()[1]) > 0, shown[0]  # integer experts computed on the device
+
+
+@pytest.mark.skipif(not mlx_installed(), reason="mlx is not installed")
+def test_daemon_refuses_i8_on_mlx_in_one_line(chat_model: Path, tmp_path: Path) -> None:
+    home = Home(tmp_path / "home", chat_model, backend="mlx", kernel_family="i8")
+    result = home.colibrid("start")
+    try:
+        assert result.returncode != 0
+        assert "the mlx backend computes the f32 kernel family only, not i8" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    finally:
+        home.close()

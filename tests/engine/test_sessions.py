@@ -142,7 +142,17 @@ def test_saved_prompt_cache_comes_back_exactly_for_the_same_engine_only(
     session.truncate(len(ids))
     back.truncate(len(ids))
     assert np.array_equal(session.prefill([90, 91]), back.prefill([90, 91]))
+    # another backend's f32 sums differ in their last bits: its engine refuses the file
+    from colibrid.backends.cuda import CudaOps
+    from colibrid.backends.cuda_device import EmulatedDevice
+
+    cuda = Engine.load(engine.checkpoint.dir, max_context=512, ops=CudaOps(EmulatedDevice()))
+    try:
+        assert kv_files.load(tmp_path, cuda) == [] and not list(tmp_path.iterdir())
+    finally:
+        cuda.close()
     # another kernel family computed other KV: the file is refused and removed
+    assert kv_files.save(pool.cached_prompts(), tmp_path, engine) == 1
     other = Engine.load(engine.checkpoint.dir, max_context=512, family=KernelFamily.I8)
     try:
         assert kv_files.load(tmp_path, other) == [] and not list(tmp_path.iterdir())
