@@ -82,8 +82,11 @@ def render(status: dict) -> str:
         last = speculation_line(status.get("speculation") or {})
         pins += f"\nspeculate: {status['speculate']}" + (f" (last request: {last})" if last else "")
     http = ", ".join(status.get("http") or []) or "off"
+    computes = ""
+    if status.get("backend"):
+        computes = f"; on the {status['backend']} backend, {status['kernel_family']} kernels"
     return (
-        f"{head}\nmodel: {model_state(status)}\n\n{table(rows)}{pins}\n\n"
+        f"{head}\nmodel: {model_state(status)}{computes}\n\n{table(rows)}{pins}\n\n"
         f"rss {status['rss_gb']:.2f} GB, pid {status['pid']}, http {http}"
     )
 

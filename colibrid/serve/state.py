@@ -110,6 +110,10 @@ class DaemonState:
             "model": self.model_name,
             "model_dir": str(self.models.current.path) if self.models.current else None,
             "loading": self.models.loading,
+            "backend": self.models.current.engine.backend if self.models.current else None,
+            "kernel_family": self.models.current.engine.family.value
+            if self.models.current
+            else None,
             "keep_alive_s": self.models.keep_alive_s,
             "unload_in_s": self.models.unload_in(),
             "uptime_s": round(time.time() - self.started, 1),

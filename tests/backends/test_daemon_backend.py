@@ -135,6 +135,7 @@ def test_daemon_in_the_i8_family_gives_the_cpu_answer_on_cuda(
     )
     assert cpu_answer.strip() and cuda_answer == cpu_answer
     assert "(i8 kernel family)" in on_cuda.log()
+    assert "; on the cuda backend, i8 kernels" in shown[0], shown[0]  # colibri ps
     vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
     assert int(vram.split()[1]) > 0, shown[0]  # integer experts computed on the device
 

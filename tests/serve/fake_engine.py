@@ -23,6 +23,7 @@ import trio
 import trio.testing
 from structured_cases import byte_tokenizer_json
 
+from colibrid.backends.base import KernelFamily
 from colibrid.config import Settings
 from colibrid.engine.batch import LOGITS_ALL, LOGITS_NONE, Forward
 from colibrid.errors import Cancelled, RequestError
@@ -182,6 +183,8 @@ class FakeEngine:
         self.computed = 0
         self.kv_budget_bytes = None
         self.ops = None  # no backend: nothing held in device memory for `ps`
+        self.backend = "fake"
+        self.family = KernelFamily.F32
 
     def request_finished(self) -> None:
         self.experts.request_finished()
