@@ -62,27 +62,26 @@ def test_mlx_by_name() -> None:
     assert make_ops("mlx").name == "mlx"
 
 
-def test_config_key(tmp_path: Path) -> None:
+CONFIG_KEYS = [
+    # key, default, a value in config.toml, a flag's value, a bad value, the refusal
+    ("backend", "auto", "cpu", "mlx", "tpu", "backend must be one of auto, cpu, mlx, cuda"),
+    ("kernel_family", "f32", "i8", "f32", "int4", "kernel_family must be one of f32, i8"),
+    ("vram_gb", None, 6.5, 2.0, 0, "vram_gb must be positive"),
+]
+
+
+@pytest.mark.parametrize("key,default,stored,flag,bad,refusal", CONFIG_KEYS)
+def test_config_key(tmp_path: Path, key, default, stored, flag, bad, refusal) -> None:  # noqa: ANN001
+    """The key's default, its value from config.toml, the flag winning over it, and a bad
+    value refused naming the key."""
     paths = Paths(tmp_path, tmp_path / "s.sock")
     paths.config.parent.mkdir(parents=True, exist_ok=True)
-    assert load_settings(paths).backend == "auto"
-    paths.config.write_text('backend = "cpu"\n')
-    assert load_settings(paths).backend == "cpu"
-    assert load_settings(paths, backend="mlx").backend == "mlx"  # the flag wins
-    paths.config.write_text('backend = "tpu"\n')
-    with pytest.raises(ConfigError, match="backend must be one of auto, cpu, mlx, cuda"):
-        load_settings(paths)
-    paths.config.write_text("vram_gb = 6.5\n")
-    assert load_settings(paths).vram_gb == 6.5
-    assert load_settings(paths, vram_gb=2.0).vram_gb == 2.0
-    paths.config.write_text("vram_gb = 0\n")
-    with pytest.raises(ConfigError, match="vram_gb must be positive"):
-        load_settings(paths)
-    paths.config.write_text('kernel_family = "i8"\n')
-    assert load_settings(paths).kernel_family == "i8"
-    assert load_settings(paths, kernel_family="f32").kernel_family == "f32"  # the flag wins
-    paths.config.write_text('kernel_family = "int4"\n')
-    with pytest.raises(ConfigError, match="kernel_family must be one of f32, i8"):
+    assert getattr(load_settings(paths), key) == default
+    paths.config.write_text(f"{key} = {stored!r}\n".replace("'", '"'))
+    assert getattr(load_settings(paths), key) == stored
+    assert getattr(load_settings(paths, **{key: flag}), key) == flag
+    paths.config.write_text(f"{key} = {bad!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match=refusal):
         load_settings(paths)
 
 
