@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from colibrid import daemon
-    from colibrid.backends.base import KernelFamily
-    from colibrid.engine.backend import make_ops, require_family
+    from colibrid.backends.base import KernelFamily, require_family
+    from colibrid.engine.backend import make_ops
 
     ready_fd = args.ready_fd
     try:
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         )
         # a backend this machine lacks (or one refusing the family) fails before the socket
         family = KernelFamily(settings.kernel_family)
-        require_family(make_ops(settings.backend, family), family)
+        ops = make_ops(settings.backend, family)
+        require_family(ops.name, ops.families, family)
         model_dir = resolve_model(paths, settings.default_model)
         lock_fd = socket_server.claim(paths)
     except ColibriError as exc:

@@ -9,7 +9,7 @@ O output features, D hidden size, F expert FFN width.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,13 +35,15 @@ class KernelFamily(enum.Enum):
     I8 = "i8"
 
 
-def require_f32(backend: str, family: KernelFamily) -> None:
-    """The one-line refusal of a backend that computes the F32 family only (I8's bit-exact
-    integer contract belongs to the CPU kernels)."""
-    if family is not KernelFamily.F32:
+def require_family(backend: str, families: Collection[KernelFamily], family: KernelFamily) -> None:
+    """The one-line refusal of ``family`` by a backend that computes only ``families``:
+    said when a model is loaded, when the daemon starts (before a weight is mapped), and
+    by the ops of a backend that has no integer contract (mlx) if asked anyway."""
+    if family not in families:
         raise BackendError(
-            f"the {backend} backend computes the f32 kernel family only, not {family.value} "
-            "(use --kernel-family f32, or --backend cpu for i8)"
+            f"the {backend} backend computes the "
+            f"{', '.join(sorted(f.value for f in families))} kernel family only, not "
+            f"{family.value} (--kernel-family, or kernel_family in the daemon's config.toml)"
         )
 
 
@@ -101,6 +103,12 @@ class DeviceTierStats:
     passed: int = 0  # of the copies, expert weights not kept
     host_experts: int = 0  # expert uses computed on the host instead (cuda, I8)
     host_rule: str = ""  # where such experts go and the times that decided it
+
+    @property
+    def hit_rate(self) -> float | None:
+        """The share of weight uses served from the tier (None before any use)."""
+        uses = self.hits + self.copies
+        return self.hits / uses if uses else None
 
 
 @dataclass(frozen=True)

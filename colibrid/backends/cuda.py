@@ -227,14 +227,14 @@ class CudaOps(CpuOps):
         if meanwhile is not None:
             meanwhile()
         integer = bool(jobs) and jobs[0][3].integer
-        inputs = self._hidden_i8(jobs, g, u) if integer else self._hidden_f32(jobs, g, u)
+        hidden_of = self._hidden_i8 if integer else self._hidden_f32
+        inputs = hidden_of(jobs, g, u, hidden)
         self._products(
             [(down, h, rows, y) for (_, _, down, _, rows, y), h in zip(jobs, inputs, strict=True)]
         )
 
-    def _hidden_f32(self, jobs: list[Swiglu], g: int, u: int) -> list[Activations]:
-        """silu(g) * u on the device: each job's hidden rows as float inputs."""
-        hidden = sum(gate.shape[0] * rows for gate, _, _, _, rows, _ in jobs)
+    def _hidden_f32(self, jobs: list[Swiglu], g: int, u: int, hidden: int) -> list[Activations]:
+        """silu(g) * u on the device (``hidden`` values): each job's rows as float inputs."""
         h = self._space("hidden", hidden * F4)
         self.device.launch("swiglu", hidden, g, u, h, hidden)
         inputs, at = [], h
@@ -243,10 +243,9 @@ class CudaOps(CpuOps):
             at += rows * gate.shape[0] * F4
         return inputs
 
-    def _hidden_i8(self, jobs: list[Swiglu], g: int, u: int) -> list[Activations]:
+    def _hidden_i8(self, jobs: list[Swiglu], g: int, u: int, hidden: int) -> list[Activations]:
         """silu(g) * u on the host by the native code, each job's hidden rows quantised
         there as the CPU kernels quantise them: their bits, whatever expf the GPU has."""
-        hidden = sum(gate.shape[0] * rows for gate, _, _, _, rows, _ in jobs)
         gates, ups = np.empty(hidden, dtype=np.float32), np.empty(hidden, dtype=np.float32)
         self.device.download(gates, g)
         self.device.download(ups, u)
@@ -312,8 +311,8 @@ class CudaOps(CpuOps):
         return [y for y in outs if y is not None]
 
     def matmul_blocks(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
-        if not self._on_device([w], family)[0] or family is KernelFamily.I8:
-            return super().matmul_blocks(w, x, family)  # I8: small per-head blocks, same bits
+        if family is KernelFamily.I8:
+            return super().matmul_blocks(w, x, family)  # small per-head blocks, same bits
         if x.ndim not in (2, 3):
             raise ValueError("x must be a 2-D [B, I] or 3-D [S, B, I] numpy array")
         x3 = x.reshape(1, *x.shape) if x.ndim == 2 else x
@@ -323,9 +322,8 @@ class CudaOps(CpuOps):
             raise ValueError(f"{w.shape[0]} output rows do not split into {count} equal blocks")
         with self._lock:
             dw = self.tier.get(w)
-            xin = self._activations(
-                "x", np.ascontiguousarray(x3.transpose(1, 0, 2)).reshape(-1, w.shape[1]), family
-            )
+            blocks = np.ascontiguousarray(x3.transpose(1, 0, 2), dtype=np.float32)
+            xin = Activations(self._put("x", blocks), w.shape[1])
             yp = self._space("y", count * rows * width * F4)
             self._products(
                 [
@@ -436,14 +434,12 @@ class CudaOps(CpuOps):
             return None
         mats = (w.gate, w.up, w.down)
         kept = [self.tier.keep(m) for m in mats]
-        if all(k is not None for k in kept):
-            return kept[0], kept[1], kept[2]  # type: ignore[return-value]
-        if self._host_beats_bus(w.gate):
+        if None in kept and self._host_beats_bus(w.gate):
             return None
-        copies = [
+        gate, up, down = (
             k if k is not None else self.tier.copy_once(m) for k, m in zip(kept, mats, strict=True)
-        ]
-        return copies[0], copies[1], copies[2]
+        )
+        return gate, up, down
 
     def _host_beats_bus(self, w: QuantWeight) -> bool:
         """Whether the CPU's I8 product of a weight takes less time than copying it to the

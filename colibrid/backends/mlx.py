@@ -28,7 +28,7 @@ from colibrid.backends.base import (
     ResidentExperts,
     RouteRule,
     SwiGLUWeights,
-    require_f32,
+    require_family,
 )
 from colibrid.backends.device_tier import DeviceTier
 from colibrid.backends.mlx_weights import MlxWeight, convert
@@ -42,7 +42,7 @@ the backends may not import): exp of it minus the row's maximum is exactly 0."""
 
 
 def _family(family: KernelFamily) -> None:
-    require_f32("mlx", family)
+    require_family(MlxOps.name, MlxOps.families, family)
 
 
 def _in(a: np.ndarray) -> mx.array:

@@ -74,14 +74,3 @@ def make_ops(
     from colibrid.backends.cpu import CpuOps
 
     return CpuOps()
-
-
-def require_family(ops: Ops, family: KernelFamily) -> None:
-    """BackendError (one line) when ``ops`` does not compute ``family``: said when a model
-    is loaded, or when the daemon starts, before a weight is mapped."""
-    if family not in ops.families:
-        raise BackendError(
-            f"the {ops.name} backend computes the "
-            f"{', '.join(sorted(f.value for f in ops.families))} kernel family only, not "
-            f"{family.value} (--kernel-family, or kernel_family in the daemon's config.toml)"
-        )

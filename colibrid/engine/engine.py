@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from colibrid.backends.base import KernelFamily
+from colibrid.backends.base import KernelFamily, require_family
 from colibrid.engine import batch
-from colibrid.engine.backend import require_family
 from colibrid.engine.kv import KVCache, bytes_per_position
 from colibrid.engine.mtp_draft import MTPState
 from colibrid.engine.validate import validate
@@ -96,7 +95,7 @@ class Engine:
             from colibrid.backends.cpu import CpuOps
 
             ops = CpuOps()
-        require_family(ops, family)
+        require_family(ops.name, ops.families, family)
         started = time.perf_counter()
         checkpoint = Checkpoint.open(model_dir)
         try:

@@ -78,9 +78,7 @@ class DaemonState:
                 "passed": vram.passed,
                 "host_experts": vram.host_experts,
                 "host_rule": vram.host_rule,
-                "hit_rate": vram.hits / (vram.hits + vram.copies)
-                if vram.hits + vram.copies
-                else None,
+                "hit_rate": vram.hit_rate,
             },
             "ram": {
                 "experts": ram,
