@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,9 @@ from colibrid.serve.profiles import ProfileBook, ProfileError
 from colibrid.serve.scheduler import Scheduler
 
 GB = 1024**3
+# How long `profile use` waits for its pins before replying anyway: pinning reads the
+# hot experts from disk, seconds for a big profile; past this it goes on in the background.
+REPIN_WAIT_S = 10.0
 
 
 @dataclass
@@ -192,11 +196,14 @@ class DaemonState:
             }
         if action == "USE":
             assert name is not None
+            pinned: threading.Event | None = None
             try:
                 await trio.to_thread.run_sync(lambda: book.use(name, create=create))
             finally:  # chosen even when remembering it failed (a full disk): pin from it
                 if book.active == name:
-                    self.repin_soon()
+                    pinned = self.repin_soon()
+            if pinned is not None:  # so `colibri ps` right after the reply shows its pins
+                await trio.to_thread.run_sync(pinned.wait, REPIN_WAIT_S)
             return "OK", ["PROFILE", "USE", name]
         if action == "FLUSH":
             await trio.to_thread.run_sync(book.save_all)
@@ -204,16 +211,23 @@ class DaemonState:
         path = await trio.to_thread.run_sync(lambda: book.save(name, source=book.active))
         return "OK", ["PROFILE", "SAVE", name or book.active, str(path)]
 
-    def repin_soon(self) -> None:
+    def repin_soon(self) -> threading.Event:
         """Choose the pins from the active profile and hand them to the store between two
-        engine steps: serving continues, no token changes."""
+        engine steps: serving continues, no token changes. The event is set once the pins
+        are in and `ps`'s snapshot shows them (or the repin failed: the log says why)."""
+        done = threading.Event()
 
-        def repin() -> None:  # runs on the engine thread; the host publishes the result
-            loaded = self.models.current  # the model loaded by then, if any
-            if loaded is not None:
-                loaded.engine.apply_profile(loaded.book.counts(loaded.book.active))
+        def repin() -> None:  # runs on the engine thread
+            try:
+                loaded = self.models.current  # the model loaded by then, if any
+                if loaded is not None:
+                    loaded.engine.apply_profile(loaded.book.counts(loaded.book.active))
+                    self.host.publish_store()
+            finally:
+                done.set()
 
         self.host.call_soon(repin)
+        return done
 
 
 def rss_gb() -> float:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from colibri_protocol.codec import encode_line
-from daemon_helpers import Home, wait_for
+from daemon_helpers import Home
 
 from colibri_cli.client import Client
 
@@ -24,6 +24,17 @@ def home(request, chat_model: Path, tmp_path_factory) -> Home:
     h.start()
     yield h
     h.close()
+
+
+def used_experts(client: Client, profile: str) -> list[list[int]]:
+    """[layer, expert] of every expert the profile has counted, sorted."""
+    body = client.call(encode_line("PROFILE", "SHOW", profile), want=("PROFILE",))
+    return sorted(
+        [layer, e]
+        for layer, row in zip(body["layers"], body["counts"], strict=True)
+        for e, n in enumerate(row)
+        if n > 0
+    )
 
 
 def pinned(home: Home) -> list:
@@ -51,14 +62,20 @@ def test_warm_list_show_use_save(home: Home, tmp_path: Path) -> None:
         # the pins follow the code profile by the store's rule: its used experts, hottest
         # first, within the capacity (here every used expert fits)
         with Client.connect(home.socket, timeout_s=10) as client:
-            body = client.call(encode_line("PROFILE", "SHOW", "code"), want=("PROFILE",))
-        used = sorted(
-            [layer, e]
-            for layer, row in zip(body["layers"], body["counts"], strict=True)
-            for e, n in enumerate(row)
-            if n > 0
-        )
-        assert used and wait_for(lambda: sorted(pinned(home)) == used, timeout_s=5), (
+            used = used_experts(client, "code")
+        # in place when `profile use` has answered, not some time later: a one-token
+        # request counts into a new profile `mine` (a few experts a layer), then on one
+        # connection the daemon switches to it and back, the status asked for at once
+        one = home.colibri("ask", "--raw", "--profile", "mine", "--max-tokens", "1", "a")
+        assert one.returncode == 0, one.stderr
+        with Client.connect(home.socket, timeout_s=10) as client:
+            mine = used_experts(client, "mine")
+            assert mine and mine != used
+            client.call(encode_line("PROFILE", "USE", "mine"), want=("OK",))
+            assert sorted(client.query("STATUS")["pinned"]) == mine
+            client.call(encode_line("PROFILE", "USE", "code"), want=("OK",))
+            assert sorted(client.query("STATUS")["pinned"]) == used
+        assert used and sorted(pinned(home)) == used, (
             pins_default,
             pinned(home),
             used,
