@@ -159,6 +159,10 @@ def main(argv: Sequence[str]) -> int:
                     encode_line("PROFILE", args.action.upper(), args.name, *extra), want=("OK",)
                 )
                 print(f"colibri: {' '.join(words).lower()}")
+                if args.action == "use":  # what switching did to the pins (in by now)
+                    ram = client.query("STATUS").get("tiers", {}).get("ram", {})
+                    if ram.get("pins"):
+                        print(f"pins ({ram.get('pin_mode', '-')}): {ram['pins']}")
     except ClientError as exc:
         print(f"colibri profile: {exc}", file=sys.stderr)
         return 1

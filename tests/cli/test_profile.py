@@ -54,10 +54,12 @@ def test_warm_list_show_use_save(home: Home, tmp_path: Path) -> None:
     pins_default = pinned(home)
     use = home.colibri("profile", "use", "code")
     assert use.returncode == 0, use.stderr
+    assert "pins (" in use.stdout  # the switch says what it did to the pins
     ps = home.colibri("ps")
     assert "code" in ps.stdout and "PINNED" in ps.stdout
     if home.settings.get("cache") is None:  # resident: nothing moves, ps says why
         assert pinned(home) == [] and "every expert is in RAM" in ps.stdout
+        assert "every expert is in RAM" in use.stdout
     else:
         # the pins follow the code profile by the store's rule: its used experts, hottest
         # first, within the capacity (here every used expert fits)
