@@ -65,10 +65,25 @@ def _quantize_block(w: np.ndarray, qmax: int, qmin: int, group_size: int) -> tup
 
 def pack_nibbles(q: np.ndarray) -> np.ndarray:
     """int8 q in [-8, 7], [R, I] -> uint8 [R, ceil(I/2)], even element in the low nibble."""
-    rows, cols = q.shape
-    nib = np.full((rows, 2 * q4_row_bytes(cols)), 8, dtype=np.uint8)
-    nib[:, :cols] = (q + 8).astype(np.uint8)
-    return (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    return pack_codes((q + 8).astype(np.uint8))
+
+
+def pack_codes(codes: np.ndarray) -> np.ndarray:
+    """uint8 nibble codes 0..15, [R, I] -> uint8 [R, ceil(I/2)], even element in the low
+    nibble; an odd row ends with code 8 (Q4's zero)."""
+    rows, cols = codes.shape
+    if cols % 2:
+        codes = np.concatenate([codes, np.full((rows, 1), 8, dtype=np.uint8)], axis=1)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def nibble_codes(packed: np.ndarray, cols: int) -> np.ndarray:
+    """uint8 [R, ceil(I/2)] -> the uint8 codes 0..15 [R, I] (pack_codes undone): for
+    moving codes about losslessly, without the float detour of unpack_nibbles."""
+    codes = np.empty((packed.shape[0], 2 * packed.shape[1]), dtype=np.uint8)
+    codes[:, 0::2] = packed & 0x0F
+    codes[:, 1::2] = packed >> 4
+    return codes[:, :cols]
 
 
 def quantize(w: np.ndarray, fmt: WeightFormat, group_size: int = 64) -> QuantWeight:
