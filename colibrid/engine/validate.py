@@ -162,12 +162,15 @@ def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
     fp4-e2m1-g32),
     from header sizes only; raises CheckpointError naming the tensor on a mismatch."""
     info = ckpt.info(name)
-    where = f"{ckpt.file_of(name)}: tensor {describe(name)}"
+
+    def where() -> str:  # only for an error line: a load checks ~10^5 tensors
+        return f"{ckpt.file_of(name)}: tensor {describe(name)}"
+
     if info.dtype == "U8":
         if len(shape) != 2:
-            raise CheckpointError(f"{where}: U8 data for a {len(shape)}-D tensor")
+            raise CheckpointError(f"{where()}: U8 data for a {len(shape)}-D tensor")
         if not ckpt.has(name + ".qs"):
-            raise CheckpointError(f"{where}: U8 matrix without its .qs scales")
+            raise CheckpointError(f"{where()}: U8 matrix without its .qs scales")
         qs = ckpt.info(name + ".qs")
         fmt = resolve_container_format(
             name,
@@ -186,12 +189,12 @@ def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
         return fmt.name
     if info.dtype == "F8_E4M3":
         if not ckpt.has(name + "_scale_inv"):
-            raise CheckpointError(f"{where}: FP8 weight without {name}_scale_inv")
+            raise CheckpointError(f"{where()}: FP8 weight without {name}_scale_inv")
     elif info.dtype not in ("F32", "BF16", "F16"):
-        raise CheckpointError(f"{where}: dtype {info.dtype} is not a weight format")
+        raise CheckpointError(f"{where()}: dtype {info.dtype} is not a weight format")
     if info.shape != tuple(shape):
         raise CheckpointError(
-            f"{where}: shape {list(info.shape)} but expected {list(shape)} from config"
+            f"{where()}: shape {list(info.shape)} but expected {list(shape)} from config"
         )
     return {"F8_E4M3": "fp8"}.get(info.dtype, info.dtype.lower())
 
