@@ -19,6 +19,7 @@ from colibri_protocol.codec import encode_line
 from colibri_protocol.messages import Submit
 
 from colibri_cli.client import Client, ClientError, ensure_daemon
+from colibri_cli.commands.ps import pins_line
 from colibri_cli.render import table
 
 
@@ -159,10 +160,8 @@ def main(argv: Sequence[str]) -> int:
                     encode_line("PROFILE", args.action.upper(), args.name, *extra), want=("OK",)
                 )
                 print(f"colibri: {' '.join(words).lower()}")
-                if args.action == "use":  # what switching did to the pins (in by now)
-                    ram = client.query("STATUS").get("tiers", {}).get("ram", {})
-                    if ram.get("pins"):
-                        print(f"pins ({ram.get('pin_mode', '-')}): {ram['pins']}")
+                if args.action == "use" and (pins := pins_line(client.query("STATUS"))):
+                    print(pins)  # what switching did to the pins (in by now)
     except ClientError as exc:
         print(f"colibri profile: {exc}", file=sys.stderr)
         return 1

@@ -12,6 +12,12 @@ from colibri_cli.commands.ask import speculation_line
 from colibri_cli.render import duration, table
 
 
+def pins_line(status: dict) -> str:
+    """STATUS's pins line (`pins (auto): 454 of capacity 480`), or "" without one."""
+    ram = status["tiers"].get("ram", {})
+    return f"pins ({ram.get('pin_mode', '-')}): {ram['pins']}" if ram.get("pins") else ""
+
+
 def model_state(status: dict) -> str:
     """Loaded, loading or none, and when an idle model unloads (its keep_alive)."""
     if status.get("loading"):
@@ -49,10 +55,8 @@ def render(status: dict) -> str:
     for tier in ("vram", "ram", "disk"):
         t = status["tiers"].get(tier, {})
         rows.append([tier, t.get("experts", 0), f"{t.get('gb', 0.0):.3f}", t.get("pinned", "-")])
-    ram = status["tiers"].get("ram", {})
-    pins = ""
-    if ram.get("pins"):
-        pins = f"\npins ({ram.get('pin_mode', '-')}): {ram['pins']}"
+    pins = pins_line(status)
+    pins = f"\n{pins}" if pins else ""
     store = status["tiers"].get("store", {})
     if store.get("streams"):
         pins += f"\nPILOT: {store.get('pilot_note', 'off')}"

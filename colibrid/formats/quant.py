@@ -175,11 +175,7 @@ Q4_VALUES = np.arange(-8, 8, dtype=np.float32)
 def unpack_nibbles(packed: np.ndarray, cols: int, values: np.ndarray = Q4_VALUES) -> np.ndarray:
     """uint8 [R, ceil(I/2)] -> float32 code values [R, I], the even element in the low
     nibble; `values` is what each nibble stands for (Q4_VALUES, or FP4_VALUES)."""
-    rows = packed.shape[0]
-    q = np.empty((rows, 2 * packed.shape[1]), dtype=np.float32)
-    q[:, 0::2] = values[packed & 0x0F]
-    q[:, 1::2] = values[packed >> 4]
-    return q[:, :cols]
+    return values[nibble_codes(packed, cols)]
 
 
 def _expand_scales(w: QuantWeight, scales: np.ndarray) -> np.ndarray:

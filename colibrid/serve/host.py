@@ -39,6 +39,17 @@ from colibrid.store.telemetry import StoreStats
 
 log = logging.getLogger("colibrid.host")
 
+
+@dataclass
+class _Call:
+    """An `EngineHost.call` in the inbox: the function, and what it gave back."""
+
+    fn: Callable[[], Any]
+    done: trio.Event
+    value: Any = None
+    error: BaseException | None = None
+
+
 # A cancel ends a pass between layers or tokens, leaving the session consistent.
 CLEAN_ENDS = frozenset({"CANCELLED", "SHUTTING_DOWN"})
 PROGRESS_EVERY_S = 1.0  # how often a long prefill reports its progress
@@ -174,26 +185,14 @@ class EngineHost:
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between two steps and return what it returns (or
-        raise what it raises): loading and unloading a model happen there."""
-        done = trio.Event()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # handed to the caller
-                box["error"] = exc
-            finally:
-                try:
-                    trio.from_thread.run_sync(done.set)
-                except trio.RunFinishedError:
-                    pass
-
-        self._inbox.put(run)
-        await done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box.get("value")
+        raise what it raises), once the snapshot `ps` and STATUS read shows its effect:
+        loading and unloading a model, re-pinning, happen there."""
+        call = _Call(fn, trio.Event())
+        self._inbox.put(call)
+        await call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return call.value
 
     # ---- trio side ----------------------------------------------------------------------
     async def serve(
@@ -287,6 +286,16 @@ class EngineHost:
         elif isinstance(item, tuple) and item[0] == "forget":
             if self._sessions is not None:
                 self._sessions.forget_client(item[1])
+        elif isinstance(item, _Call):
+            try:
+                item.value = item.fn()
+            except BaseException as exc:  # handed to the caller
+                item.error = exc
+            self.publish_store()
+            try:
+                trio.from_thread.run_sync(item.done.set)
+            except trio.RunFinishedError:
+                pass
         else:
             try:
                 item()

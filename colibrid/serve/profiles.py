@@ -5,7 +5,7 @@ format under ``$COLIBRI_HOME/profiles/<model>/<name>.coli_usage``, written atomi
 Each request counts into the profile it names (or the active one): the store's usage
 recorder hands the selections over after every engine step (one way: store -> book).
 The active profile's counts are what the store's pin controller chooses pins from (on
-the engine thread, `DaemonState.repin_soon`); this module never touches the store.
+the engine thread, `DaemonState._repin`); this module never touches the store.
 Counts are added from the engine thread and read from the trio thread: one lock.
 
 A save that cannot be written (a full disk, an I/O error, a read-only home) raises

@@ -8,9 +8,9 @@ store); the fully resident store is reported as everything in RAM, hit rate 100%
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import resource
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +25,7 @@ from colibrid.serve.profiles import ProfileBook, ProfileError
 from colibrid.serve.scheduler import Scheduler
 
 GB = 1024**3
+log = logging.getLogger("colibrid.state")
 # How long `profile use` waits for its pins before replying anyway: pinning reads the
 # hot experts from disk, seconds for a big profile; past this it goes on in the background.
 REPIN_WAIT_S = 10.0
@@ -196,14 +197,18 @@ class DaemonState:
             }
         if action == "USE":
             assert name is not None
-            pinned: threading.Event | None = None
             try:
                 await trio.to_thread.run_sync(lambda: book.use(name, create=create))
-            finally:  # chosen even when remembering it failed (a full disk): pin from it
+            except BaseException:  # chosen even when remembering it failed (a full disk)
                 if book.active == name:
-                    pinned = self.repin_soon()
-            if pinned is not None:  # so `colibri ps` right after the reply shows its pins
-                await trio.to_thread.run_sync(pinned.wait, REPIN_WAIT_S)
+                    self.host.call_soon(self._repin)  # pin from it all the same
+                raise
+            # the reply once the pins are in, so `colibri ps` right after shows them
+            with trio.move_on_after(REPIN_WAIT_S):
+                try:
+                    await self.host.call(self._repin)
+                except Exception:  # placement only: the switch itself stands
+                    log.exception("re-pinning from profile %s failed", name)
             return "OK", ["PROFILE", "USE", name]
         if action == "FLUSH":
             await trio.to_thread.run_sync(book.save_all)
@@ -211,23 +216,12 @@ class DaemonState:
         path = await trio.to_thread.run_sync(lambda: book.save(name, source=book.active))
         return "OK", ["PROFILE", "SAVE", name or book.active, str(path)]
 
-    def repin_soon(self) -> threading.Event:
-        """Choose the pins from the active profile and hand them to the store between two
-        engine steps: serving continues, no token changes. The event is set once the pins
-        are in and `ps`'s snapshot shows them (or the repin failed: the log says why)."""
-        done = threading.Event()
-
-        def repin() -> None:  # runs on the engine thread
-            try:
-                loaded = self.models.current  # the model loaded by then, if any
-                if loaded is not None:
-                    loaded.engine.apply_profile(loaded.book.counts(loaded.book.active))
-                    self.host.publish_store()
-            finally:
-                done.set()
-
-        self.host.call_soon(repin)
-        return done
+    def _repin(self) -> None:
+        """Engine thread, between two steps: pin from the active profile (placement
+        only, no token changes)."""
+        loaded = self.models.current  # the model loaded by then, if any
+        if loaded is not None:
+            loaded.engine.apply_profile(loaded.book.counts(loaded.book.active))
 
 
 def rss_gb() -> float:
