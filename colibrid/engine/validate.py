@@ -27,7 +27,6 @@ import numpy as np
 from colibrid.errors import CheckpointError
 from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.store.checkpoint import Checkpoint
-from colibrid.store.container_format import resolve_container_format
 from colibrid.store.strict_json import describe
 
 
@@ -171,21 +170,13 @@ def tensor_format(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> str:
             raise CheckpointError(f"{where()}: U8 data for a {len(shape)}-D tensor")
         if not ckpt.has(name + ".qs"):
             raise CheckpointError(f"{where()}: U8 matrix without its .qs scales")
-        qs = ckpt.info(name + ".qs")
-        fmt = resolve_container_format(
-            name,
-            (shape[0], shape[1]),
-            info.nbytes,
-            qs.numel,
-            qs.dtype,
-            stamp=ckpt._stamps.get(name),
-            hint=ckpt._group_size_hint(name),
-        )
+        fmt = ckpt.container_format(name, (shape[0], shape[1]))
         if fmt.name == "int4-grouped":
             return f"int4-g{fmt.group_size}"
-        hint = ckpt._group_size_hint(name)
-        if fmt.name == "int4-row" and hint and -(-shape[1] // hint) == 1:
-            return f"int4-g{hint}"  # one group spans the row: same bytes as per-row
+        if fmt.name == "int4-row":
+            hint = ckpt.group_size_hint(name)
+            if hint and -(-shape[1] // hint) == 1:
+                return f"int4-g{hint}"  # one group spans the row: same bytes as per-row
         return fmt.name
     if info.dtype == "F8_E4M3":
         if not ckpt.has(name + "_scale_inv"):

@@ -17,6 +17,7 @@ colibri containers :mod:`colibrid.store.container_format`.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -32,11 +33,12 @@ from colibrid.store.checkpoint_files import (
     _refuse_incomplete_conversion,
     read_small_file,
 )
-from colibrid.store.container_format import _collect_stamps
+from colibrid.store.container_format import ContainerFormat, _collect_stamps
 from colibrid.store.safetensors_file import SafetensorsFile
 from colibrid.store.safetensors_header import TensorInfo
 from colibrid.store.strict_json import describe, load_json_object
 from colibrid.store.typed_weights import TypedWeights
+from colibrid.store.view_spec import ViewSpec
 
 
 class Checkpoint(TypedWeights):
@@ -57,6 +59,8 @@ class Checkpoint(TypedWeights):
                     )
         self._stamps = _collect_stamps(files)
         self.matrix_layouts: dict[WeightLayout, int] = {}
+        self._views: dict[tuple, ViewSpec | None] = {}  # TypedWeights.weight's memo
+        self._formats: dict[tuple, ContainerFormat] = {}  # TypedWeights.container_format's
 
     @classmethod
     def open(cls, model_dir: str | os.PathLike[str]) -> Checkpoint:
@@ -108,6 +112,11 @@ class Checkpoint(TypedWeights):
 
     def names(self) -> list[str]:
         return sorted(self._where)
+
+    def infos(self) -> Iterator[TensorInfo]:
+        """Every tensor's record, file by file, in no particular order."""
+        for f in self.files:
+            yield from f.tensors.values()
 
     def has(self, name: str) -> bool:
         return name in self._where

@@ -19,15 +19,14 @@ keeps such checkpoints resident.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from colibrid.formats.weights import QuantWeight, WeightFormat
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import PROJECTIONS, ExpertLayout, ExpertWeights
+from colibrid.store.view_spec import ViewSpec
 
 ALIGN = 4096
 """O_DIRECT alignment used for offsets, lengths and buffers (covers 512 B and 4 KiB
@@ -44,19 +43,6 @@ def align_down(x: int, a: int = ALIGN) -> int:
 
 def align_up(x: int, a: int = ALIGN) -> int:
     return -(-x // a) * a
-
-
-@dataclass(frozen=True)
-class ViewSpec:
-    """How one matrix looks in memory: enough to rebuild its QuantWeight from raw bytes."""
-
-    fmt: WeightFormat
-    shape: tuple[int, int]
-    dtype: np.dtype
-    data_shape: tuple[int, ...]
-    scales_shape: tuple[int, ...] | None
-    group_size: int
-    scales_dtype: np.dtype = np.dtype(np.float32)  # FP4: its e8m0 bytes
 
 
 @dataclass(frozen=True)
@@ -90,22 +76,10 @@ class ExpertExtents:
         """Zero-copy QuantWeights over a filled slab (uint8, at least slab_bytes long)."""
         mats = []
         for spec, at, s_at in zip(self.specs, self.data_at, self.scales_at, strict=True):
-            n = math.prod(spec.data_shape) * spec.dtype.itemsize  # np.prod: ~5 µs a call
-            data = slab[at : at + n].view(spec.dtype).reshape(spec.data_shape)
-            scales = None
-            if spec.scales_shape is not None and s_at is not None:
-                m = math.prod(spec.scales_shape) * spec.scales_dtype.itemsize
-                scales = slab[s_at : s_at + m].view(spec.scales_dtype).reshape(spec.scales_shape)
-            mats.append(QuantWeight(spec.fmt, spec.shape, data, scales, spec.group_size))
+            data = slab[at : at + spec.data_nbytes]
+            scales = None if s_at is None else slab[s_at : s_at + spec.scales_nbytes]
+            mats.append(spec.build(data, scales))
         return ExpertWeights(*mats)
-
-
-def _spec_of(w: QuantWeight) -> ViewSpec:
-    scales = None if w.scales is None else tuple(w.scales.shape)
-    scales_dtype = np.dtype(np.float32) if w.scales is None else w.scales.dtype
-    return ViewSpec(
-        w.fmt, w.shape, w.data.dtype, tuple(w.data.shape), scales, w.group_size, scales_dtype
-    )
 
 
 class ExtentPlanner:
@@ -150,7 +124,7 @@ class ExtentPlanner:
                 )
             if not raw_ok:
                 raise NotStreamable(f"{name}: {info.dtype} experts are converted on load")
-            spec = self._specs[key] = _spec_of(w)
+            spec = self._specs[key] = ViewSpec.of(w)
         return spec
 
     def plan(self, layer: int, expert: int, template: str | None = None) -> ExpertExtents:

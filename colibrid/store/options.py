@@ -22,7 +22,7 @@ import numpy as np
 from colibrid.policy import DEFAULT_POLICY
 from colibrid.store import budget as budgets
 from colibrid.store.checkpoint import Checkpoint
-from colibrid.store.experts import ExpertLayout
+from colibrid.store.experts import ExpertLayout, expert_tensor_names
 from colibrid.store.extents import NotStreamable
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pins import PIN_MODES, PinBudget
@@ -83,17 +83,28 @@ class StoreSizing:
     model_type: str
 
 
-def dense_bytes(
+def split_bytes(
     checkpoint: Checkpoint, expert_names: set[str], idle_prefixes: tuple[str, ...] = ()
-) -> int:
-    """Bytes of everything resident that is not a routed expert; tensors under
-    ``idle_prefixes`` (a layer loaded but never run, e.g. MTP) are mapped, never read,
-    so they cost no RAM and are not counted."""
-    return sum(
-        checkpoint.info(n).nbytes
-        for n in checkpoint.names()
-        if n not in expert_names and not n.startswith(idle_prefixes)
-    )
+) -> tuple[int, int]:
+    """(dense, experts): bytes of everything resident that is not a routed expert, and
+    of the routed experts' tensors. Tensors under ``idle_prefixes`` (a layer loaded but
+    never run, e.g. MTP) are mapped, never read, so they cost no RAM and are not counted."""
+    dense = experts = 0
+    for info in checkpoint.infos():
+        if info.name in expert_names:
+            experts += info.nbytes
+        elif not info.name.startswith(idle_prefixes):
+            dense += info.nbytes
+    return dense, experts
+
+
+def _fits_resident(
+    checkpoint: Checkpoint, layout: ExpertLayout, total: int, idle_prefixes: tuple[str, ...]
+) -> bool:
+    """Auto mode's rule from the headers alone: everything resident takes at most half
+    the budget. The tiered store's planned payload is these same tensor bytes."""
+    dense, experts = split_bytes(checkpoint, expert_tensor_names(layout), idle_prefixes)
+    return dense + experts <= total // 2
 
 
 def open_store(
@@ -109,6 +120,8 @@ def open_store(
     total, source = budgets.resolve_total(opts.ram_gb)
     if opts.mode == "resident" or not layout.moe_layers:  # no routed experts: none to stream
         return ResidentExpertStore(checkpoint, layout)
+    if opts.mode == "auto" and _fits_resident(checkpoint, layout, total, idle_prefixes):
+        return ResidentExpertStore(checkpoint, layout)  # before planning ~10^4 extents
     try:
         store = TieredStore(
             checkpoint, layout, direct=opts.direct, io_threads=opts.io_threads, policy=opts.policy
@@ -116,11 +129,8 @@ def open_store(
     except NotStreamable as exc:
         log.warning("colibri: experts stay resident (%s)", exc)
         return ResidentExpertStore(checkpoint, layout)
-    dense = dense_bytes(checkpoint, store.expert_names, idle_prefixes)
+    dense, _ = split_bytes(checkpoint, store.expert_names, idle_prefixes)
     budgets.check_dense_fits(total, dense, source)
-    if opts.mode == "auto" and dense + store.payload_bytes() <= total // 2:
-        store.close()
-        return ResidentExpertStore(checkpoint, layout)
     store.sizing = StoreSizing(total, source, dense, model_type)
     return store
 

@@ -11,8 +11,8 @@ Reading the header bytes and mapping the data is :mod:`colibrid.store.safetensor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,9 +53,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: absolute byte range [file_begin, file_end) in its file."""
+BITS = {dtype: bits for dtype, (bits, _) in DTYPES.items()}
+
+
+class TensorInfo(NamedTuple):
+    """Where one tensor lives: absolute byte range [file_begin, file_end) in its file.
+
+    A NamedTuple, not a dataclass: a GLM-5 container has ~10^5 of them, built at every
+    load, and a tuple is built in well under half the time of a frozen dataclass."""
 
     name: str
     dtype: str
@@ -102,8 +107,10 @@ class _Header:
         metadata = self._parse_metadata(header.pop("__metadata__", None))
         data_size = self.size - self.data_start
         tensors: dict[str, TensorInfo] = {}
+        start = self.data_start
         for name, entry in header.items():
-            tensors[name] = self._parse_entry(name, entry, data_size)
+            info = _plain_entry(name, entry, data_size, start)
+            tensors[name] = info if info is not None else self._parse_entry(name, entry, data_size)
         self._check_overlaps(tensors)
         return metadata, tensors
 
@@ -180,3 +187,34 @@ class _Header:
         for prev, cur in zip(spans, spans[1:], strict=False):
             if cur.file_begin < prev.file_end:
                 raise self._fail(f"overlaps tensor {describe(prev.name)}", cur.name)
+
+
+def _plain_entry(name: str, entry: object, data_size: int, start: int) -> TensorInfo | None:
+    """The entry's TensorInfo when it passes every check of ``_Header._parse_entry``, else
+    None (that method then names the problem). One pass with no calls: the checks are the
+    same, made in the order that is cheapest when they all hold, as they do ~10^5 times a
+    load (a test compares both on malformed entries)."""
+    if type(entry) is not dict:
+        return None
+    dtype = entry.get("dtype")
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    bits = BITS.get(dtype) if type(dtype) is str else None
+    if bits is None or type(shape) is not list or type(offsets) is not list:
+        return None
+    if len(shape) > MAX_DIMS or len(offsets) != 2:
+        return None
+    numel = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_NUMEL:
+            return None
+        numel *= d
+        if numel > MAX_NUMEL:
+            return None
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_size:
+        return None
+    nbytes = numel * bits
+    if nbytes % 8 or end - begin != nbytes >> 3:
+        return None
+    return TensorInfo(name, dtype, tuple(shape), start + begin, start + end, nbytes >> 3)

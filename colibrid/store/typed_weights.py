@@ -24,11 +24,13 @@ from colibrid.store.container_format import (
     GROUP_SIZE_KEY,
     INT4_ROW,
     INT8_ROW,
+    ContainerFormat,
     _ceil_div,
     resolve_container_format,
 )
 from colibrid.store.safetensors_header import TensorInfo
 from colibrid.store.strict_json import describe
+from colibrid.store.view_spec import ViewSpec, bad_scales
 
 if TYPE_CHECKING:
     from colibrid.store.safetensors_file import SafetensorsFile
@@ -41,6 +43,8 @@ class TypedWeights:
     if TYPE_CHECKING:
         _stamps: dict[str, str]
         matrix_layouts: dict[WeightLayout, int]
+        _views: dict[tuple, ViewSpec | None]
+        _formats: dict[tuple, ContainerFormat]
 
         def info(self, name: str) -> TensorInfo: ...
         def has(self, name: str) -> bool: ...
@@ -56,10 +60,42 @@ class TypedWeights:
         (``name`` U8 + ``name.qs`` F32) come back as Q8/Q4 views. Each layout handed
         out is noted in ``matrix_layouts`` with its largest row count: what a backend
         tunes its kernels for before the first token (``Ops.prepare``).
+
+        The first matrix of each size signature goes through every check; later ones of
+        the same signature are rebuilt from its :class:`ViewSpec` (their scales are still
+        checked one by one): a GLM-5 container has ~60,000 expert matrices.
         """
-        w = self._matrix(name, shape)
+        out_f, in_f = _matrix_shape(name, shape)
+        info = self.info(name)
+        qs = self.info(name + ".qs") if info.dtype == "U8" and self.has(name + ".qs") else None
+        key = (
+            info[1:3],  # dtype, shape
+            info.nbytes,
+            (out_f, in_f),
+            None if qs is None else qs[1:3],
+            self._stamps.get(name),
+            self._file(name),  # the group size hint is per file
+        )
+        spec = self._views.get(key, False)
+        if spec:  # its layout and row count are noted already: they are part of the key
+            return self._view(name, qs, spec)
+        w = self._matrix(name, (out_f, in_f))
+        if spec is False:
+            self._views[key] = _view_of(w, info, qs)
         layouts = self.matrix_layouts
-        layouts[w.layout] = max(layouts.get(w.layout, 0), w.out_features)
+        layouts[w.layout] = max(layouts.get(w.layout, 0), out_f)
+        return w
+
+    def _view(self, name: str, qs: TensorInfo | None, spec: ViewSpec) -> QuantWeight:
+        """A matrix whose signature has been checked: views over the mapped bytes."""
+        scales = None
+        if qs is not None:
+            scales = self._file(qs.name).raw(qs.name)
+        w = spec.build(self._file(name).raw(name), scales)
+        if w.scales is not None:
+            problem = bad_scales(w.scales)
+            if problem:
+                raise self._fail(qs.name if qs is not None else name, problem)
         return w
 
     def _matrix(self, name: str, shape: tuple[int, int]) -> QuantWeight:
@@ -139,7 +175,27 @@ class TypedWeights:
 
     # ---- colibri containers -------------------------------------------------------
 
-    def _group_size_hint(self, name: str) -> int | None:
+    def container_format(self, name: str, shape: tuple[int, int]) -> ContainerFormat:
+        """The format of the container weight ``name`` (U8 + ``name.qs``) of logical
+        shape [O, I], from header sizes, its stamp and its file's group size hint;
+        remembered by signature, as validation asks it of every tensor."""
+        info, qs = self.info(name), self.info(name + ".qs")
+        key = (shape, info.nbytes, qs[1:3], self._stamps.get(name), self._file(name))
+        fmt = self._formats.get(key)
+        if fmt is None:  # a refusal is not remembered: it names the tensor
+            fmt = self._formats[key] = resolve_container_format(
+                name,
+                shape,
+                info.nbytes,
+                qs.numel,
+                qs.dtype,
+                stamp=self._stamps.get(name),
+                hint=self.group_size_hint(name),
+            )
+        return fmt
+
+    def group_size_hint(self, name: str) -> int | None:
+        """The ``colibri.group_size`` hint of the file holding ``name``, if it has one."""
         f = self._file(name)
         text = f.metadata.get(GROUP_SIZE_KEY)
         if text is None:
@@ -154,31 +210,22 @@ class TypedWeights:
     def _container_weight(self, name: str, shape: tuple[int, int]) -> QuantWeight:
         out_f, in_f = shape
         qs_name = name + ".qs"
-        info, qs = self.info(name), self.info(qs_name)
-        fmt = resolve_container_format(
-            name,
-            shape,
-            info.nbytes,
-            qs.numel,
-            qs.dtype,
-            stamp=self._stamps.get(name),
-            hint=self._group_size_hint(name),
-        )
+        qs = self.info(qs_name)
+        fmt = self.container_format(name, shape)
         raw = self._file(name).raw(name)
         if fmt.name == FP8_B128:
             grid = (_ceil_div(out_f, quant.FP8_BLOCK), _ceil_div(in_f, quant.FP8_BLOCK))
             scales = self.array(qs_name).reshape(grid)
             block = quant.e8m0_to_f32(scales) if qs.dtype == "F8_E8M0" else scales
             return self._fp8_dequant(name, raw.reshape(shape), block)
-        if fmt.name == FP4_E2M1:
-            codes = self.array(qs_name).reshape(out_f, -1)
-            if (codes == 0xFF).any():
-                raise self._fail(qs_name, "non-finite scale (e8m0 NaN byte)")
-            data = raw.reshape(out_f, quant.q4_row_bytes(in_f))
-            return QuantWeight(WeightFormat.FP4, shape, data, codes, fmt.group_size)
         scales = self.array(qs_name).reshape(-1)
-        if not np.isfinite(scales).all():
-            raise self._fail(qs_name, "non-finite scale")
+        problem = bad_scales(scales)
+        if problem:
+            raise self._fail(qs_name, problem)
+        if fmt.name == FP4_E2M1:
+            data = raw.reshape(out_f, quant.q4_row_bytes(in_f))
+            codes = scales.reshape(out_f, -1)
+            return QuantWeight(WeightFormat.FP4, shape, data, codes, fmt.group_size)
         if fmt.name == INT8_ROW:
             return QuantWeight(WeightFormat.Q8, shape, raw.view(np.int8).reshape(shape), scales)
         data = raw.reshape(out_f, quant.q4_row_bytes(in_f))
@@ -190,8 +237,24 @@ class TypedWeights:
         )
 
 
+def _view_of(w: QuantWeight, info: TensorInfo, qs: TensorInfo | None) -> ViewSpec | None:
+    """What rebuilds ``w``'s kind from bytes, when ``w`` is its stored bytes as they are
+    (not dequantised on load, as F16 and FP8 are); None otherwise."""
+    if info.dtype not in ("F32", "BF16", "U8") or w.data.nbytes != info.nbytes:
+        return None
+    if (qs is None) != (w.scales is None):
+        return None
+    if w.scales is not None and qs is not None and w.scales.nbytes != qs.nbytes:
+        return None
+    return ViewSpec.of(w)
+
+
 def _matrix_shape(name: str, shape: object) -> tuple[int, int]:
     """The caller's [O, I] (from config, hence untrusted): two positive ints."""
+    if type(shape) is tuple and len(shape) == 2:  # the common case, checked in one go
+        out_f, in_f = shape
+        if type(out_f) is int and type(in_f) is int and 0 < out_f < 1 << 40 and 0 < in_f < 1 << 40:
+            return shape
     if isinstance(shape, list):
         shape = tuple(shape)
     ok = (

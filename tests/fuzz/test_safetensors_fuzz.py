@@ -22,7 +22,7 @@ from colibrid.errors import CheckpointError, ConfigError
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.container_format import resolve_container_format
 from colibrid.store.safetensors_file import SafetensorsFile
-from colibrid.store.safetensors_header import DTYPES
+from colibrid.store.safetensors_header import DTYPES, MAX_NUMEL, _Header, _plain_entry
 
 FUZZ = settings(
     max_examples=150,
@@ -114,6 +114,45 @@ def test_random_headers(scratch, header, data, slack):
     blob = json.dumps(header).encode()
     length = max(0, len(blob) + slack)
     load_all(write(scratch, struct.pack("<Q", length) + blob + data))
+
+
+near_valid_entries = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(sorted(DTYPES)),
+        "shape": st.lists(
+            st.sampled_from([0, 1, 2, 3, 7, 64, MAX_NUMEL, MAX_NUMEL + 1, -1]), max_size=9
+        ),
+        "data_offsets": st.lists(st.integers(-2, 600), min_size=2, max_size=2),
+    }
+)
+
+
+@st.composite
+def sized_entries(draw):
+    """Entries whose offsets hold exactly their shape's bytes, give or take one."""
+    dtype = draw(st.sampled_from(sorted(DTYPES)))
+    shape = draw(st.lists(st.integers(0, 9), max_size=4))
+    nbytes = (int(np.prod(shape)) * DTYPES[dtype][0]) // 8
+    begin = draw(st.integers(0, 40))
+    end = begin + nbytes + draw(st.sampled_from([0, 0, 0, -1, 1]))
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+@FUZZ
+@given(
+    entry=st.one_of(entries, near_valid_entries, sized_entries(), json_scalars),
+    data_size=st.integers(0, 600),
+)
+def test_fast_entry_path_agrees_with_the_checked_one(entry, data_size):
+    """The header's one-pass path for plain entries accepts exactly what the checked path
+    accepts, with the same record; anything else falls through to the checked path."""
+    fast = _plain_entry("t", entry, data_size, 8)
+    try:
+        checked = _Header("f.safetensors", 8 + data_size, 8)._parse_entry("t", entry, data_size)
+    except CheckpointError:
+        assert fast is None
+    else:
+        assert fast == checked
 
 
 @FUZZ

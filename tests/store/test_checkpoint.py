@@ -435,3 +435,68 @@ def test_fp8_vs_int8_collision_defaults_to_int8_unless_stamped(tmp_path):
         assert ck.weight("a", (2, 200)).fmt is WeightFormat.Q8
         b = ck.weight("b", (2, 200))
         assert b.fmt is WeightFormat.F32 and np.all(b.data == 1.0)
+
+
+# ---- matrices of one size signature -------------------------------------------------
+
+
+def test_same_signature_matrices_are_views_of_their_own_bytes(tmp_path):
+    """After the first matrix of a signature, the others are rebuilt from its recipe
+    (TypedWeights.weight): each must still be its own bytes, exactly what a fresh
+    checkpoint reads for it alone, in every format."""
+    t: dict[str, np.ndarray] = {}
+    fp4_codes = np.random.default_rng(1).integers(0, 256, (4, 32), dtype=np.uint8)
+    for e in range(3):
+        t.update(container(f"q8.{e}", rand(4, 64, seed=e), WeightFormat.Q8))
+        t.update(container(f"q4.{e}", rand(4, 130, seed=e), WeightFormat.Q4, 64))
+        t.update(container(f"row.{e}", rand(4, 130, seed=e), WeightFormat.Q4, 0))
+        t[f"f32.{e}"] = rand(4, 8, seed=e)
+        t[f"fp4.{e}"] = np.roll(fp4_codes, e)
+        t[f"fp4.{e}.qs"] = np.full((4, 2), 120 + e, np.uint8)
+    shapes = {"q8": (4, 64), "q4": (4, 130), "row": (4, 130), "f32": (4, 8), "fp4": (4, 64)}
+    d = tmp_path / "model"
+    model_dir(tmp_path, {"out-00001.safetensors": {k: v for k, v in t.items() if "fp4" not in k}})
+    torch_fp4 = {
+        k: torch.from_numpy(v).view(torch.float8_e8m0fnu) if k.endswith(".qs") else v
+        for k, v in t.items()
+        if "fp4" in k
+    }
+    model_dir(tmp_path, {"out-00002.safetensors": torch_fp4})
+    with Checkpoint.open(d) as ck:
+        got = {f"{k}.{e}": ck.weight(f"{k}.{e}", s) for k, s in shapes.items() for e in range(3)}
+    for name, w in got.items():
+        with Checkpoint.open(d) as alone:
+            ref = alone.weight(name, shapes[name.split(".")[0]])
+        assert (w.fmt, w.shape, w.group_size) == (ref.fmt, ref.shape, ref.group_size)
+        assert w.data.dtype == ref.data.dtype and np.array_equal(w.data, ref.data)
+        assert (w.scales is None) == (ref.scales is None)
+        if ref.scales is not None:
+            assert w.scales.dtype == ref.scales.dtype and np.array_equal(w.scales, ref.scales)
+        assert not w.data.flags.owndata and not w.data.flags.writeable
+    assert got["fp4.1"].fmt is WeightFormat.FP4
+    assert not np.array_equal(got["q4.0"].data, got["q4.1"].data)  # not one shared view
+
+
+@pytest.mark.parametrize("bad", [1, 2])
+def test_a_later_matrix_of_a_signature_still_has_its_scales_checked(tmp_path, bad):
+    t: dict[str, np.ndarray] = {}
+    for e in range(3):
+        t.update(container(f"q4.{e}", rand(4, 128, seed=e), WeightFormat.Q4, 64))
+    t[f"q4.{bad}.qs"] = t[f"q4.{bad}.qs"].copy()
+    t[f"q4.{bad}.qs"][2, 1] = np.inf
+    codes = {f"fp4.{e}": np.zeros((2, 16), np.uint8) for e in range(3)}
+    scales = {f"fp4.{e}.qs": torch.full((2, 1), 1.0).to(torch.float8_e8m0fnu) for e in range(3)}
+    scales[f"fp4.{bad}.qs"] = torch.full((2, 1), float("nan")).to(torch.float8_e8m0fnu)
+    d = model_dir(
+        tmp_path, {"out-00001.safetensors": t, "out-00002.safetensors": {**codes, **scales}}
+    )
+    with Checkpoint.open(d) as ck:
+        for e in range(3):
+            if e == bad:
+                with pytest.raises(CheckpointError, match=f"'q4.{e}.qs': non-finite scale"):
+                    ck.weight(f"q4.{e}", (4, 128))
+                with pytest.raises(CheckpointError, match=f"'fp4.{e}.qs': non-finite scale"):
+                    ck.weight(f"fp4.{e}", (2, 32))
+            else:
+                assert ck.weight(f"q4.{e}", (4, 128)).fmt is WeightFormat.Q4
+                assert ck.weight(f"fp4.{e}", (2, 32)).fmt is WeightFormat.FP4
