@@ -83,15 +83,14 @@ class ExpertExtents:
 
 
 class ExtentPlanner:
-    """Plans every expert of a checkpoint; view recipes are shared by size signature so
-    only one expert per distinct signature is ever opened as a weight."""
+    """Plans every expert of a checkpoint from its headers; the view recipes come from the
+    checkpoint (``view_spec``), which opens one matrix per size signature as a weight."""
 
     def __init__(self, checkpoint: Checkpoint, layout: ExpertLayout) -> None:
         self.checkpoint = checkpoint
         self.layout = layout
         self.files: list[Path] = []
         self._file_index: dict[Path, int] = {}
-        self._specs: dict[tuple, ViewSpec] = {}
 
     def _file(self, name: str) -> int:
         path = self.checkpoint.file_of(name)
@@ -101,30 +100,10 @@ class ExtentPlanner:
         return self._file_index[path]
 
     def _spec(self, name: str, shape: tuple[int, int]) -> ViewSpec:
-        ckpt = self.checkpoint
-        info = ckpt.info(name)
-        qs = ckpt.info(name + ".qs") if info.dtype == "U8" and ckpt.has(name + ".qs") else None
-        key = (
-            info.dtype,
-            info.nbytes,
-            info.shape,
-            shape,
-            None if qs is None else (qs.dtype, qs.nbytes, qs.shape),
-        )
-        spec = self._specs.get(key)
+        spec = self.checkpoint.view_spec(name, shape)  # checks one matrix per signature
         if spec is None:
-            w = ckpt.weight(name, shape)  # validates, once per signature
-            raw_ok = info.dtype in ("F32", "BF16", "U8") and w.data.nbytes == info.nbytes
-            if qs is not None:
-                raw_ok = (
-                    raw_ok
-                    and qs.dtype in ("F32", "F8_E8M0")  # FP4's scales stay bytes
-                    and w.scales is not None
-                    and w.scales.nbytes == qs.nbytes
-                )
-            if not raw_ok:
-                raise NotStreamable(f"{name}: {info.dtype} experts are converted on load")
-            spec = self._specs[key] = ViewSpec.of(w)
+            dtype = self.checkpoint.info(name).dtype
+            raise NotStreamable(f"{name}: {dtype} experts are converted on load")
         return spec
 
     def plan(self, layer: int, expert: int, template: str | None = None) -> ExpertExtents:

@@ -66,16 +66,7 @@ class TypedWeights:
         checked one by one): a GLM-5 container has ~60,000 expert matrices.
         """
         out_f, in_f = _matrix_shape(name, shape)
-        info = self.info(name)
-        qs = self.info(name + ".qs") if info.dtype == "U8" and self.has(name + ".qs") else None
-        key = (
-            info[1:3],  # dtype, shape
-            info.nbytes,
-            (out_f, in_f),
-            None if qs is None else qs[1:3],
-            self._stamps.get(name),
-            self._file(name),  # the group size hint is per file
-        )
+        info, qs, key = self._signature(name, (out_f, in_f))
         spec = self._views.get(key, False)
         if spec:  # its layout and row count are noted already: they are part of the key
             return self._view(name, qs, spec)
@@ -85,6 +76,31 @@ class TypedWeights:
         layouts = self.matrix_layouts
         layouts[w.layout] = max(layouts.get(w.layout, 0), out_f)
         return w
+
+    def view_spec(self, name: str, shape: tuple[int, int]) -> ViewSpec | None:
+        """How the matrix ``name`` [O, I] is rebuilt from its stored bytes (opening it as
+        a weight, every check run, the first time its signature is asked for); None when
+        the stored bytes are not the weight (F16, FP8: dequantised on load)."""
+        _, _, key = self._signature(name, _matrix_shape(name, shape))
+        if key not in self._views:
+            self.weight(name, shape)
+        return self._views[key]
+
+    def _signature(
+        self, name: str, shape: tuple[int, int]
+    ) -> tuple[TensorInfo, TensorInfo | None, tuple]:
+        """``name``'s header record, its scales' (containers), and what every matrix
+        handed out the same way shares: dtypes and shapes, stamp and file."""
+        info = self.info(name)
+        qs = self.info(name + ".qs") if info.dtype == "U8" and self.has(name + ".qs") else None
+        key = (
+            info[1:3],  # dtype, shape
+            shape,
+            None if qs is None else qs[1:3],
+            self._stamps.get(name),
+            self._file(name),  # the group size hint is per file
+        )
+        return info, qs, key
 
     def _view(self, name: str, qs: TensorInfo | None, spec: ViewSpec) -> QuantWeight:
         """A matrix whose signature has been checked: views over the mapped bytes."""
