@@ -234,3 +234,63 @@ def test_container_weights_end_to_end(scratch, n_bytes, n_scales, out_f, in_f, m
             assert w.shape == (out_f, in_f)
     except (CheckpointError, ConfigError) as exc:
         assert "\n" not in str(exc)
+
+
+def _weight_or_error(ck: Checkpoint, name: str, shape: tuple[int, int]):
+    try:
+        w = ck.weight(name, shape)
+    except (CheckpointError, ConfigError) as exc:
+        return str(exc)
+    scales = None if w.scales is None else (w.scales.dtype.str, w.scales.tobytes())
+    return (w.fmt, w.shape, w.group_size, w.data.dtype.str, w.data.tobytes(), scales)
+
+
+@st.composite
+def container_sizes(draw):
+    """(O, I, data bytes, scales): mostly sizes some format holds, sometimes any."""
+    out_f, in_f = draw(st.integers(1, 12)), draw(st.integers(1, 40))
+    kind = draw(st.sampled_from(["q8", "q4-row", "q4-g16", "q4-g32", "any"]))
+    q4 = out_f * ((in_f + 1) // 2)
+    if kind == "q8":
+        return out_f, in_f, out_f * in_f, out_f
+    if kind == "q4-row":
+        return out_f, in_f, q4, out_f
+    if kind.startswith("q4-g"):
+        return out_f, in_f, q4, out_f * -(-in_f // int(kind[4:]))
+    return out_f, in_f, draw(st.integers(1, 160)), draw(st.integers(1, 24))
+
+
+@FUZZ
+@given(
+    sizes=container_sizes(),
+    bad=st.lists(st.sampled_from([np.nan, np.inf, 0.0, 2.5]), min_size=3, max_size=3),
+    stamps=st.lists(
+        st.sampled_from([None, "int8-row", "int4-row", "int4-grouped"]), min_size=3, max_size=3
+    ),
+)
+def test_weights_of_one_signature_read_as_each_alone(scratch, sizes, bad, stamps):
+    """Three tensors of one size signature, each with its own bytes, stamp and a scale
+    that may be NaN: reading them in one checkpoint (the later ones rebuilt from the
+    first's recipe) gives, tensor by tensor, the weight or the error line that a fresh
+    checkpoint gives for that tensor alone."""
+    out_f, in_f, n_bytes, n_scales = sizes
+    d = os.path.join(scratch, "signature")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as fh:
+        fh.write("{}")
+    tensors, stamp_map = {}, {}
+    for k in range(3):
+        tensors[f"t{k}"] = np.arange(n_bytes, dtype=np.uint8) * (k + 1)
+        scales = np.full(n_scales, 0.5 + k, np.float32)
+        scales[k % n_scales] = bad[k]
+        tensors[f"t{k}.qs"] = scales
+        if stamps[k] is not None:
+            stamp_map[f"t{k}"] = stamps[k]
+    metadata = {"colibri.fmt": json.dumps(stamp_map)} if stamp_map else None
+    with open(os.path.join(d, "out-00001.safetensors"), "wb") as fh:
+        fh.write(save(tensors, metadata=metadata))
+    with Checkpoint.open(d) as ck:
+        together = [_weight_or_error(ck, f"t{k}", (out_f, in_f)) for k in range(3)]
+    for k in range(3):
+        with Checkpoint.open(d) as alone:
+            assert together[k] == _weight_or_error(alone, f"t{k}", (out_f, in_f))
