@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -38,11 +39,11 @@ class ViewSpec:
             w.fmt, w.shape, w.data.dtype, tuple(w.data.shape), scales, w.group_size, scales_dtype
         )
 
-    @property
+    @cached_property  # a tiered store asks at every expert it reads
     def data_nbytes(self) -> int:
         return math.prod(self.data_shape) * self.dtype.itemsize  # np.prod: ~5 µs a call
 
-    @property
+    @cached_property
     def scales_nbytes(self) -> int:
         if self.scales_shape is None:
             return 0
