@@ -82,15 +82,12 @@ class ExpertLayout:
         return (template or self.name_template).format(layer=layer, expert=expert, proj=stored)
 
 
-def expert_tensor_names(layout: ExpertLayout, templates: dict[int, str] | None = None) -> set[str]:
-    """The stored names of every routed expert's tensors, each matrix with its ``.qs``
-    scales (present in colibri containers only). ``templates``: layer -> name template,
-    by default the layout's MoE layers under its own template."""
-    if templates is None:
-        templates = {layer: layout.name_template for layer in layout.moe_layers}
+def expert_tensor_names(layout: ExpertLayout) -> set[str]:
+    """The stored names of every routed expert's tensors in the layout's MoE layers, each
+    matrix with its ``.qs`` scales (present in colibri containers only)."""
     return {
-        layout.tensor_name(layer, e, proj, template) + suffix
-        for layer, template in templates.items()
+        layout.tensor_name(layer, e, proj) + suffix
+        for layer in layout.moe_layers
         for e in range(layout.n_experts)
         for proj in PROJECTIONS
         for suffix in ("", ".qs")

@@ -98,15 +98,6 @@ def split_bytes(
     return dense, experts
 
 
-def _fits_resident(
-    checkpoint: Checkpoint, layout: ExpertLayout, total: int, idle_prefixes: tuple[str, ...]
-) -> bool:
-    """Auto mode's rule from the headers alone: everything resident takes at most half
-    the budget. The tiered store's planned payload is these same tensor bytes."""
-    dense, experts = split_bytes(checkpoint, expert_tensor_names(layout), idle_prefixes)
-    return dense + experts <= total // 2
-
-
 def open_store(
     checkpoint: Checkpoint,
     layout: ExpertLayout,
@@ -120,8 +111,11 @@ def open_store(
     total, source = budgets.resolve_total(opts.ram_gb)
     if opts.mode == "resident" or not layout.moe_layers:  # no routed experts: none to stream
         return ResidentExpertStore(checkpoint, layout)
-    if opts.mode == "auto" and _fits_resident(checkpoint, layout, total, idle_prefixes):
-        return ResidentExpertStore(checkpoint, layout)  # before planning ~10^4 extents
+    # From the headers alone (the tiered store's planned payload is these same bytes),
+    # before planning ~10^4 extents: auto keeps everything resident in half the budget.
+    dense, experts = split_bytes(checkpoint, expert_tensor_names(layout), idle_prefixes)
+    if opts.mode == "auto" and dense + experts <= total // 2:
+        return ResidentExpertStore(checkpoint, layout)
     try:
         store = TieredStore(
             checkpoint, layout, direct=opts.direct, io_threads=opts.io_threads, policy=opts.policy
@@ -129,7 +123,6 @@ def open_store(
     except NotStreamable as exc:
         log.warning("colibri: experts stay resident (%s)", exc)
         return ResidentExpertStore(checkpoint, layout)
-    dense, _ = split_bytes(checkpoint, store.expert_names, idle_prefixes)
     budgets.check_dense_fits(total, dense, source)
     store.sizing = StoreSizing(total, source, dense, model_type)
     return store

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from colibrid.store.checkpoint import Checkpoint
-from colibrid.store.experts import ExpertLayout, ExpertWeights, expert_tensor_names
+from colibrid.store.experts import ExpertLayout, ExpertWeights
 from colibrid.store.extents import ExpertExtents, ExtentPlanner
 from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
 from colibrid.store.slabs import SlabArena
@@ -39,7 +39,6 @@ class ExpertReader:
             layer: [planner.plan(layer, e, t) for e in range(layout.n_experts)]
             for layer, t in sorted(templates.items())
         }
-        self.expert_names = expert_tensor_names(layout, templates)
         self.slot_bytes = max(x.slab_bytes for row in self.extents.values() for x in row)
         self.expert_bytes = max(x.payload_bytes for row in self.extents.values() for x in row)
         self.files = ReadFiles(planner.files, direct=direct)

@@ -71,7 +71,6 @@ class TieredStore:
         self.extents = self.reader.extents
         self.slot_bytes = self.reader.slot_bytes
         self.expert_bytes = self.reader.expert_bytes
-        self.expert_names = self.reader.expert_names
         self.files = self.reader.files
         self.pool = self.reader.pool
         self.policy_name = policy

@@ -195,8 +195,8 @@ class TypedWeights:
         """The format of the container weight ``name`` (U8 + ``name.qs``) of logical
         shape [O, I], from header sizes, its stamp and its file's group size hint;
         remembered by signature, as validation asks it of every tensor."""
-        info, qs = self.info(name), self.info(name + ".qs")
-        key = (shape, info.nbytes, qs[1:3], self._stamps.get(name), self._file(name))
+        info, qs, key = self._signature(name, shape)
+        assert qs is not None, "a container weight has .qs scales (callers check)"
         fmt = self._formats.get(key)
         if fmt is None:  # a refusal is not remembered: it names the tensor
             fmt = self._formats[key] = resolve_container_format(
@@ -258,11 +258,9 @@ def _view_of(w: QuantWeight, info: TensorInfo, qs: TensorInfo | None) -> ViewSpe
     (not dequantised on load, as F16 and FP8 are); None otherwise."""
     if info.dtype not in ("F32", "BF16", "U8") or w.data.nbytes != info.nbytes:
         return None
-    if (qs is None) != (w.scales is None):
-        return None
-    if w.scales is not None and qs is not None and w.scales.nbytes != qs.nbytes:
-        return None
-    return ViewSpec.of(w)
+    if qs is None or w.scales is None:
+        return ViewSpec.of(w) if qs is None and w.scales is None else None
+    return ViewSpec.of(w) if w.scales.nbytes == qs.nbytes else None
 
 
 def _matrix_shape(name: str, shape: object) -> tuple[int, int]:
