@@ -96,7 +96,8 @@ def test_switching_lends_slots_and_never_changes_tokens(oracle_checkpoint, monke
     bookkeeping stays whole."""
     monkeypatch.setattr(pilot_switch, "WINDOW", 2)
     monkeypatch.setattr(pilot_switch, "WARMUP", 0)
-    monkeypatch.setattr(pilot_switch, "TRIALS", 10_000)  # never leaves the trial phase
+    monkeypatch.setattr(pilot_switch, "TRIALS", 10_000)  # never leaves the trial phase,
+    monkeypatch.setattr(pilot_switch, "CLEAR", float("inf"))  # not even on a wide gap
     ref = oracle_checkpoint("glm4_moe")
     opts = StoreOptions(mode="tiered", cache=1, pin="off", pilot="auto", io_threads=2)
     engine = Engine.load(ref.out_dir, store=opts)
