@@ -148,7 +148,8 @@ COMMANDS: dict[str, Command] = {
         "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container",
     ),
     "inspect": Command(
-        "colibrid.convert.inspect", "describe a container: architecture, formats, expert size"
+        "colibrid.convert.inspect",
+        "describe a container: architecture, formats, expert size (--verify: check its bytes)",
     ),
     "config": Command(
         "colibrid.config_reference",

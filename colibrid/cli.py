@@ -31,6 +31,7 @@ from colibrid.config import (
     resolve_model,
 )
 from colibrid.errors import ColibriError, RequestError
+from colibrid.panic_report import quiet_panic_reports
 from colibrid.paths import Paths
 
 if TYPE_CHECKING:
@@ -122,6 +123,12 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--io-threads", type=int, metavar="N", help="reader threads (0 = no pool)")
     g.add_argument("--direct", choices=("on", "off"), help="O_DIRECT / F_NOCACHE expert reads")
     g.add_argument("--profile", metavar="PATH", help="usage profile (.coli_usage) to learn from")
+    p.add_argument(
+        "--verify-weights",
+        choices=("on", "off"),
+        help="hold weight bytes to the manifest's digests: mapped ones at load, each "
+        "streamed expert at its first read (config.toml key `verify_weights`, default on)",
+    )
 
 
 def store_options(args: argparse.Namespace):  # -> StoreOptions (lazy import)
@@ -135,8 +142,9 @@ def store_options(args: argparse.Namespace):  # -> StoreOptions (lazy import)
     }
     if "direct" in given:
         given["direct"] = given["direct"] == "on"
+    verify = args.verify_weights != "off"  # a check, not a placement knob
     try:
-        return StoreOptions(mode="tiered" if given else "auto", **given)
+        return StoreOptions(mode="tiered" if given else "auto", verify=verify, **given)
     except ValueError as exc:
         args.parser.error(str(exc))
 
@@ -189,11 +197,11 @@ def _text_side(
     args: argparse.Namespace, model: Path, params: SamplingParams
 ) -> tuple[TextCodec | None, frozenset[int]]:
     """The tokenizer (None for --ids with --ids-out: it may not exist) and the stop ids."""
-    from colibrid.engine.tokenizer import TextCodec, load_stop_token_ids
+    from colibrid.engine.tokenizer import TextCodec, has_tokenizer, load_stop_token_ids
 
     tokenizer_free = args.ids is not None and args.ids_out
     # Stop strings still use the tokenizer in that mode when there is one.
-    if tokenizer_free and not (params.stop and (model / "tokenizer.json").is_file()):
+    if tokenizer_free and not (params.stop and has_tokenizer(model)):
         return None, load_stop_token_ids(model)
     codec = TextCodec.load(model)
     return codec, codec.stop_token_ids
@@ -287,6 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Rust reads this at a panic: a report of three lines in the daemon's log, not a
+    # backtrace of ninety (which a crafted request could repeat at will)
+    os.environ["RUST_BACKTRACE"] = "0"
+    # a one-shot run: a native panic is its one error line, not the library's report too
+    restore = quiet_panic_reports() if args.command == "generate" else None
+    try:
+        return _main(args)
+    finally:
+        if restore is not None:
+            restore()
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         return args.run(args)
     except ColibriError as exc:

@@ -7,6 +7,8 @@ Unknown keys are an error naming the key, so a typo never silently does nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,13 @@ class Settings:
     direct: bool | None = setting(
         None, "O_DIRECT / F_NOCACHE expert reads, past the page cache (unset: true)"
     )
+    verify_weights: bool = setting(
+        True,
+        "hold weight bytes to the digests in the model's manifest.json: what is mapped "
+        "when the model loads (a mismatch refuses the load), each streamed expert the first "
+        "time it is read (a mismatch fails the request; the expert is not cached); folders "
+        "without digests load unchecked, with a note in the log",
+    )
     socket: str | None = setting(
         None, "the SERVE socket's path (unset: $COLIBRI_HOME/run/colibrid.sock)"
     )
@@ -176,7 +185,15 @@ class Settings:
         None, 'the OpenAI/Anthropic HTTP API: "HOST:PORT", or "PORT" on 127.0.0.1 (unset: off)'
     )
     http_api_key: str | None = setting(
-        None, "bearer key the HTTP API requires (needed to listen off the loopback)"
+        None,
+        "bearer key the HTTP API requires (needed to listen off the loopback); better kept "
+        "out of this file: http_api_key_file or $COLIBRI_HTTP_API_KEY",
+    )
+    http_api_key_file: str | None = setting(
+        None,
+        "a file whose first line is the HTTP API key, read at start (relative: to "
+        "$COLIBRI_HOME); refused if group or others can read it (chmod 600); "
+        "$COLIBRI_HTTP_API_KEY overrides both",
     )
     http_cors: str | None = setting(
         None, 'comma-separated origins allowed by CORS, "*" for any (unset: off)'
@@ -187,6 +204,13 @@ class Settings:
         "seconds for an HTTP request's headers, then its body (408); also the keep-alive idle time",
     )
     http_retry_after_s: int = setting(1, "the Retry-After of a 429 (admission queue full)")
+    grammar_timeout_s: float = setting(
+        5.0, "longest a request's grammar may take to compile; longer is refused (400)"
+    )
+    grammar_memory_mb: int = setting(
+        2048, "address space of a grammar compiler process; more is refused (400)"
+    )
+    grammar_workers: int = setting(2, "grammar compiler processes (each compiles one at a time)")
     debug_layer_delay_s: float = setting(
         0.0, "tests only: sleep this long at every layer to make races visible"
     )
@@ -224,6 +248,7 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
         if value is not None and not _type_ok(value, str(want)):
             raise ConfigError(f"{paths.config}: {name} has the wrong type ({value!r})")
     speculation(settings)  # a bad mode or depth is refused now, not at the first request
+    settings = with_api_key(settings, paths)
     if settings.vram_gb is not None and not settings.vram_gb > 0:
         raise ConfigError(
             f"vram_gb must be positive, not {settings.vram_gb!r} (--vram-gb, or the key in "
@@ -240,6 +265,64 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
             f"not {settings.backend!r}"
         )
     return settings
+
+
+API_KEY_ENV = "COLIBRI_HTTP_API_KEY"
+MAX_KEY_FILE_BYTES = 4096
+
+
+def with_api_key(settings: Settings, paths: Paths) -> Settings:
+    """`settings` with `http_api_key` taken from where the user keeps it: the environment
+    ($COLIBRI_HTTP_API_KEY) over `http_api_key_file` over the key in config.toml (which
+    any local user may read under the usual umask: `api_key_warning` says so)."""
+    if settings.http_api_key and settings.http_api_key_file:
+        raise ConfigError(f"{paths.config}: give http_api_key or http_api_key_file, not both")
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    if not key and settings.http_api_key_file:
+        key = read_key_file(paths.home / Path(settings.http_api_key_file).expanduser())
+    return dataclasses.replace(settings, http_api_key=key) if key else settings
+
+
+def read_key_file(path: Path) -> str:
+    """The key in `path` (its first line), refusing a file others can read: a key that
+    any local user can copy guards nothing."""
+    try:  # non-blocking: a FIFO in its place must not hang the start
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
+            st = os.fstat(handle.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"http_api_key_file {path} is not a regular file")
+            if st.st_mode & 0o077:
+                raise ConfigError(
+                    f"http_api_key_file {path} is open to other users (mode "
+                    f"{stat.S_IMODE(st.st_mode):o}): `chmod 600 {path}`, then start again"
+                )
+            data = handle.read(MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"http_api_key_file {path}: {exc.strerror or exc}") from None
+    lines = data[:MAX_KEY_FILE_BYTES].decode("utf-8", errors="replace").splitlines()
+    key = lines[0].strip() if lines else ""
+    if len(data) > MAX_KEY_FILE_BYTES or not key:
+        raise ConfigError(f"http_api_key_file {path} must hold the key on its first line")
+    return key
+
+
+def api_key_warning(paths: Paths) -> str | None:
+    """One line when config.toml holds `http_api_key` and group or others can read it
+    (0644 under the usual umask); None otherwise. Said at start, not refused: the file
+    is the user's, and tightening it is one chmod."""
+    try:
+        mode = stat.S_IMODE(paths.config.stat().st_mode)
+        if not mode & 0o044:
+            return None
+        values = tomllib.loads(paths.config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not values.get("http_api_key"):
+        return None
+    return (
+        f"{paths.config} holds http_api_key and other users can read it (mode {mode:o}): "
+        f"`chmod 600 {paths.config}`, or keep the key in http_api_key_file or ${API_KEY_ENV}"
+    )
 
 
 def speculation(settings: Settings):  # -> colibrid.engine.speculate.SpecSettings
@@ -269,6 +352,7 @@ def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
             mode="tiered" if given else "auto",
             pin=settings.pin,
             memory_floor_gb=settings.memory_floor_gb,  # MEMWATCH's, not a placement knob
+            verify=settings.verify_weights,  # nor is this: a check, the same either way
             save_profile=False,
             pin_at_start=False,
             **given,

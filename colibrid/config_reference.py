@@ -54,7 +54,52 @@ def markdown() -> str:
         "|---|---|---|---|",
     ]
     lines += [f"| `{k}` | {cell(t)} | `{cell(d)}` | {cell(m)} |" for k, t, d, m in rows()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *NOTES]) + "\n"
+
+
+NOTES = [
+    "## The HTTP API key",
+    "",
+    "config.toml is usually readable by every local user (0644 under the common umask), so",
+    "a key written there is everyone's. Keep it elsewhere: `http_api_key_file` names a file",
+    "whose first line is the key (relative paths are under `$COLIBRI_HOME`); the daemon",
+    "refuses a key file that group or others can read (`chmod 600 FILE`). The environment",
+    "variable `COLIBRI_HTTP_API_KEY` overrides both keys (e.g. a systemd `Environment=` or",
+    "`LoadCredential=`). Giving both `http_api_key` and `http_api_key_file` is an error.",
+    "When config.toml holds `http_api_key` and others can read it, `colibrid start` prints",
+    "a warning and the daemon logs it.",
+    "",
+    "## What the daemon checks and bounds",
+    "",
+    "- The socket's directory (`$COLIBRI_HOME/run/`, or the folder of `socket`) must belong",
+    "  to the daemon's user and must not be writable by group or others: whoever can write",
+    "  it can move the socket aside and answer in the daemon's place. Otherwise the start",
+    "  is refused with what to fix (`chmod 700 DIR`, or remove a folder another user made).",
+    "  Our own `run/` that others can merely enter is made 0700.",
+    "- The soft open-file limit (`RLIMIT_NOFILE`) is raised to the hard limit (at most",
+    "  65536) and logged. When descriptors still run out, accepting connections backs off",
+    "  (0.1 s to 1 s) and logs one line per 30 s, without a traceback.",
+    "- The detached daemon's log `$COLIBRI_HOME/colibrid.log` (0600) is rotated at 10 MiB:",
+    "  `colibrid.log.1` to `colibrid.log.3` keep the previous ones. In the foreground",
+    "  (`colibrid run`) the log is stderr, for the service manager to keep.",
+    "- A model folder's tokenizer and template files (`tokenizer.json`,",
+    "  `tokenizer_config.json`, `special_tokens_map.json`, `chat_template.jinja`,",
+    "  `generation_config.json`, and `config.json` for the stop ids) are refused, naming the",
+    "  file, when a link takes them outside the folder (links inside it, and a Hugging Face",
+    "  cache's `snapshots/REV/` -> `blobs/`, are fine), when they are not regular files (a",
+    "  device, a FIFO, a directory), or when they are over a size cap (256 MiB for",
+    "  `tokenizer.json`, 64 MiB for the other JSON files, 4 MiB for the template).",
+    "- Weight bytes (`verify_weights`, on by default) are held to the digests in the",
+    "  model's `manifest.json` (docs/formats.md, section Digests): every tensor read through",
+    "  the memory map (the dense part; every expert when all are resident) when the model",
+    "  loads, a mismatch refusing the load; each streamed expert the first time it is read",
+    "  from disk, in the reader thread, a mismatch failing the request that needed it",
+    "  (`INTERNAL`, naming the shard and the tensor) without the expert being cached, so the",
+    "  next request reads and checks it again. The load-time cost and the streamed decode",
+    "  speed with and without it are in docs/performance.md. A folder without digests",
+    "  (older containers, upstream colibri's, Hugging Face checkpoints) loads unchecked, with",
+    "  a note in the log. `colibri inspect --verify` checks every byte of a container.",
+]
 
 
 def cell(text: str) -> str:
@@ -78,7 +123,8 @@ def table(current: dict[str, object] | None = None) -> str:
     for key, kind, default, meaning in rows():
         now = ""
         if current is not None and key in current:
-            now = f"  [set: {_toml(current[key])}]"
+            shown = "(hidden)" if key == "http_api_key" else _toml(current[key])
+            now = f"  [set: {shown}]"
         lines.append(f"{key:<{width}}  {kind:<10} {default:<12} {meaning}{now}")
     return "\n".join(lines)
 

@@ -27,10 +27,12 @@ from colibrid.config import (
     add_backend_flag,
     add_kernel_family_flag,
     add_speculate_flags,
+    api_key_warning,
     load_settings,
     resolve_model,
 )
 from colibrid.errors import ColibriError
+from colibrid.logfile import setup_logging
 from colibrid.paths import Paths, atomic_write, persisting
 from colibrid.serve import socket_server
 
@@ -158,11 +160,9 @@ def run(args: argparse.Namespace) -> int:
     except ColibriError as exc:
         _fail(ready_fd, exc)
         raise
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    setup_logging(paths.log)  # rotated when it is the detached daemon's log (logfile.py)
+    if (warning := api_key_warning(paths)) is not None:
+        logging.getLogger("colibrid").warning(warning)
     try:
         socket_server.remove_stale(paths)
         with persisting(paths.pidfile):
@@ -210,6 +210,8 @@ def _wait_for_starting(paths: Paths, timeout_s: float) -> None:
 def start(args: argparse.Namespace) -> int:
     paths = Paths.from_env(args.socket)
     paths.ensure()  # raises PersistError naming the folder it cannot make
+    if (warning := api_key_warning(paths)) is not None:
+        print(f"colibrid: warning: {warning}", file=sys.stderr)
     if socket_server.lock_is_held(paths):
         _wait_for_starting(paths, args.wait)
     if socket_server.lock_is_held(paths):

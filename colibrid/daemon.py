@@ -11,8 +11,11 @@
         │   ├── keep_alive watcher (unloads a model idle for its keep_alive)
         │   └── profile saver (periodic atomic writes of the loaded model's profiles)
         └── front nursery
-            ├── socket server: serve_listeners -> one task per connection
+            ├── socket server: accept loop (serve/accept.py) -> one task per connection
             └── http (optional): hypercorn.trio.serve(ASGI app) -> one task per connection
+
+Beside the tree, the grammar service (serve/grammars.py) starts its compiler processes on
+the first request with a grammar and ends them at shutdown.
 
 Readiness (`ready`) is reported only after the default model is loaded and the socket is
 bound. Later a request may load another installed model when the daemon is idle, and
@@ -43,6 +46,8 @@ from colibrid.config import Settings, speculation
 from colibrid.errors import ColibriError
 from colibrid.http.app import parse_bind, serve_http
 from colibrid.paths import Paths, make_state_private, remove_orphan_temps
+from colibrid.serve.accept import install_accept_filter, raise_fd_limit
+from colibrid.serve.grammars import GrammarLimits, GrammarService
 from colibrid.serve.host import EngineHost
 from colibrid.serve.models import ModelSlot
 from colibrid.serve.scheduler import Scheduler
@@ -111,11 +116,23 @@ async def drain(scheduler: Scheduler, grace_s: float) -> None:
         await scheduler.wait_idle()
 
 
+def raise_limits() -> None:
+    """More file descriptors (each connection takes one) and quiet accept errors when
+    they run out anyway (serve/accept.py)."""
+    before, after = raise_fd_limit()
+    if after != before:
+        log.info("open-file limit raised from %d to %d", before, after)
+    else:
+        log.info("open-file limit %d", after)
+    install_accept_filter()
+
+
 async def serve(
     settings: Settings, paths: Paths, model_dir: Path, ready: Callable[[str], None]
 ) -> None:
     if settings.http:
         parse_bind(settings.http, settings.http_api_key)  # refuse before loading the model
+    raise_limits()
     tidy_home(paths)
     host = EngineHost(
         None,
@@ -127,6 +144,7 @@ async def serve(
         fail_after=settings.debug_fail_after,
         speculate=speculation(settings),
     )
+    grammars = GrammarService(GrammarLimits.of(settings))
     stopping = trio.Event()
     models: ModelSlot | None = None
     try:
@@ -141,7 +159,7 @@ async def serve(
             try:  # a load or a front that fails must still end the engine thread
                 log.info("loading %s", model_dir)
                 await models.switch(model_dir)
-                state = DaemonState(host, scheduler, models)
+                state = DaemonState(host, scheduler, models, grammars=grammars)
                 daemon.start_soon(save_profiles, models, settings.profile_save_s)
                 daemon.start_soon(models.watch)
                 async with trio.open_nursery() as front:
@@ -164,6 +182,7 @@ async def serve(
     except BaseExceptionGroup as group:  # a model that cannot load: its own clear error
         raise _sole_error(group) from None
     finally:
+        await grammars.aclose()
         if models is not None:
             await models.close()  # the loaded model's profiles and prompt cache are saved
 

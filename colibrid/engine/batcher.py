@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from colibrid.engine.batch import LOGITS_NONE, Forward
 from colibrid.engine.generate import DoneEvent, Generation, TokenEvent
 from colibrid.engine.speculate import PassCosts
-from colibrid.errors import Cancelled, ColibriError
+from colibrid.errors import Cancelled, ColibriError, contain_panics
 
 log = logging.getLogger("colibrid.batch")
 
@@ -135,10 +135,11 @@ class Batcher:
         reply, member.reply = member.reply, None
         while True:
             try:
-                if isinstance(reply, BaseException):
-                    item = member.steps.throw(reply)
-                else:
-                    item = member.steps.send(reply)
+                with contain_panics("a native library"):  # tokenizers, llguidance
+                    if isinstance(reply, BaseException):
+                        item = member.steps.throw(reply)
+                    else:
+                        item = member.steps.send(reply)
             except StopIteration:
                 self._fail(member, "INTERNAL", "the generation ended without an answer")
                 return False

@@ -23,7 +23,7 @@ import numpy as np
 from colibrid.engine.batch import LOGITS_ALL, LOGITS_LAST, Forward
 from colibrid.engine.constraint import Constraint, ConstraintStats
 from colibrid.engine.mtp_draft import MTPDrafter
-from colibrid.engine.sampling import Sampler, SamplingParams
+from colibrid.engine.sampling import Sampler, SamplingParams, check_logits
 from colibrid.engine.speculate import (
     OFF,
     PassCosts,
@@ -407,6 +407,7 @@ def _run(
     while True:
         held = session.length  # rows held after the pass (its first input included)
         for k, row in enumerate(rows):
+            check_logits(row, generated)  # the model's own output: NaN/inf fail the request
             # each row masked with the grammar's state after the tokens before it
             token = sampler.sample(row if constraint is None else constraint.apply(row))
             generated += 1

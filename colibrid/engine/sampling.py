@@ -25,6 +25,30 @@ class SamplingError(ColibriError):
     code = "BAD_LOGITS"
 
 
+class NonFiniteLogits(SamplingError):
+    """The model's own logits for a position hold NaN or inf: its arithmetic went wrong
+    (overflowing activations, damaged weights), so no token is sampled from them and the
+    request fails. The SERVE protocol lists no code of its own for this: INTERNAL, with a
+    message that says what happened."""
+
+    code = "INTERNAL"
+
+
+def check_logits(row: np.ndarray, position: int) -> None:
+    """Refuse a model output row holding NaN or +-inf before any mask or sampler sees it
+    (a grammar's mask could hide a NaN behind -inf, argmax would take the first NaN).
+    ``position``: the index of the token this row would have chosen, for the message."""
+    if np.isfinite(row).all():
+        return
+    nan = int(np.isnan(row).sum())
+    inf = int(row.size - nan - np.isfinite(row).sum())
+    raise NonFiniteLogits(
+        f"the model produced non-finite logits for generated token {position} ({nan} NaN "
+        f"and {inf} inf of {row.size}); no token was sampled from them. Damaged weights do "
+        "this: `colibri inspect --verify MODEL` checks them"
+    )
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 

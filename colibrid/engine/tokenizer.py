@@ -26,7 +26,20 @@ from colibrid.engine.chat_template import (
     Limits,
     probe,
 )
-from colibrid.errors import CheckpointError, ColibriError, RequestError, first_line
+from colibrid.engine.model_files import (
+    MAX_JSON_BYTES,
+    MAX_TEMPLATE_BYTES,
+    MAX_TOKENIZER_BYTES,
+    present,
+    read_model_text,
+)
+from colibrid.errors import (
+    CheckpointError,
+    ColibriError,
+    RequestError,
+    contain_panics,
+    first_line,
+)
 
 # The special-token names transformers passes to every chat template (special_tokens_map).
 _SPECIAL_TOKEN_KEYS = (
@@ -43,13 +56,22 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def read_json(path: Path) -> Any | None:
-    """Parse a JSON file of the checkpoint; None if absent, CheckpointError if unreadable."""
-    if not path.is_file():
+    """Parse a JSON file of the checkpoint; None if absent, CheckpointError if unreadable
+    (or a link out of the folder, not a regular file, too large: see `model_files`)."""
+    text = read_model_text(path.parent, path.name, MAX_JSON_BYTES)
+    if text is None:
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return json.loads(text)
+    except ValueError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {first_line(exc)}") from None
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """Whether the checkpoint comes with a tokenizer.json entry: one that is there but
+    unreadable (a device, a link outside the folder) is then refused by `TextCodec.load`
+    with the reason, rather than the model being served as if it had none."""
+    return present(Path(model_dir), "tokenizer.json")
 
 
 def _token_content(value: Any) -> str | None:
@@ -164,12 +186,14 @@ class TextCodec:
         if not root.is_dir():
             raise CheckpointError(f"model dir {root} does not exist or is not a directory")
         path = root / "tokenizer.json"
-        if not path.is_file():
+        text = read_model_text(root, "tokenizer.json", MAX_TOKENIZER_BYTES)
+        if text is None:
             raise CheckpointError(
                 f"model dir {root} has no tokenizer.json; use --ids with --ids-out"
             )
         try:
-            tokenizer = Tokenizer.from_file(str(path))
+            with contain_panics(f"reading {path}"):
+                tokenizer = Tokenizer.from_str(text)
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise CheckpointError(f"{path} cannot be loaded: {first_line(exc)}") from None
 
@@ -184,13 +208,10 @@ class TextCodec:
                 special[key] = value
 
         # transformers: chat_template.jinja wins over the field in tokenizer_config.json.
-        jinja_file = root / "chat_template.jinja"
-        if jinja_file.is_file():
-            try:
-                template: str | dict[str, str] | None = jinja_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise CheckpointError(f"{jinja_file} cannot be read: {first_line(exc)}") from None
-        else:
+        template: str | dict[str, str] | None = read_model_text(
+            root, "chat_template.jinja", MAX_TEMPLATE_BYTES
+        )
+        if template is None:
             template = _pick_template(config.get("chat_template"), root / "tokenizer_config.json")
 
         stops = load_stop_token_ids(root, tokenizer.token_to_id)
@@ -221,7 +242,8 @@ class TextCodec:
         a multi-megabyte prompt tokenised on the engine thread must not stall the event
         loop that answers `/health`, `ps` and other clients meanwhile. Same ids."""
         try:
-            batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
+            with contain_panics("the model's tokenizer"):  # e.g. a pre-tokenizer regex
+                batch = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)
             return list(batch[0].ids)
         except TypeError:
             try:
@@ -232,7 +254,8 @@ class TextCodec:
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of `ids`; keeps special tokens by default, as transformers' `decode` does."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        with contain_panics("the model's tokenizer"):
+            return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def special_token_names(self) -> frozenset[str]:
         """The tokenizer's special tokens (what a grammar may name as tokens)."""

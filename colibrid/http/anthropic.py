@@ -153,7 +153,7 @@ def messages_plan(
             }
             for t in tools
         )
-    chat, shown_tools, grammar = shaped(
+    chat, shown_tools, grammar, checks = shaped(
         tuple(messages), template_tools, choice, None, features, param="tools"
     )
     params = sampling(
@@ -178,6 +178,7 @@ def messages_plan(
         False,
         max_tokens,
         replace(features, tools=template_tools is not None),
+        checks,
     )
 
 

@@ -20,14 +20,15 @@ import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import trio
 
-from colibrid.errors import ColibriError, ConfigError
+from colibrid.errors import ColibriError, ConfigError, RequestError, contain_panics
 from colibrid.http import anthropic, errors, openai, sse
 from colibrid.http.body import Decoder, decode_json, read_body
-from colibrid.http.errors import ApiError
+from colibrid.http.errors import ApiError, bad_request
 from colibrid.http.gate import Gate, is_loopback_host, require_json
 from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
 from colibrid.http.openapi import describe
@@ -160,7 +161,12 @@ class HttpApp:
             if want is None:
                 raise ApiError(404, f"no route {path}", code="not_found")
             if method != want:
-                raise ApiError(405, f"{path} takes {want}, not {method}", code="method_not_allowed")
+                raise ApiError(
+                    405,
+                    f"{path} takes {want}, not {method}",
+                    code="method_not_allowed",
+                    headers=(("allow", f"{want}, OPTIONS" if self.cors else want),),
+                )
             if path != "/health":
                 self._authorize(scope)
             data = None
@@ -172,9 +178,15 @@ class HttpApp:
                     limit=self.settings.http_max_body_bytes,
                     timeout_s=self.settings.http_body_timeout_s,
                 )
-            await self._route(path, data, receive, responder)
+            with contain_panics("a native library"):
+                await self._route(path, data, receive, responder)
         except ApiError as exc:
             await self._fail(responder, exc, anthropic=path == "/v1/messages")
+        except ColibriError as exc:  # a native panic, contained
+            log.error("HTTP %s %s failed: %s", method, path, exc)
+            await self._fail(
+                responder, errors.from_code(exc.code, str(exc)), anthropic=path == "/v1/messages"
+            )
         except Exception as exc:  # a bug costs this request only
             log.exception("HTTP %s %s failed", method, path)
             await self._fail(
@@ -249,6 +261,7 @@ class HttpApp:
             plan, translator = await self.decoder.run(
                 len(data), lambda: self._plan(path, body, client, model)
             )
+            plan = await self._prepare(plan)
             await self._generate(plan, translator, receive, responder)
 
     async def _ensure(self, model: str) -> None:
@@ -262,6 +275,12 @@ class HttpApp:
 
     def _plan(self, path: str, body: Any, client: int, model: str) -> tuple[openai.Plan, Any]:
         """Body -> (Plan, translator); pure, so it may run in a worker thread."""
+        try:
+            return self._plan_of(path, body, client, model)
+        except RequestError as exc:  # a grammar past the caps, beyond the named fields
+            raise bad_request(str(exc)) from None
+
+    def _plan_of(self, path: str, body: Any, client: int, model: str) -> tuple[openai.Plan, Any]:
         common = {"served": model, "client": client, "max_context": self.max_context}
         if path == "/v1/chat/completions":
             plan = openai.chat_plan(body, features=self.features, **common)
@@ -271,6 +290,36 @@ class HttpApp:
             return plan, openai.CompletionStream(plan)
         plan = anthropic.messages_plan(body, features=self.features, **common)
         return plan, anthropic.MessageStream(plan)
+
+    async def _prepare(self, plan: openai.Plan) -> openai.Plan:
+        """The plan with its grammar compiled and its matcher built (serve.grammars: a
+        worker process, off this loop): each schema the client gave is compiled first
+        by itself, so that a bad one is a 400 naming its field (one that is the whole
+        grammar, a response format alone, is compiled once, as the grammar)."""
+        grammars = self.state.grammars
+        grammar = plan.request.grammar
+        itself = next((c for c in plan.checks if grammar and c.grammar.key == grammar.key), None)
+        for check in plan.checks:
+            if check is itself:
+                continue
+            try:
+                await grammars.check(check.grammar)
+            except RequestError as exc:
+                raise bad_request(f"{check.where}: {exc}", check.param) from None
+        if grammar is None:
+            return plan
+        loaded = self.state.models.current
+        try:
+            constraint = await grammars.constraint(
+                grammar, loaded.engine if loaded else None, loaded.codec if loaded else None
+            )
+        except RequestError as exc:
+            if itself is None:
+                raise bad_request(str(exc)) from None
+            raise bad_request(f"{itself.where}: {exc}", itself.param) from None
+        except ColibriError as exc:
+            raise errors.from_code(exc.code, str(exc)) from None
+        return replace(plan, request=replace(plan.request, constraint=constraint))
 
     # ---- generation -----------------------------------------------------------------------
     async def _generate(

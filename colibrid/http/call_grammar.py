@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from colibrid.engine.constraint import styled_schema
+from colibrid.engine.grammar import styled_schema
 from colibrid.http.parsing import DSML, DSML_CLOSE, DSML_OPEN, TOOL_OPEN, Features
 
 TOOL_CLOSE = "</tool_call>"

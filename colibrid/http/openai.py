@@ -13,17 +13,19 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from colibrid.engine.constraint import Grammar
+from colibrid.engine.grammar import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.errors import ColibriError, RequestError
 from colibrid.http.errors import ApiError, bad_request
 from colibrid.http.parsing import Features, ToolCall, make_splitter
 from colibrid.http.structured import (
+    SchemaCheck,
     ToolChoice,
     callable_tools,
     describe_tools,
     output_grammar,
     response_schema,
+    schema_checks,
 )
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest
@@ -39,6 +41,8 @@ class Plan:
     include_usage: bool = False
     max_tokens: int | None = None  # as the client asked (None: up to the context)
     features: Features = field(default_factory=Features)
+    # the client's schemas, compiled one by one before the request's grammar (a 400 names one)
+    checks: tuple[SchemaCheck, ...] = ()
 
 
 def new_id(prefix: str) -> str:
@@ -281,19 +285,26 @@ def shaped(
     features: Features,
     *,
     param: str = "tools",
-) -> tuple[tuple[dict[str, Any], ...], tuple[dict[str, Any], ...] | None, Grammar | None]:
-    """The messages, the tools for the chat template and the grammar of a request with
-    tools and/or a JSON answer (structured.py): a template that cannot show tools gets
-    them in a system note when a call is forced."""
+) -> tuple[
+    tuple[dict[str, Any], ...],
+    tuple[dict[str, Any], ...] | None,
+    Grammar | None,
+    tuple[SchemaCheck, ...],
+]:
+    """The messages, the tools for the chat template, the grammar of a request with
+    tools and/or a JSON answer (structured.py) and the client's schemas in it: a
+    template that cannot show tools gets them in a system note when a call is forced."""
     if tools is None:
-        return messages, None, output_grammar(answer, (), choice)
+        checks = schema_checks(answer, (), (), param)  # first: a 400 naming the field
+        return messages, None, output_grammar(answer, (), choice), checks
     if not choice.forced and answer is None:  # the model decides, unconstrained
-        return messages, tools, None
+        return messages, tools, None, ()
     callable_ = callable_tools(tools, choice, param)
+    checks = schema_checks(answer, tools, callable_, param)  # first: a 400 naming the field
     grammar = output_grammar(answer, callable_, choice, features)
     if features.tools:
-        return messages, tools, grammar
-    return describe_tools(messages, callable_), None, grammar
+        return messages, tools, grammar, checks
+    return describe_tools(messages, callable_), None, grammar, checks
 
 
 def chat_plan(body: Any, *, served: str, client: int, max_context: int, features: Features) -> Plan:
@@ -303,7 +314,7 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
     messages = chat_messages(body.get("messages"))
     tools, choice = chat_tools(body, features)
     answer = response_schema(body.get("response_format"))
-    messages, template_tools, grammar = shaped(messages, tools, choice, answer, features)
+    messages, template_tools, grammar, checks = shaped(messages, tools, choice, answer, features)
     max_tokens = _int(body, "max_completion_tokens")
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens")
     params = sampling(
@@ -325,6 +336,7 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         include_usage,
         max_tokens,
         replace(features, tools=tools is not None),
+        checks,
     )
 
 
@@ -351,6 +363,7 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
         stop=_stop(body.get("stop")),
     )
     answer = response_schema(body.get("response_format"))
+    checks = schema_checks(answer, (), (), "response_format")  # first: a 400 naming the field
     request = GenerateRequest(
         id=new_id("cmpl"),
         client=client,
@@ -359,7 +372,7 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
         keep_alive=keep_alive(body),
         grammar=None if answer is None else Grammar.json_schema(answer),
     )
-    return Plan(request, model, stream, include_usage, max_tokens)
+    return Plan(request, model, stream, include_usage, max_tokens, checks=checks)
 
 
 def finish_reason(done: Done, calls: list[ToolCall]) -> str:

@@ -19,15 +19,16 @@ _STOP = {
     "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
     "nullable": True,
 }
+_MODEL = {"type": "string", "minLength": 1}
 _SAMPLING = {
-    "model": {"type": "string"},
-    "max_tokens": {"type": "integer", "nullable": True},
-    "temperature": {"type": "number", "nullable": True},
-    "top_p": {"type": "number", "nullable": True},
+    "model": _MODEL,
+    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
     "seed": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1, "nullable": True},
     "stop": _STOP,
     "stream": {"type": "boolean"},
-    "n": {"type": "integer"},
+    "n": {"type": "integer", "enum": [1]},
 }
 _RESPONSE_FORMAT = {  # structured output: the answer is JSON of this schema
     "type": "object",
@@ -129,8 +130,8 @@ def describe(model: str) -> dict[str, Any]:
                 ["model", "messages"],
                 {
                     **_SAMPLING,
-                    "max_completion_tokens": {"type": "integer", "nullable": True},
-                    "messages": {"type": "array", "items": _MESSAGE},
+                    "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+                    "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
                     "tools": {"type": "array", "items": {"type": "object"}},
                     "tool_choice": _TOOL_CHOICE,
                     "response_format": _RESPONSE_FORMAT,
@@ -146,11 +147,12 @@ def describe(model: str) -> dict[str, Any]:
                 "Anthropic Messages",
                 ["model", "messages", "max_tokens"],
                 {
-                    "model": {"type": "string"},
-                    "max_tokens": {"type": "integer"},
+                    "model": _MODEL,
+                    "max_tokens": {"type": "integer", "minimum": 1},
                     "system": {"type": "string"},
                     "messages": {
                         "type": "array",
+                        "minItems": 1,
                         "items": {
                             "type": "object",
                             "properties": {

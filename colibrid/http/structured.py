@@ -13,8 +13,10 @@ answer parses by construction:
 
 A model whose chat template cannot show tools is told about them in a system note when a
 call is forced (the grammar does the rest); on ``auto`` it is still refused, since its
-unforced output would not follow any call syntax. Every schema is checked here, so a bad
-one is a 400 naming its field before any token is generated.
+unforced output would not follow any call syntax. Every schema is checked for shape and
+size here, and `schema_checks` lists each one the client gave with the field it came in,
+so that the grammar service compiles it by itself first and a bad one is a 400 naming its
+field before any token is generated.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from colibrid.engine.constraint import Grammar, styled_schema
+from colibrid.engine.grammar import Grammar, styled_schema
 from colibrid.errors import RequestError
 from colibrid.http.call_grammar import (
     ANY_OBJECT,
@@ -37,6 +39,16 @@ from colibrid.http.errors import bad_request
 from colibrid.http.parsing import TOOL_OPEN, Features
 
 PLAIN = Features()  # a template whose call syntax is not known: the JSON form
+
+
+@dataclass(frozen=True)
+class SchemaCheck:
+    """A schema the client gave, to compile by itself (`where` and `param` name it in a
+    400) before the grammar that holds it."""
+
+    grammar: Grammar
+    where: str
+    param: str
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,6 @@ def response_schema(value: Any) -> dict[str, Any] | bool | None:
                 "response_format.json_schema.schema must be a JSON schema object",
                 "response_format",
             )
-        _check_schema(schema, "response_format.json_schema.schema", "response_format")
         return schema
     raise bad_request(
         '`response_format` must be {"type": "text" | "json_object"} or '
@@ -83,29 +94,43 @@ def response_schema(value: Any) -> dict[str, Any] | bool | None:
     )
 
 
-def _check_schema(schema: Any, where: str, param: str) -> None:
+def _schema_check(schema: Any, where: str, param: str) -> SchemaCheck:
     try:
-        Grammar.json_schema(schema)
+        return SchemaCheck(Grammar.json_schema(schema), where, param)
     except RequestError as exc:
         raise bad_request(f"{where}: {exc}", param) from None
+
+
+def schema_checks(
+    answer: dict[str, Any] | bool | None,
+    tools: Sequence[dict[str, Any]],
+    picked: Sequence[dict[str, Any]],
+    param: str,
+) -> tuple[SchemaCheck, ...]:
+    """The response schema and each picked tool's parameters schema, with their fields
+    (a schema past the size caps is a 400 naming its field now)."""
+    checks = []
+    if answer is not None and answer != ANY_OBJECT:
+        checks.append(
+            _schema_check(answer, "response_format.json_schema.schema", "response_format")
+        )
+    for i, tool in enumerate(tools):
+        if tool in picked and parameters_of(tool) != ANY_OBJECT:
+            checks.append(_schema_check(parameters_of(tool), f"tools[{i}] parameters", param))
+    return tuple(checks)
 
 
 def callable_tools(
     tools: Sequence[dict[str, Any]], choice: ToolChoice, param: str
 ) -> list[dict[str, Any]]:
-    """The tools a call may name under `choice` (a named one must exist), each with a
-    valid `parameters` schema (400 naming the tool otherwise)."""
+    """The tools a call may name under `choice` (a named one must exist)."""
     names = [function_of(t)["name"] for t in tools]
     if choice.name is not None and choice.name not in names:
         raise bad_request(
             f"`tool_choice` names {choice.name!r}, which is not among `tools` ({', '.join(names)})",
             "tool_choice",
         )
-    picked = [t for t in tools if choice.name is None or function_of(t)["name"] == choice.name]
-    for i, tool in enumerate(tools):
-        if tool in picked:
-            _check_schema(parameters_of(tool), f"tools[{i}] parameters", param)
-    return picked
+    return [t for t in tools if choice.name is None or function_of(t)["name"] == choice.name]
 
 
 def output_grammar(

@@ -26,12 +26,12 @@ import trio
 from colibrid.backends.base import DeviceTierStats
 from colibrid.engine import kv_files
 from colibrid.engine.batcher import Batcher, Member
-from colibrid.engine.constraint import Constraint, Grammar, Vocabulary
+from colibrid.engine.constraint import Constraint
 from colibrid.engine.generate import DoneEvent, TokenEvent, generation, reusable_prefix
 from colibrid.engine.sessions import SessionKey, SessionPool
 from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
-from colibrid.errors import ColibriError, RequestError
+from colibrid.errors import ColibriError, RequestError, contain_panics
 from colibrid.serve.events import Accepted, Done, Event, Failed, Progress, Token
 from colibrid.serve.requests import GenerateRequest
 from colibrid.store.protocol import UsageDelta
@@ -151,7 +151,6 @@ class EngineHost:
         self.codec: TextCodec | None = None
         self._batch: Batcher | None = None
         self._sessions: SessionPool | None = None
-        self._vocabulary: Vocabulary | None = None  # the grammar engine's view of the codec
         self._usage: UsageSink = UsageSink()
         self.store_view: StoreView | None = None
         if engine is not None:
@@ -162,7 +161,6 @@ class EngineHost:
         """Serve `engine` from now on: fresh sessions (the kept KV is the model's own),
         a fresh batch, its usage counted into `usage` (the model's profile book)."""
         self.engine, self.codec = engine, codec
-        self._vocabulary = None
         self._batch = Batcher(engine, self)
         self._sessions = SessionPool(
             engine.new_session,
@@ -179,7 +177,6 @@ class EngineHost:
         assert self._batch is None or not self._batch.members, "requests still run"
         engine = self.engine
         self.engine = self.codec = self._batch = self._sessions = self.store_view = None
-        self._vocabulary = None
         self._usage = UsageSink()
         return engine
 
@@ -349,40 +346,8 @@ class EngineHost:
 
     def _begin(self, job: Job) -> None:
         try:
-            if self.engine is None or self._sessions is None or self._batch is None:
-                raise RequestError("no model is loaded", code="NO_MODEL")
-            ids = self._tokenize(job.request)
-            if not ids:
-                raise RequestError("the prompt renders to no tokens", code="EMPTY_PROMPT")
-            if len(ids) >= self.engine.max_context:
-                raise RequestError(
-                    f"{len(ids)} {self.engine.max_context}: the prompt leaves no "
-                    "room for a generated token",
-                    code="CONTEXT_EXCEEDED",
-                )
-            grammar = job.request.grammar
-            constraint = self._constraint(grammar) if grammar is not None else None
-            job.session_key, session = self._sessions.checkout(
-                job.request.client, job.request.conv, ids
-            )
-            job.cached = reusable_prefix(session, ids)
-            detok = StreamingDetokenizer(self.codec) if self.codec else None
-            stops = self.codec.stop_token_ids if self.codec else frozenset()
-            steps = generation(
-                self.engine,
-                ids,
-                job.request.params,
-                stop_token_ids=stops,
-                detokenizer=detok,
-                cancel=job.cancel,
-                session=session,
-                speculate=job.request.speculation(self.speculate),
-                costs=self._batch.costs,
-                constraint=constraint,
-            )
-            job.member = Member(
-                steps, job.cancel, self._progress_reporter(job), job, label=job.request.id
-            )
+            with contain_panics("a native library"):  # the tokenizer, a template
+                prompt_tokens = self._start(job)
         except ColibriError as exc:
             self._finish(job, Failed(exc.code, str(exc)))
             return
@@ -390,8 +355,47 @@ class EngineHost:
             log.exception("request %s failed to start", job.request.id)
             self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
             return
+        assert job.member is not None and self._batch is not None
         self._batch.add(job.member)
-        self._emit(job, Accepted(len(ids), job.cached))
+        self._emit(job, Accepted(prompt_tokens, job.cached))
+
+    def _start(self, job: Job) -> int:
+        """The request's prompt tokenized, its session checked out, its generation made
+        into `job.member`, ready to join the batch; returns the prompt's length."""
+        if self.engine is None or self._sessions is None or self._batch is None:
+            raise RequestError("no model is loaded", code="NO_MODEL")
+        ids = self._tokenize(job.request)
+        if not ids:
+            raise RequestError("the prompt renders to no tokens", code="EMPTY_PROMPT")
+        if len(ids) >= self.engine.max_context:
+            raise RequestError(
+                f"{len(ids)} {self.engine.max_context}: the prompt leaves no "
+                "room for a generated token",
+                code="CONTEXT_EXCEEDED",
+            )
+        constraint = self._constraint(job.request)
+        job.session_key, session = self._sessions.checkout(
+            job.request.client, job.request.conv, ids
+        )
+        job.cached = reusable_prefix(session, ids)
+        detok = StreamingDetokenizer(self.codec) if self.codec else None
+        stops = self.codec.stop_token_ids if self.codec else frozenset()
+        steps = generation(
+            self.engine,
+            ids,
+            job.request.params,
+            stop_token_ids=stops,
+            detokenizer=detok,
+            cancel=job.cancel,
+            session=session,
+            speculate=job.request.speculation(self.speculate),
+            costs=self._batch.costs,
+            constraint=constraint,
+        )
+        job.member = Member(
+            steps, job.cancel, self._progress_reporter(job), job, label=job.request.id
+        )
+        return len(ids)
 
     def _progress_reporter(self, job: Job) -> Callable[[int, int], None]:
         """Sends `Progress` during a prefill, first PROGRESS_EVERY_S after it starts and
@@ -410,16 +414,18 @@ class EngineHost:
 
         return report
 
-    def _constraint(self, grammar: Grammar) -> Constraint:
-        """A fresh matcher for a request's grammar; the model's vocabulary is read for
-        it once, on the first constrained request (unconstrained ones never pay)."""
-        if self.codec is None or self.engine is None:
-            raise RequestError("this model has no tokenizer.json; a grammar needs one")
-        if self._vocabulary is None:
-            self._vocabulary = Vocabulary(
-                self.codec.tokenizer_json(), self.engine.vocab_size, self.codec.stop_token_ids
+    def _constraint(self, request: GenerateRequest) -> Constraint | None:
+        """The matcher the grammar service built for the request's grammar, which must be
+        for the model loaded now (another may have been loaded while it compiled)."""
+        if request.grammar is None:
+            return None
+        constraint = request.constraint
+        if constraint is None or constraint.owner != id(self.engine):
+            raise RequestError(
+                "the model changed while this request's grammar was compiled; send it again",
+                code="MODEL_BUSY",
             )
-        return self._vocabulary.constraint(grammar)
+        return constraint
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         if self.codec is None:

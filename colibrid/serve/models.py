@@ -76,7 +76,7 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
     from colibrid.backends.base import KernelFamily
     from colibrid.engine.backend import make_ops
     from colibrid.engine.engine import Engine
-    from colibrid.engine.tokenizer import TextCodec
+    from colibrid.engine.tokenizer import TextCodec, has_tokenizer
 
     family = KernelFamily(settings.kernel_family)
     engine = Engine.load(
@@ -87,8 +87,8 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
         store=store_options(settings),
         mtp=settings.speculate in ("mtp", "auto"),
     )
-    has_tokenizer = (model_dir / "tokenizer.json").is_file()
-    codec = TextCodec.load(model_dir, max_context=engine.max_context) if has_tokenizer else None
+    text = has_tokenizer(model_dir)  # one that is there but unreadable is refused, named
+    codec = TextCodec.load(model_dir, max_context=engine.max_context) if text else None
     return engine, codec
 
 

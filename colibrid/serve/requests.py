@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from colibri_protocol.messages import Submit
 
-from colibrid.engine.constraint import Grammar
+from colibrid.engine.constraint import Constraint
+from colibrid.engine.grammar import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import SpecSettings
 
@@ -27,18 +28,22 @@ class GenerateRequest:
     speculate: str | None = None  # speculation mode (None: the daemon's)
     draft_max: int | None = None  # deepest draft (None: the daemon's)
     keep_alive: float | None = None  # seconds the model stays loaded once idle (None: as set)
-    grammar: Grammar | None = None  # what the answer must look like (validated at the edge)
+    grammar: Grammar | None = None  # what the answer must look like (shape checked at the edge)
+    # its matcher, built by the grammar service (serve.grammars) before the request is queued
+    constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     def speculation(self, default: SpecSettings) -> SpecSettings:
         """The request's speculative decoding: its own mode and depth over the daemon's."""
         if self.speculate is None and self.draft_max is None:
             return default
-        return SpecSettings(self.speculate or default.mode, self.draft_max or default.max_depth)
+        depth = default.max_depth if self.draft_max is None else self.draft_max  # 0 is refused
+        return SpecSettings(self.speculate or default.mode, depth)
 
     @classmethod
     def from_submit(cls, submit: Submit, client: int) -> GenerateRequest:
         """Raises RequestError (BAD_REQUEST) with the reason for invalid sampling values
-        or an invalid grammar (before any token is generated)."""
+        or a grammar of the wrong shape or past the caps (before any token is generated;
+        compiling it is the grammar service's)."""
         params = SamplingParams(
             max_tokens=submit.max_tokens,
             temperature=submit.temperature,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 
 import trio
 from colibri_protocol.codec import (
@@ -45,7 +46,7 @@ from colibri_protocol.messages import (
     parse_request,
 )
 
-from colibrid.errors import ColibriError
+from colibrid.errors import ColibriError, contain_panics
 from colibrid.serve import events
 from colibrid.serve.requests import GenerateRequest
 from colibrid.serve.scheduler import Handle
@@ -107,7 +108,8 @@ class Connection:
             if isinstance(item, ProtocolError):
                 raise item
             request = parse_request(item)  # type: ignore[arg-type]
-            await self._handle(request, nursery)
+            with contain_panics("a native library"):
+                await self._handle(request, nursery)
         except ProtocolError as exc:
             await self.send(encode_error(exc.request_id, exc.code, exc.message))
             if exc.fatal:
@@ -129,14 +131,16 @@ class Connection:
                 generate = GenerateRequest.from_submit(request, self.client)
             except ColibriError as exc:
                 raise ProtocolError("BAD_REQUEST", str(exc), request.id) from None
-            if self._served(request.model):  # queued now: one connection's order is kept
+            served = self._served(request.model)
+            if served and generate.grammar is None:  # queued now: the connection's order
                 self.requests[request.id] = self._submit(generate)
                 nursery.start_soon(self._run, self.requests[request.id])
-            else:  # a model to load first: in the request's own task
-                try:  # an unknown name is answered now, in this connection's order
-                    state.models.resolve(request.model)
-                except ColibriError as exc:
-                    raise ProtocolError(_code(exc), str(exc), request.id) from None
+            else:  # a model to load or a grammar to compile first: in the request's own task
+                if not served:
+                    try:  # an unknown name is answered now, in this connection's order
+                        state.models.resolve(request.model)
+                    except ColibriError as exc:
+                        raise ProtocolError(_code(exc), str(exc), request.id) from None
                 self.loading.add(request.id)
                 nursery.start_soon(self._load_and_run, generate, request.model)
         elif isinstance(request, (Stop, Cancel)):
@@ -181,11 +185,18 @@ class Connection:
             raise ProtocolError(_code(exc), str(exc), generate.id) from None
 
     async def _load_and_run(self, generate: GenerateRequest, model: str | None) -> None:
-        """Load the model the request names (or the default), then run it; a model that
-        cannot be loaded ends the request with the reason."""
+        """Load the model the request names (or the default) and compile its grammar,
+        then run it; a model that cannot be loaded or a grammar that cannot be compiled
+        ends the request with the reason."""
         rid = generate.id
         try:
-            await self.state.models.ensure(model)
+            with contain_panics("a native library"):
+                loaded = await self.state.models.ensure(model)
+                if generate.grammar is not None:
+                    constraint = await self.state.grammars.constraint(
+                        generate.grammar, loaded.engine, loaded.codec
+                    )
+                    generate = replace(generate, constraint=constraint)
             handle = self._submit(generate)
         except ProtocolError as exc:
             await self.send(encode_error(rid, exc.code, exc.message))

@@ -7,6 +7,8 @@
   is removed; so is its pidfile.
 * The socket's directory is 0700 and the socket 0600 (created under umask 0177).
 * A file that cannot be made (a full disk, a read-only home) is named in the error.
+* Out of file descriptors, accepting backs off and logs one line, not a traceback every
+  100 ms (serve/accept.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import trio
 
 from colibrid.errors import ColibriError
 from colibrid.paths import Paths, persisting
+from colibrid.serve.accept import accept_forever
 
 
 class AlreadyRunning(ColibriError):
@@ -114,12 +117,13 @@ async def serve_socket(
     *,
     task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Bind, report readiness, serve connections until cancelled; removes the socket."""
+    """Bind, report readiness, serve connections until cancelled; removes the socket.
+    Out of file descriptors, accepting backs off and logs one line (serve/accept.py)."""
     sock = bind(path)
     try:
         listener = trio.SocketListener(sock)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, handler, [listener])
+        async with listener, trio.open_nursery() as nursery:
             task_status.started(path)
+            await accept_forever(listener, handler, nursery, what="SERVE connections")
     finally:
         path.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import trio
 
 from colibrid import __version__
 from colibrid.errors import NoModel
+from colibrid.serve.grammars import GrammarService
 from colibrid.serve.host import EngineHost
 from colibrid.serve.models import ModelSlot
 from colibrid.serve.profiles import ProfileBook, ProfileError
@@ -41,6 +42,7 @@ class DaemonState:
     models: ModelSlot
     started: float = dataclasses.field(default_factory=time.time)
     http_urls: list[str] = dataclasses.field(default_factory=list)  # where the HTTP API is
+    grammars: GrammarService = dataclasses.field(default_factory=GrammarService)
 
     # ---- the loaded model (None while none is) ------------------------------------------
     @property

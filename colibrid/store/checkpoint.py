@@ -137,6 +137,10 @@ class Checkpoint(TypedWeights):
         """The raw read-only view of a tensor (see SafetensorsFile.array)."""
         return self._file(name).array(name)
 
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes, a flat read-only uint8 view of the map (digests)."""
+        return self._file(name).raw(name)
+
     def _fail(self, name: str, problem: str) -> CheckpointError:
         return CheckpointError(f"{self.file_of(name)}: tensor {describe(name)}: {problem}")
 

@@ -21,13 +21,17 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from colibrid.errors import CheckpointError
 from colibrid.store.extents import ALIGN, Read
 
 log = logging.getLogger("colibri.store")
+
+Check = Callable[[memoryview], None]
+"""Run by the reader thread on the filled target before the read is reported complete;
+what it raises is the read's error (a digest check: :mod:`colibrid.store.weight_checks`)."""
 
 
 def _probe_direct(fd: int, size: int) -> str | None:
@@ -151,6 +155,10 @@ class IOPool:
 
     With ``threads == 0`` the read runs inline in ``submit`` and its result is queued
     the same way, so callers have one code path and the output cannot depend on it.
+
+    A read may carry a ``check`` the reader thread runs on the bytes it read before it
+    reports the completion, so hashing them overlaps the engine's compute like the read
+    does, and a failed check reports the read as failed: its slot is never used.
     """
 
     def __init__(self, files: ReadFiles, threads: int, max_background: int = 2) -> None:
@@ -164,7 +172,7 @@ class IOPool:
         self.done: queue.SimpleQueue[tuple[int, int, BaseException | None]] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._heap: list[tuple[int, int, int]] = []  # (priority, seq, tag)
-        self._queued: dict[int, tuple[int, int, Sequence[Read], memoryview]] = {}
+        self._queued: dict[int, tuple[int, int, Sequence[Read], memoryview, Check | None]] = {}
         self._seq = 0
         self._closing = False
         self._workers = [
@@ -174,15 +182,19 @@ class IOPool:
         for t in self._workers:
             t.start()
 
-    def _run(self, tag: int, reads: Sequence[Read], target: memoryview) -> None:
+    def _run(
+        self, tag: int, reads: Sequence[Read], target: memoryview, check: Check | None
+    ) -> None:
         try:
             n = self.files.read_into(reads, target)
+            if check is not None:
+                check(target)
         except BaseException as exc:  # reported to the waiter, never lost in a thread
             self.done.put((tag, 0, exc))
         else:
             self.done.put((tag, n, None))
 
-    def _next(self) -> tuple[int, Sequence[Read], memoryview, int] | None:
+    def _next(self) -> tuple[int, Sequence[Read], memoryview, Check | None, int] | None:
         with self._cv:
             while True:
                 while self._heap:
@@ -202,15 +214,15 @@ class IOPool:
                     if self._running == 0:
                         self._busy_since = time.perf_counter()
                     self._running += 1
-                    return tag, job[2], job[3], prio
+                    return tag, job[2], job[3], job[4], prio
                 if self._closing:
                     return None
                 self._cv.wait()
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
-            tag, reads, target, prio = job
-            self._run(tag, reads, target)
+            tag, reads, target, check, prio = job
+            self._run(tag, reads, target, check)
             with self._cv:
                 self._running -= 1
                 if self._running == 0:
@@ -221,20 +233,32 @@ class IOPool:
                     self._cv.notify_all()  # background work may start on an idle drive
 
     def submit(
-        self, tag: int, reads: Sequence[Read], target: memoryview, priority: int = DEMAND_READ
+        self,
+        tag: int,
+        reads: Sequence[Read],
+        target: memoryview,
+        priority: int = DEMAND_READ,
+        check: Check | None = None,
     ) -> None:
         if not self.threads:
             t0 = time.perf_counter()
-            self._run(tag, reads, target)
+            self._run(tag, reads, target, check)
             self._busy_s += time.perf_counter() - t0
             return
         with self._cv:
-            self._enqueue(tag, priority, reads, target)
+            self._enqueue(tag, priority, reads, target, check)
 
-    def _enqueue(self, tag: int, priority: int, reads: Sequence[Read], target: memoryview) -> None:
+    def _enqueue(
+        self,
+        tag: int,
+        priority: int,
+        reads: Sequence[Read],
+        target: memoryview,
+        check: Check | None,
+    ) -> None:
         """Queue (or re-queue: the older heap entry goes stale) a read; holds the lock."""
         self._seq += 1
-        self._queued[tag] = (priority, self._seq, reads, target)
+        self._queued[tag] = (priority, self._seq, reads, target, check)
         heapq.heappush(self._heap, (priority, self._seq, tag))
         self._cv.notify()
 
@@ -256,7 +280,7 @@ class IOPool:
         with self._cv:
             job = self._queued.get(tag)
             if job is not None and job[0] != DEMAND_READ:
-                self._enqueue(tag, DEMAND_READ, job[2], job[3])
+                self._enqueue(tag, DEMAND_READ, job[2], job[3], job[4])
 
     def close(self) -> None:
         with self._cv:

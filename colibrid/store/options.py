@@ -24,12 +24,14 @@ from colibrid.store import budget as budgets
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, expert_tensor_names
 from colibrid.store.extents import NotStreamable
+from colibrid.store.integrity import Digests
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pins import PIN_MODES, PinBudget
 from colibrid.store.protocol import ExpertStore
 from colibrid.store.resident import ResidentExpertStore
 from colibrid.store.tiered import TieredStore
 from colibrid.store.usage import UsageProfile
+from colibrid.store.weight_checks import check_covered, load_digests, verify_mapped
 
 log = logging.getLogger("colibri.store")
 PILOT_MODES = ("on", "off", "auto")
@@ -57,6 +59,7 @@ class StoreOptions:
     memory_floor_gb: float | None = None  # MEMWATCH keeps this much available (None: derived)
     save_profile: bool = True
     pin_at_start: bool = True  # pin from `profile` now (the daemon's profile book pins later)
+    verify: bool = True  # hold weight bytes to the manifest's digests (store/weight_checks.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "resident", "tiered"):
@@ -107,7 +110,38 @@ def open_store(
     idle_prefixes: tuple[str, ...] = (),
 ) -> ExpertStore:
     """The expert store for ``opts``; it still needs :func:`allocate_store`.
-    ``idle_prefixes``: tensors loaded but never run (kept out of the budget)."""
+    ``idle_prefixes``: tensors loaded but never run (kept out of the budget, unchecked).
+    With ``opts.verify`` the weights the model reads are held to the container's digests
+    by the daemon's rule (:mod:`colibrid.store.weight_checks`): what is mapped is checked
+    here, before the store is built; streamed experts as they are read."""
+    digests = load_digests(checkpoint) if opts.verify else None
+    experts: set[str] = set()
+    if digests is not None:  # the dense part is mapped whatever the store
+        names = checkpoint.names()
+        experts = expert_tensor_names(layout).intersection(names)
+        mapped = [n for n in names if n not in experts and not n.startswith(idle_prefixes)]
+        verify_mapped(checkpoint, digests, mapped, "dense weights")
+    store = _open(checkpoint, layout, opts, model_type, idle_prefixes, digests)
+    if digests is not None:
+        try:
+            if isinstance(store, TieredStore):  # checked as they are read
+                check_covered(checkpoint, digests, experts)
+            else:  # every expert is mapped too
+                verify_mapped(checkpoint, digests, sorted(experts), "resident experts")
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def _open(
+    checkpoint: Checkpoint,
+    layout: ExpertLayout,
+    opts: StoreOptions,
+    model_type: str,
+    idle_prefixes: tuple[str, ...],
+    digests: Digests | None,
+) -> ExpertStore:
     total, source = budgets.resolve_total(opts.ram_gb)
     if opts.mode == "resident" or not layout.moe_layers:  # no routed experts: none to stream
         return ResidentExpertStore(checkpoint, layout)
@@ -118,7 +152,12 @@ def open_store(
         return ResidentExpertStore(checkpoint, layout)
     try:
         store = TieredStore(
-            checkpoint, layout, direct=opts.direct, io_threads=opts.io_threads, policy=opts.policy
+            checkpoint,
+            layout,
+            direct=opts.direct,
+            io_threads=opts.io_threads,
+            policy=opts.policy,
+            digests=digests,
         )
     except NotStreamable as exc:
         log.warning("colibri: experts stay resident (%s)", exc)

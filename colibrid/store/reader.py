@@ -12,9 +12,11 @@ from collections.abc import Callable, Sequence
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, ExpertWeights
 from colibrid.store.extents import ExpertExtents, ExtentPlanner
+from colibrid.store.integrity import Digests
 from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
 from colibrid.store.slabs import SlabArena
 from colibrid.store.telemetry import Counters, now
+from colibrid.store.weight_checks import ExpertChecks
 
 Key = tuple[int, int]
 
@@ -31,10 +33,12 @@ class ExpertReader:
         io_threads: int,
         stats: Counters,
         extra_layers: dict[int, str] | None = None,
+        digests: Digests | None = None,
     ) -> None:
         planner = ExtentPlanner(checkpoint, layout)
-        templates = {layer: layout.name_template for layer in layout.moe_layers}
+        templates: dict[int, str | None] = {la: layout.name_template for la in layout.moe_layers}
         templates.update(extra_layers or {})
+        self.templates = templates
         self.extents: dict[int, list[ExpertExtents]] = {
             layer: [planner.plan(layer, e, t) for e in range(layout.n_experts)]
             for layer, t in sorted(templates.items())
@@ -44,6 +48,12 @@ class ExpertReader:
         self.files = ReadFiles(planner.files, direct=direct)
         self.pool = IOPool(self.files, io_threads)
         self.stats = stats
+        # each expert's first read is checked against the manifest's digests (see there)
+        self.checks = (
+            None
+            if digests is None
+            else ExpertChecks(checkpoint, digests, layout, templates, self.extents, stats)
+        )
         self.arena: SlabArena | None = None
         self._views: list[tuple[Key | None, ExpertWeights | None]] = []
 
@@ -63,7 +73,11 @@ class ExpertReader:
         if background:
             self.stats.prefetch_bytes += ext.read_bytes
         self.pool.submit(
-            slot, ext.reads, self.arena.memview(slot), BACKGROUND if background else DEMAND_READ
+            slot,
+            ext.reads,
+            self.arena.memview(slot),
+            BACKGROUND if background else DEMAND_READ,
+            check=None if self.checks is None else self.checks.for_read(key),
         )
 
     def withdraw(self, slot: int, key: Key) -> bool:

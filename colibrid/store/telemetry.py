@@ -31,6 +31,8 @@ class Counters:
     pilot_chosen: int = 0  # keys chosen in layers that had a prediction
     pilot_loads: int = 0  # prefetch reads issued
     pilot_cancelled: int = 0  # prefetch reads withdrawn before they started (wrong guesses)
+    checked: int = 0  # expert reads held to their digests (reader threads, under a lock)
+    check_s: float = 0.0  # reader-thread time those checks took
 
     def copy(self) -> Counters:
         return Counters(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -76,6 +78,8 @@ class StoreStats:
     pin_note: str = "off"  # what the pin controller did, in words
     streams: bool = False  # experts are read from disk (the cache cannot hold them all)
     pilot_note: str = "off"  # PILOT: off, on, or what --pilot auto measured and chose
+    checked: int = 0  # expert reads checked against their digests
+    check_s: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -85,12 +89,18 @@ class StoreStats:
         n = max(self.lookups, 1)
         pct = lambda x: f"{100.0 * x / n:.1f}%"  # noqa: E731
         recall = "off" if self.pilot_recall is None else f"{100 * self.pilot_recall:.1f}%"
+        checks = ""
+        if self.checked:
+            checks = (
+                f"; {self.checked} experts checked against their digests "
+                f"({self.check_s:.3f} s in reader threads)"
+            )
         return [
             f"{title}: hit {100 * self.hit_rate:.1f}% of {self.lookups} lookups (pinned "
             f"{pct(self.hits_pinned)}, cache {pct(self.hits_cache)}, prefetched "
             f"{pct(self.hits_prefetched)}, miss {pct(self.misses)})",
             f"{title}: read {self.bytes_read / 1e9:.3f} GB, {self.bytes_per_token / 1e6:.1f} MB/"
-            f"token, {self.read_gb_s:.2f} GB/s achieved ({self.io_mode})",
+            f"token, {self.read_gb_s:.2f} GB/s achieved ({self.io_mode}){checks}",
             f"{title}: time io-wait {self.io_wait_s:.3f} s, expert compute {self.compute_s:.3f} "
             f"s, attention {self.attention_s:.3f} s, other (shared experts, dense MLPs, "
             f"routing) {self.other_s:.3f} s over {self.tokens} forward passes",
@@ -135,6 +145,8 @@ def snapshot(
         io_mode=io_mode,
         policy=policy,
         memwatch=memwatch,
+        checked=c.checked,
+        check_s=c.check_s,
     )
 
 

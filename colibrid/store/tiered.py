@@ -25,6 +25,7 @@ from colibrid.policy import DEFAULT_POLICY
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.completions import Completions
 from colibrid.store.experts import ExpertLayout, ExpertWeights
+from colibrid.store.integrity import Digests
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pin_moves import PinMoves
 from colibrid.store.pins import PinBudget, PinController, repin_swaps
@@ -45,7 +46,8 @@ class TieredStore:
 
     Construct (plans extents from headers only), then :meth:`allocate` once the budget is
     known. ``cache_per_layer`` may later move between 0 and the allocated maximum
-    (:meth:`set_cache_per_layer`, MEMWATCH).
+    (:meth:`set_cache_per_layer`, MEMWATCH). With ``digests`` each expert's first read
+    from disk is checked against them (:mod:`colibrid.store.weight_checks`).
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class TieredStore:
         io_threads: int = 4,
         policy: str = DEFAULT_POLICY,
         extra_layers: dict[int, str] | None = None,
+        digests: Digests | None = None,
     ) -> None:
         self.layout = layout
         self.stats = Counters()
@@ -67,6 +70,7 @@ class TieredStore:
             io_threads=io_threads,
             stats=self.stats,
             extra_layers=extra_layers,
+            digests=digests,
         )
         self.extents = self.reader.extents
         self.slot_bytes = self.reader.slot_bytes

@@ -51,7 +51,7 @@ function _shtab_colibri_using
 end
 
 set -g _shtab_colibri_commands ask repl run list pull stop rm ps logs profile 'profile list' 'profile show' 'profile use' 'profile save' 'profile warm' service 'service install' 'service uninstall' 'service status' completion convert inspect config synth bench 'bench kernels' 'bench decode' 'bench stream' 'bench batch' 'bench spec' 'bench replay' 'bench policy' 'bench peer' 'bench routing'
-set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --mxfp4 --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --vram-gb --warmup --working-set -n
+set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --mxfp4 --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --verify-weights --vram-gb --warmup --working-set -n
 
 complete -c colibri -e
 complete -c colibri -f
@@ -169,8 +169,10 @@ complete -c colibri -n '_shtab_colibri_using convert' -l shard-gb -x -d 'shard s
 complete -c colibri -n '_shtab_colibri_using convert' -l force -d 'allow an int4 MTP layer'
 complete -c colibri -n '_shtab_colibri_using convert' -l order -x -d 'write experts in co-firing order learned from a usage profile'
 complete -c colibri -n '_shtab_colibri_using convert' -l quiet -d 'no progress bar'
-complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a inspect -d 'describe a container: architecture, formats, expert size'
+complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a inspect -d 'describe a container: architecture, formats, expert size (--verify: check its bytes)'
 complete -c colibri -n '_shtab_colibri_using inspect' -s h -l help -d 'show this help message and exit'
+complete -c colibri -n '_shtab_colibri_using inspect' -l verify -d 'also read every byte and check it against the digests in manifest.json: one line per tensor that differs, naming its shard; exit 1 if any does'
+complete -c colibri -n '_shtab_colibri_using inspect' -l strict -d 'with --verify: a container without digests fails too (exit 1)'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a config -d 'every config.toml key: type, default, meaning (--toml: an example file)'
 complete -c colibri -n '_shtab_colibri_using config' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using config' -l toml -d 'a commented example config.toml'
@@ -224,6 +226,7 @@ complete -c colibri -n '_shtab_colibri_using bench stream' -l pilot -xka "on off
 complete -c colibri -n '_shtab_colibri_using bench stream' -l io-threads -x -d 'reader threads (0 = no pool)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l profile -x -d 'usage profile (.coli_usage) to learn from'
+complete -c colibri -n '_shtab_colibri_using bench stream' -l verify-weights -xka "on off" -d 'hold weight bytes to the manifest'"'"'s digests: mapped ones at load, each streamed expert at its first read (config.toml key `verify_weights`, default on)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l vram-gb -x -d 'GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a batch -d '1, 2, 4, 8 requests decoded together: tok/s and expert bytes per token vs the disk'
@@ -240,6 +243,7 @@ complete -c colibri -n '_shtab_colibri_using bench batch' -l pilot -xka "on off 
 complete -c colibri -n '_shtab_colibri_using bench batch' -l io-threads -x -d 'reader threads (0 = no pool)'
 complete -c colibri -n '_shtab_colibri_using bench batch' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench batch' -l profile -x -d 'usage profile (.coli_usage) to learn from'
+complete -c colibri -n '_shtab_colibri_using bench batch' -l verify-weights -xka "on off" -d 'hold weight bytes to the manifest'"'"'s digests: mapped ones at load, each streamed expert at its first read (config.toml key `verify_weights`, default on)'
 complete -c colibri -n '_shtab_colibri_using bench batch' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
 complete -c colibri -n '_shtab_colibri_using bench batch' -l vram-gb -x -d 'GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a spec -d 'speculative decoding on and off: tok/s, accepted drafts, bytes per token'
@@ -257,6 +261,7 @@ complete -c colibri -n '_shtab_colibri_using bench spec' -l pilot -xka "on off a
 complete -c colibri -n '_shtab_colibri_using bench spec' -l io-threads -x -d 'reader threads (0 = no pool)'
 complete -c colibri -n '_shtab_colibri_using bench spec' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench spec' -l profile -x -d 'usage profile (.coli_usage) to learn from'
+complete -c colibri -n '_shtab_colibri_using bench spec' -l verify-weights -xka "on off" -d 'hold weight bytes to the manifest'"'"'s digests: mapped ones at load, each streamed expert at its first read (config.toml key `verify_weights`, default on)'
 complete -c colibri -n '_shtab_colibri_using bench spec' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
 complete -c colibri -n '_shtab_colibri_using bench spec' -l vram-gb -x -d 'GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a replay -d 'record a request once; replay it teacher-forced'
@@ -275,6 +280,7 @@ complete -c colibri -n '_shtab_colibri_using bench replay' -l pilot -xka "on off
 complete -c colibri -n '_shtab_colibri_using bench replay' -l io-threads -x -d 'reader threads (0 = no pool)'
 complete -c colibri -n '_shtab_colibri_using bench replay' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibri -n '_shtab_colibri_using bench replay' -l profile -x -d 'usage profile (.coli_usage) to learn from'
+complete -c colibri -n '_shtab_colibri_using bench replay' -l verify-weights -xka "on off" -d 'hold weight bytes to the manifest'"'"'s digests: mapped ones at load, each streamed expert at its first read (config.toml key `verify_weights`, default on)'
 complete -c colibri -n '_shtab_colibri_using bench replay' -l backend -xka "auto cpu mlx cuda" -d 'what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu) (default auto)'
 complete -c colibri -n '_shtab_colibri_using bench replay' -l vram-gb -x -d 'GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% of the GPU memory free at start, mlx no limit)'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a policy -d 'cache policies on a recorded trace vs Belady'

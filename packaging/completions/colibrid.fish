@@ -51,7 +51,7 @@ function _shtab_colibrid_using
 end
 
 set -g _shtab_colibrid_commands generate start stop status run
-set -g _shtab_colibrid_opts_with_value --backend --cache --direct --draft-max --http --ids --io-threads --kernel-family --max-tokens --model --pilot --pin --profile --prompt --ram-gb --seed --socket --speculate --stop --system --temperature --timeout --top-k --top-p --vram-gb --wait
+set -g _shtab_colibrid_opts_with_value --backend --cache --direct --draft-max --http --ids --io-threads --kernel-family --max-tokens --model --pilot --pin --profile --prompt --ram-gb --seed --socket --speculate --stop --system --temperature --timeout --top-k --top-p --verify-weights --vram-gb --wait
 
 complete -c colibrid -e
 complete -c colibrid -f
@@ -85,6 +85,7 @@ complete -c colibrid -n '_shtab_colibrid_using generate' -l pilot -xka "on off a
 complete -c colibrid -n '_shtab_colibrid_using generate' -l io-threads -x -d 'reader threads (0 = no pool)'
 complete -c colibrid -n '_shtab_colibrid_using generate' -l direct -xka "on off" -d 'O_DIRECT / F_NOCACHE expert reads'
 complete -c colibrid -n '_shtab_colibrid_using generate' -l profile -x -d 'usage profile (.coli_usage) to learn from'
+complete -c colibrid -n '_shtab_colibrid_using generate' -l verify-weights -xka "on off" -d 'hold weight bytes to the manifest'"'"'s digests: mapped ones at load, each streamed expert at its first read (config.toml key `verify_weights`, default on)'
 complete -c colibrid -n '_shtab_colibrid_using; and test $_shtab_colibrid_npos -eq 0' -a start -d 'start the daemon in the background'
 complete -c colibrid -n '_shtab_colibrid_using start' -s h -l help -d 'show this help message and exit'
 complete -c colibrid -n '_shtab_colibrid_using start' -l model -x -d 'model to serve (default: default_model in config.toml)'

@@ -15,9 +15,10 @@ from structured_cases import SCHEMAS
 
 from colibrid.engine import generate as gen_module
 from colibrid.engine.batcher import Batcher, Member
-from colibrid.engine.constraint import Grammar, Vocabulary
+from colibrid.engine.constraint import Vocabulary
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import DoneEvent, TokenEvent, generation
+from colibrid.engine.grammar import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
@@ -79,7 +80,9 @@ def add(batch: Batcher, demo, ids, params, grammar=None, spec=OFF, session=None,
         costs=batch.costs,
         speculate=spec,
         session=session,
-        constraint=vocab.constraint(grammar, fast_forward=ff) if grammar is not None else None,
+        constraint=(
+            vocab.constraint(grammar.compile(), fast_forward=ff) if grammar is not None else None
+        ),
     )
     batch.add(Member(steps, tag=record))
     return record
@@ -103,11 +106,17 @@ def alone(demo, ids, params, grammar=None, spec=OFF, ff=True) -> Record:  # noqa
 @pytest.mark.parametrize(
     "build,message",
     [
-        (lambda: Grammar.json_schema({"type": "nope"}), "invalid JSON schema: Invalid type: nope"),
+        (
+            lambda: Grammar.json_schema({"type": "nope"}).compile(),
+            "invalid JSON schema: Invalid type: nope",
+        ),
         (lambda: Grammar.json_schema([1]), "a JSON schema must be an object"),
-        (lambda: Grammar.json_schema({"$ref": "#/x"}), "invalid JSON schema: "),
-        (lambda: Grammar.lark("start: foo"), 'invalid Lark grammar: at 1(8): unknown name: "foo"'),
-        (lambda: Grammar.regex("a(b"), "invalid regex: "),
+        (lambda: Grammar.json_schema({"$ref": "#/x"}).compile(), "invalid JSON schema: "),
+        (
+            lambda: Grammar.lark("start: foo").compile(),
+            'invalid Lark grammar: at 1(8): unknown name: "foo"',
+        ),
+        (lambda: Grammar.regex("a(b").compile(), "invalid regex: "),
         (lambda: Grammar.from_spec({"ebnf": "x"}), "a grammar is one of"),
         (lambda: Grammar.from_spec({"regex": "a", "lark": "b"}), "a grammar is one of"),
     ],
@@ -123,7 +132,7 @@ def test_the_stop_token_is_allowed_only_where_the_grammar_accepts(demo) -> None:
     engine, codec, vocab = demo
     (stop,) = codec.stop_token_ids
     zeros = np.zeros(engine.vocab_size, dtype=np.float32)
-    c = vocab.constraint(Grammar.regex("ab(cd)?"))
+    c = vocab.constraint(Grammar.regex("ab(cd)?").compile())
     allowed = lambda: set(np.flatnonzero(np.isfinite(c.apply(zeros))))  # noqa: E731
     assert stop not in allowed()
     c.advance(codec.encode("ab", add_special_tokens=False)[0])

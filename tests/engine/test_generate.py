@@ -19,7 +19,7 @@ from colibrid.engine.generate import (
     generate,
     teacher_forced_argmax,
 )
-from colibrid.engine.sampling import SamplingError, SamplingParams
+from colibrid.engine.sampling import NonFiniteLogits, SamplingError, SamplingParams
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
 from colibrid.errors import RequestError
 
@@ -328,6 +328,27 @@ def test_non_finite_logits_surface():
     engine = FakeEngine(lambda ids: np.full(4, np.nan), 4)
     with pytest.raises(SamplingError, match="non-finite"):
         list(generate(engine, [1], SamplingParams()))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", [0, 2], ids=["first-token", "later-token"])
+def test_a_non_finite_model_row_fails_the_request_before_sampling(bad, where):
+    """One bad logit anywhere in the model's row (even -inf, which a grammar's mask may
+    write but a model never should) fails the request with INTERNAL and says where; the
+    tokens before it were sampled from finite rows."""
+
+    def next_logits(ids: list[int]) -> np.ndarray:
+        out = np.arange(8, dtype=np.float64)
+        if len(ids) - 1 == where:
+            out[3] = bad
+        return out
+
+    events = []
+    with pytest.raises(NonFiniteLogits, match=f"generated token {where} ") as info:
+        for event in generate(FakeEngine(next_logits, 8), [1], SamplingParams(max_tokens=6)):
+            events.append(event)
+    assert info.value.code == "INTERNAL" and "inspect --verify" in str(info.value)
+    assert [e.token_id for e in events] == [7] * where
 
 
 def test_teacher_forced_argmax():

@@ -251,7 +251,22 @@ def test_health_metrics_openapi(home, oai) -> None:
         'colibri_tier_experts{tier="ram"}',
     ):
         assert name in text
-    assert "/v1/chat/completions" in httpx.get(home.url + "/openapi.json").json()["paths"]
+    spec = httpx.get(home.url + "/openapi.json").json()
+    assert "/v1/chat/completions" in spec["paths"]
+    # what the API refuses, the description refuses too (an empty model or message list)
+    for path in ("/v1/chat/completions", "/v1/messages"):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        props = body["schema"]["properties"]
+        assert props["model"]["minLength"] == 1 and props["messages"]["minItems"] == 1
+        r = httpx.post(home.url + path, json={"model": "", "messages": [], "max_tokens": 1})
+        assert r.status_code in (400, 404), r.text
+
+
+def test_a_405_says_what_is_allowed(home) -> None:
+    r = httpx.get(home.url + "/v1/chat/completions", timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    r = httpx.post(home.url + "/health", json={}, timeout=30)
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
 
 
 def test_twenty_concurrent_streams(oai) -> None:

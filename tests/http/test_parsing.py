@@ -202,7 +202,7 @@ def test_chat_plan_messages_tools_and_errors() -> None:
 
 def accepts(grammar, text: str) -> bool:  # noqa: ANN001
     """Whether `grammar` allows exactly `text` (fed byte by byte) and is complete after."""
-    c = Vocabulary(byte_tokenizer_json(), 256, frozenset({0})).constraint(grammar)
+    c = Vocabulary(byte_tokenizer_json(), 256, frozenset({0})).constraint(grammar.compile())
     try:
         for byte in text.encode():
             c.apply(np.zeros(256, dtype=np.float32))
@@ -545,7 +545,7 @@ def accepts_tokens(grammar, pieces: list[str]) -> bool:  # noqa: ANN001
     """Whether `grammar` allows exactly `pieces` (a special token's name is that token,
     any other piece its bytes) and is complete after them."""
     vocab, ids = token_vocabulary()
-    c = vocab.constraint(grammar)
+    c = vocab.constraint(grammar.compile())
     tokens = [t for p in pieces for t in ([ids[p]] if p in ids else list(p.encode()))]
     try:
         for token in tokens:

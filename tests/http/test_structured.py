@@ -9,6 +9,7 @@ grammars refused before any token: HTTP 400 naming the field, SERVE BAD_REQUEST,
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -302,13 +303,14 @@ RENAMED = {  # an unused special token of the demo's tokenizer -> a call syntax'
 
 
 def model_with_call_syntax(demo: Path, root: Path, syntax: str) -> Path:
-    """The demo's files (linked) with a chat template showing `syntax` and a tokenizer
-    whose special tokens include its markers."""
+    """The demo's files (hard links: a symlink out of the model folder is refused) with
+    a chat template showing `syntax` and a tokenizer whose special tokens include its
+    markers."""
     model = root / "models" / MODEL
     model.mkdir(parents=True)
     for f in demo.iterdir():
         if f.name != "tokenizer.json":
-            (model / f.name).symlink_to(f)
+            os.link(f, model / f.name)
     tokenizer = json.loads((demo / "tokenizer.json").read_text())
     for added in tokenizer["added_tokens"]:
         if added["content"] in RENAMED:

@@ -72,13 +72,13 @@ def fail_reads(pool, priority: int, nth: int | None = None) -> None:
     """Reads of ``priority`` complete with an I/O error: the ``nth`` one only, or all."""
     real_submit, calls = pool.submit, [0]
 
-    def submit(tag, reads, target, prio=io_pool.DEMAND_READ):
+    def submit(tag, reads, target, prio=io_pool.DEMAND_READ, check=None):
         if prio == priority:
             calls[0] += 1
             if nth is None or calls[0] == nth:
                 pool.done.put((tag, 0, OSError(5, "injected I/O error")))
                 return
-        real_submit(tag, reads, target, prio)
+        real_submit(tag, reads, target, prio, check)
 
     pool.submit = submit
 
