@@ -18,8 +18,9 @@ from colibrid.errors import ConfigError
 from colibrid.paths import Paths
 
 VRAM_HELP = (
-    "GB of device memory the cuda or mlx backend may keep weights in (unset: cuda 80% of "
-    "the GPU memory free at start, mlx no limit)"
+    "GB of device memory the cuda, webgpu or mlx backend may keep weights in (unset: cuda "
+    "80% of the GPU memory free at start, webgpu 2 (WebGPU reports no memory size), mlx no "
+    "limit)"
 )
 
 

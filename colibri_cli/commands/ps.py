@@ -70,7 +70,8 @@ def render(status: dict) -> str:
         budget = "no budget" if vram["budget_gb"] is None else f"budget {vram['budget_gb']:.3g} GB"
         hit = vram.get("hit_rate")
         pins += (
-            f"\nvram: {vram['weights_gb']:.3f} GB of weights on the device ({budget}), "
+            f"\nvram: {vram['weights_gb']:.3f} GB of weights on "
+            f"{vram.get('device') or 'the device'} ({budget}), "
             f"{vram['hits']} uses from it"
             + ("" if hit is None else f" ({100 * hit:.1f}% of uses)")
             + f", {vram['copies']} copies in ({vram['copied_gb']:.3f} GB), "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -95,6 +95,7 @@ class DeviceTierStats:
     weights: int = 0
     bytes: int = 0
     budget: int | None = None  # bytes; None: the tier has none
+    device: str = ""  # the adapter and the API it is driven through, for `ps`
     expert_weights: int = 0
     expert_bytes: int = 0
     hits: int = 0
@@ -109,6 +110,17 @@ class DeviceTierStats:
         """The share of weight uses served from the tier (None before any use)."""
         uses = self.hits + self.copies
         return self.hits / uses if uses else None
+
+
+@runtime_checkable
+class DeviceLimits(Protocol):
+    """A backend with a device of its own (cuda, webgpu) measures that device's limits:
+    what the benches print their figures beside."""
+
+    def limits(self, nbytes: int = 256 << 20) -> tuple[float, str]:
+        """The device's read probe (GB/s) over ``nbytes``, and a line saying it and the
+        host-to-device copy rate."""
+        ...
 
 
 @dataclass(frozen=True)

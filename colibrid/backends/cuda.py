@@ -24,32 +24,31 @@ on the CPU emulation of it where there is no GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from colibrid.backends import native
 from colibrid.backends.base import (
-    DeviceTierStats,
     ExpertBatch,
-    GQAWeights,
     KernelFamily,
-    ResidentExperts,
-    RouteRule,
-    SwiGLUWeights,
 )
 from colibrid.backends.cpu import CpuOps
 from colibrid.backends.cuda_device import Buffer, Device, copy_probe, open_device, read_probe
 from colibrid.backends.cuda_weights import DeviceWeight, upload
+from colibrid.backends.device_ops import (
+    DeviceOps,
+    HostRule,
+    exact_integer,
+    rows_of,
+    sub_batch,
+    timed,
+)
 from colibrid.backends.device_tier import DeviceTier
-from colibrid.backends.gqa_plan import gqa_attention_each
-from colibrid.backends.moe_plan import moe_each
-from colibrid.formats.weights import QuantWeight, WeightFormat, WeightLayout
+from colibrid.formats.weights import QuantWeight
 
 log = logging.getLogger("colibri.backend")
 
@@ -70,8 +69,6 @@ JOB_INTS = 11
 
 I8_PTRS = 5
 """Addresses of one I8 product (kernels.cu I8_PTRS): the F32 four and the rows' scales."""
-
-INTEGER_FORMATS = (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4)
 
 
 @dataclass(frozen=True)
@@ -104,29 +101,16 @@ Swiglu = tuple[DeviceWeight, DeviceWeight, DeviceWeight, Activations, int, int]
 def exact_on_device(w: QuantWeight) -> bool:
     """Whether the device computes ``w`` in the I8 family with the CPU kernels' bits:
     integer codes whose scale groups are whole 32-input chunks, or one group a row."""
-    if w.fmt not in INTEGER_FORMATS:
-        return False
-    group, width = w.group_size, w.shape[1]
-    return w.fmt is WeightFormat.Q8 or group <= 0 or group >= width or group % CHUNK == 0
+    return exact_integer(w, CHUNK)
 
 
-def _exact_expert(w: SwiGLUWeights) -> bool:
-    return all(exact_on_device(m) for m in (w.gate, w.up, w.down))
-
-
-def _rows(x: np.ndarray, width: int) -> np.ndarray:
-    """x as float32 C-contiguous [S, width]."""
-    if x.shape[-1] != width:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {width}")
-    return np.ascontiguousarray(x, dtype=np.float32).reshape(-1, width)
-
-
-class CudaOps(CpuOps):
+class CudaOps(DeviceOps):
     """Implements models.base.Ops: the CPU backend with its weight products on the device
     (the router, norms, RoPE, attention over the cache and the rank sums are CpuOps')."""
 
     name = "cuda"
     families = frozenset(KernelFamily)
+    exact = staticmethod(exact_on_device)
 
     def __init__(
         self,
@@ -145,7 +129,8 @@ class CudaOps(CpuOps):
         self._scratch: dict[str, Buffer] = {}
         self._retired: list[Buffer] = []
         self._lock = threading.RLock()  # one op at a time owns the scratch buffers
-        self.host_experts = host_experts
+        self.host = HostRule("cuda", host_experts, lambda w: timed(lambda: upload(device, w)))
+        self.tier.stats.device = f"{self.device.name} (CUDA)"
 
     # ---- device plumbing ------------------------------------------------------------------
     def _space(self, name: str, nbytes: int) -> int:
@@ -266,16 +251,7 @@ class CudaOps(CpuOps):
             row += rows
         return inputs
 
-    def _on_device(self, weights: Sequence[QuantWeight], family: KernelFamily) -> list[bool]:
-        """Which of ``weights`` the device computes in ``family`` (F32: all)."""
-        return [family is KernelFamily.F32 or exact_on_device(w) for w in weights]
-
     # ---- Ops ------------------------------------------------------------------------------
-    def prepare(self, layouts: Mapping[WeightLayout, int]) -> None:
-        """Nothing to tune: one kernel serves every layout."""
-
-    def matmul(self, w: QuantWeight, x: np.ndarray, family: KernelFamily) -> np.ndarray:
-        return self.matmul_many([w], x, family)[0]
 
     def matmul_many(
         self, weights: Sequence[QuantWeight], x: np.ndarray, family: KernelFamily
@@ -291,7 +267,7 @@ class CudaOps(CpuOps):
                 outs[k] = y
         if any(here):
             mine = [w for w, on in zip(weights, here, strict=True) if on]
-            xs = _rows(x, weights[0].shape[1])
+            xs = rows_of(x, weights[0].shape[1])
             lead = x.shape[:-1]
             with self._lock:
                 xin = self._activations("x", xs, family)
@@ -346,7 +322,7 @@ class CudaOps(CpuOps):
     ) -> np.ndarray:
         if not all(self._on_device((gate, up, down), family)):
             return super().expert_swiglu(gate, up, down, x, family)
-        xs = _rows(x, gate.shape[1])
+        xs = rows_of(x, gate.shape[1])
         with self._lock:
             xin = self._activations("x", xs, family)
             yp = self._space("y", xs.shape[0] * down.shape[0] * F4)
@@ -370,7 +346,7 @@ class CudaOps(CpuOps):
         self._apply_experts_i8(batch, x, out)
 
     def _apply_experts_i8(self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray) -> None:
-        xs = _rows(x, x.shape[-1])
+        xs = rows_of(x, x.shape[-1])
         width = xs.shape[1]
         with self._lock:
             used = [e for e in range(len(batch.weights)) if batch.start[e] < batch.start[e + 1]]
@@ -380,7 +356,7 @@ class CudaOps(CpuOps):
 
             def on_the_host() -> None:
                 if host:
-                    CpuOps.apply_experts(self, _sub_batch(batch, host), x, out, KernelFamily.I8)
+                    CpuOps.apply_experts(self, sub_batch(batch, host), x, out, KernelFamily.I8)
 
             mine = [e for e in used if placed[e] is not None]
             if not mine:
@@ -403,7 +379,7 @@ class CudaOps(CpuOps):
 
     def _apply_experts_f32(self, batch: ExpertBatch, x: np.ndarray, out: np.ndarray) -> None:
         pairs = len(batch.rows)
-        xs = _rows(x, x.shape[-1])
+        xs = rows_of(x, x.shape[-1])
         width = xs.shape[1]
         with self._lock:
             xp = self._put("x", xs)
@@ -424,96 +400,9 @@ class CudaOps(CpuOps):
             ys = self._get(yp, (pairs, width))
         out[np.asarray(batch.dest, dtype=np.int64)] = ys
 
-    def _place_expert(
-        self, w: SwiGLUWeights
-    ) -> tuple[DeviceWeight, DeviceWeight, DeviceWeight] | None:
-        """An I8 expert's device copies, or None: it is computed on the host (a format the
-        device cannot do exactly, or copies the tier would not keep, where the CPU's
-        product is faster than the copy)."""
-        if not _exact_expert(w):
-            return None
-        mats = (w.gate, w.up, w.down)
-        kept = [self.tier.keep(m) for m in mats]
-        if None in kept and self._host_beats_bus(w.gate):
-            return None
-        gate, up, down = (
-            k if k is not None else self.tier.copy_once(m) for k, m in zip(kept, mats, strict=True)
-        )
-        return gate, up, down
-
-    def _host_beats_bus(self, w: QuantWeight) -> bool:
-        """Whether the CPU's I8 product of a weight takes less time than copying it to the
-        device: timed once, on the first expert weight the tier passes through."""
-        if self.host_experts is None:
-            x = np.ones((1, w.shape[1]), dtype=np.float32)
-            compute = min(
-                _timed(lambda: CpuOps.matmul(self, w, x, KernelFamily.I8)) for _ in range(3)
-            )
-            copy = min(_timed(lambda: upload(self.device, w)) for _ in range(3))
-            self.host_experts = compute < copy
-            where = "computed on the cpu" if self.host_experts else "copied to the device"
-            self.tier.stats.host_rule = (
-                f"i8 experts the tier does not keep are {where} (the cpu's product of a "
-                f"{w.nbytes / 1e6:.2f} MB expert weight {compute * 1e3:.2f} ms, its copy "
-                f"{copy * 1e3:.2f} ms)"
-            )
-            log.info("cuda: %s", self.tier.stats.host_rule)
-        return self.host_experts
-
-    def moe(
-        self,
-        x: np.ndarray,
-        weight: np.ndarray,
-        bias: np.ndarray | None,
-        rule: RouteRule,
-        layer: ResidentExperts,
-        shared: SwiGLUWeights | None,
-        family: KernelFamily,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Routed on the host, the experts in one apply_experts (moe_each)."""
-        return moe_each(self, x, weight, bias, rule, layer, shared, family)
-
-    def gqa_attention(
-        self,
-        block: GQAWeights,
-        rope: tuple[np.ndarray, np.ndarray],
-        x: np.ndarray,
-        caches: tuple[np.ndarray, np.ndarray],
-        start: int,
-        scale: float,
-        family: KernelFamily,
-    ) -> np.ndarray:
-        """Projections on the device, the rest on the host: gqa_attention_each itself."""
-        return gqa_attention_each(self, block, rope, x, caches, start, scale, family)
-
     def limits(self, nbytes: int = 256 << 20) -> tuple[float, str]:
         """The device's read probe (GB/s) measured now over ``nbytes``, and a line saying it
         and the host-to-device copy rate: what the benches print their figures beside."""
         read, copy = read_probe(self.device, nbytes), copy_probe(self.device, nbytes)
         line = f"{self.device.name}: read probe {read:.1f} GB/s, host to device {copy:.1f} GB/s"
         return read, line
-
-    def device_tier(self) -> DeviceTierStats | None:
-        return dataclasses.replace(self.tier.stats)
-
-    def promote(self, experts: Sequence[SwiGLUWeights]) -> int:
-        return self.tier.promote([m for e in experts for m in (e.gate, e.up, e.down)])
-
-
-def _timed(run) -> float:  # noqa: ANN001
-    t0 = time.perf_counter()
-    run()
-    return time.perf_counter() - t0
-
-
-def _sub_batch(batch: ExpertBatch, experts: Sequence[int]) -> ExpertBatch:
-    """The pairs of ``experts`` only, as a batch of their own (same rows, gates, dests)."""
-    weights, start, rows, gates, dest = [], [0], [], [], []
-    for e in experts:
-        lo, hi = batch.start[e], batch.start[e + 1]
-        weights.append(batch.weights[e])
-        rows += batch.rows[lo:hi]
-        gates += batch.gates[lo:hi]
-        dest += batch.dest[lo:hi]
-        start.append(len(rows))
-    return ExpertBatch(weights, start, rows, gates, dest)

@@ -121,6 +121,7 @@ class MlxOps:
 
     def __init__(self, budget: int | None = None) -> None:
         self.tier: DeviceTier[MlxWeight] = DeviceTier(convert, lambda m: m.nbytes, budget)
+        self.tier.stats.device = f"MLX ({mx.default_device().type.name})"
 
     def _w(self, w: QuantWeight, expert: bool = False) -> MlxWeight:
         return self.tier.get(w, expert)

@@ -1,7 +1,8 @@
 """`colibri bench kernels`: effective weight bandwidth of the native matmul kernels
-(or, with --backend mlx or cuda, of that backend's matmul on the same matrices; cuda's
-rows stand beside the GPU's own read probe, and the run prints its host-to-device copy
-rate too).
+(or, with --backend mlx, cuda or webgpu, of that backend's matmul on the same matrices;
+cuda's and webgpu's rows stand beside the device's own read probe, and the run prints its
+host-to-device copy rate too: on lavapipe, a Vulkan driver on the CPU, those are CPU
+figures).
 
 Decode (S=1) through an expert-shaped matrix is a pure weight stream, so the honest
 figure is weight bytes (data + scales) read per second, printed next to the machine's
@@ -144,17 +145,17 @@ def run(
     return rows
 
 
-def _time_ops(ops, copies, x: np.ndarray, seconds: float) -> float:  # noqa: ANN001
-    """`_time_case` through a backend's Ops.matmul (F32): what a model's decode pays per
-    matrix on that backend, its numpy round trip included. The warm-up pass converts
-    each copy once, as a loaded model's first token does."""
+def _time_ops(ops, copies, x: np.ndarray, seconds: float, family: KernelFamily) -> float:  # noqa: ANN001
+    """`_time_case` through a backend's Ops.matmul: what a model's decode pays per matrix
+    on that backend, its numpy round trip included. The warm-up pass converts each copy
+    once, as a loaded model's first token does."""
     for w in copies:
-        ops.matmul(w, x, KernelFamily.F32)
+        ops.matmul(w, x, family)
     best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds or best == float("inf"):
         t0 = time.perf_counter()
         for w in copies:
-            ops.matmul(w, x, KernelFamily.F32)
+            ops.matmul(w, x, family)
         best = min(best, (time.perf_counter() - t0) / len(copies))
     return best
 
@@ -167,41 +168,43 @@ def run_backend(
     formats: list[str],
     say: Callable[[str], object] = print,
 ) -> list[Row]:
-    """The decode cases on a non-CPU backend (f32 family, one row per format and shape),
-    beside the same memory probe as the native rows."""
+    """The decode cases on a non-CPU backend (one row per kernel family it computes,
+    format and shape), beside its device's read probe, or the native rows' memory probe."""
     from colibrid.backends import native
-    from colibrid.backends.cuda import CudaOps
+    from colibrid.backends.base import DeviceLimits
     from colibrid.engine.backend import make_ops
 
     ops = make_ops(backend)
-    if isinstance(ops, CudaOps):  # the device's own memory is the limit of its rows
+    if isinstance(ops, DeviceLimits):  # the device's own memory is the limit of its rows
         membw, line = ops.limits(max(working_set_mb, 256) << 20)
         say(line)
     else:
         membw = native.membw_probe(max(working_set_mb, 256) << 20, threads=threads, repeats=10)
     rng = np.random.default_rng(0)
     rows = []
+    families = sorted(ops.families, key=lambda f: f.value)
     for fname in formats:
         fmt, gs = FORMATS[fname]
         for o, i in SHAPES:
             copies = _copies(_weight(fmt, o, i, gs, rng), working_set_mb << 20)
             x = rng.standard_normal((1, i), dtype=np.float32)
-            dt = _time_ops(ops, copies, x, seconds)
-            gbs = copies[0].nbytes / dt / 1e9
-            rows.append(
-                Row(
-                    fname,
-                    f"{o}x{i}",
-                    ops.name,
-                    KernelFamily.F32.value,
-                    threads,
-                    gbs,
-                    2.0 * o * i / dt / 1e9,
-                    membw,
-                    gbs / membw,
-                    dt * 1e6,
+            for family in families:
+                dt = _time_ops(ops, copies, x, seconds, family)
+                gbs = copies[0].nbytes / dt / 1e9
+                rows.append(
+                    Row(
+                        fname,
+                        f"{o}x{i}",
+                        ops.name,
+                        family.value,
+                        threads,
+                        gbs,
+                        2.0 * o * i / dt / 1e9,
+                        membw,
+                        gbs / membw,
+                        dt * 1e6,
+                    )
                 )
-            )
             del copies
     return rows
 
@@ -286,11 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--backend",
-        choices=("cpu", "mlx", "cuda"),
+        choices=("cpu", "mlx", "cuda", "webgpu"),
         default="cpu",
-        help="cpu: the native kernels per ISA and family (default); mlx or cuda: that "
-        "backend's matmul (f32 family) on the same matrices, through its Ops (cuda beside "
-        "the GPU's read probe and its host-to-device copy rate)",
+        help="cpu: the native kernels per ISA and family (default); mlx, cuda or webgpu: "
+        "that backend's matmul (f32 family) on the same matrices, through its Ops (cuda and "
+        "webgpu beside the device's own read probe and its host-to-device copy rate)",
     )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     return p

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.backends.base import DeviceTierStats, KernelFamily
+from colibrid.backends.base import DeviceLimits, DeviceTierStats, KernelFamily
 from colibrid.bench.cache_bound import fewest_read_bytes
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options, take_pass
 
@@ -132,7 +132,6 @@ def main(argv: list[str]) -> int:
     args.parser = p
     if args.ram_gb is None and args.cache is None:
         p.error("give --ram-gb N (or --cache N)")
-    from colibrid.backends.cuda import CudaOps
     from colibrid.engine.engine import Engine
     from colibrid.store.tiered import TieredStore
 
@@ -151,7 +150,7 @@ def main(argv: list[str]) -> int:
         f"{threads} threads): {gbs:.2f} GB/s"
     )
     print(store.budget_plan.describe())
-    if isinstance(engine.ops, CudaOps):  # the GPU's limits beside the disk's
+    if isinstance(engine.ops, DeviceLimits):  # the device's limits beside the disk's
         print(engine.ops.limits()[1])
     kind = engine.family.value  # what the passes compute with, as the engine holds it
     print(f"kernel family: {kind}" + (" (int8 activations: lossy)" if kind == "i8" else ""))

@@ -1,4 +1,4 @@
-"""Which backend computes: `--backend cpu|mlx|cuda|auto` and the `backend` config key.
+"""Which backend computes: `--backend cpu|mlx|cuda|webgpu|auto` and the `backend` key.
 
 One place turns the name into an `Ops` object, so every command (generate, the daemon,
 the benches) refuses a backend the machine lacks with the same one-line error and
@@ -19,10 +19,12 @@ from colibrid.errors import BackendError
 if TYPE_CHECKING:  # backends may not import models; the engine joins the two
     from colibrid.models.base import Ops
 
-BACKENDS = ("auto", "cpu", "mlx", "cuda")
+BACKENDS = ("auto", "cpu", "mlx", "cuda", "webgpu")
 BACKEND_HELP = (
     "what computes: cpu (native SIMD kernels), mlx (MLX: Apple silicon, or mlx[cpu] on "
-    "Linux), cuda (NVIDIA GPU via pycuda), auto (mlx on Apple silicon when installed, else cpu)"
+    "Linux), cuda (NVIDIA GPU via pycuda), webgpu (any GPU through Vulkan, Metal or DX12 "
+    "via wgpu; Mesa's lavapipe on the CPU), auto (mlx on Apple silicon when installed, "
+    "else cpu)"
 )
 
 
@@ -54,7 +56,7 @@ def make_ops(
     name: str = "auto", family: KernelFamily = KernelFamily.F32, vram_gb: float | None = None
 ) -> Ops:
     """The ops object of backend `name` (for kernel family `family`, which only steers
-    auto; `vram_gb` bounds the device tier of cuda and mlx); BackendError (one line) when
+    auto; `vram_gb` bounds the device tier of cuda, webgpu and mlx); BackendError (one line) when
     it cannot run here."""
     budget = None if vram_gb is None else int(vram_gb * (1 << 30))  # GiB, as --ram-gb
     chosen = resolve(name, family)
@@ -71,6 +73,10 @@ def make_ops(
         from colibrid.backends.cuda import CudaOps
 
         return CudaOps(vram_bytes=budget)
+    if chosen == "webgpu":
+        from colibrid.backends.webgpu import WebgpuOps
+
+        return WebgpuOps(vram_bytes=budget)
     from colibrid.backends.cpu import CpuOps
 
     return CpuOps()

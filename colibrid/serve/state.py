@@ -79,6 +79,7 @@ class DaemonState:
                 "gb": vram.expert_bytes / GB,
                 "weights_gb": vram.bytes / GB,
                 "budget_gb": None if vram.budget is None else vram.budget / GB,
+                "device": vram.device,
                 "hits": vram.hits,
                 "copies": vram.copies,
                 "copied_gb": vram.copied_bytes / GB,

@@ -187,5 +187,90 @@ def test_bench_kernels_on_cuda_stands_by_the_devices_own_probe() -> None:
             rows = json.loads(result.stdout)
         else:
             assert "read probe" in result.stdout and "host to device" in result.stdout
-    assert [(r["isa"], r["family"], r["fmt"]) for r in rows] == [("cuda", "f32", "q4g64")] * 2
+    assert [(r["isa"], r["family"], r["fmt"]) for r in rows] == [
+        ("cuda", family, "q4g64") for _shape in (1, 2) for family in ("f32", "i8")
+    ]
+    assert all(r["gbs"] > 0 and r["membw_gbs"] > 0 for r in rows)
+
+
+def _webgpu_here() -> str | None:
+    try:
+        make_ops("webgpu")
+    except BackendError as exc:
+        return str(exc)
+    return None
+
+
+NO_WEBGPU = _webgpu_here()
+
+
+def _generate_ids(ref: tiny_models.OracleReference, *flags: str) -> list[int]:
+    result = _colibrid(
+        "generate",
+        "--model",
+        str(ref.out_dir),
+        "--ids",
+        ",".join(map(str, ref.prompt_ids)),
+        "--ids-out",
+        "--max-tokens",
+        "20",
+        *flags,
+    )
+    assert result.returncode == 0, result.stderr
+    return [int(t) for t in result.stdout.strip().split(",")][:20]
+
+
+def _int_experts(name: str, w):  # noqa: ANN001, ANN202
+    """Routed experts as integer container tensors (int4-g64 gates and ups, int8 downs):
+    what a device computes in the i8 family."""
+    from colibrid.formats.quant import container_tensors, quantize
+    from colibrid.formats.weights import WeightFormat
+
+    fmt = WeightFormat.Q8 if "down" in name else WeightFormat.Q4
+    return container_tensors(name, quantize(w, fmt, 64))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_WEBGPU is not None, reason=str(NO_WEBGPU))
+@pytest.mark.parametrize("arch", tiny_models.ARCHS)
+def test_generate_on_webgpu(oracle_checkpoint, arch: str) -> None:
+    """`colibrid generate --backend webgpu`: f32 token-exact against transformers, and i8
+    (integer experts) bit-identical to `--backend cpu`, on every family's checkpoint."""
+    ref = oracle_checkpoint(arch)
+    assert _generate_ids(ref, "--backend", "webgpu") == ref.greedy_ids
+    ints = oracle_checkpoint(arch, expert_container=_int_experts)
+    i8 = ("--kernel-family", "i8")
+    assert _generate_ids(ints, *i8, "--backend", "webgpu") == _generate_ids(ints, *i8)
+
+
+def test_webgpu_without_an_adapter_is_one_line_naming_the_package(oracle_checkpoint) -> None:
+    """No Vulkan driver at all (the loader pointed at none): one line, naming what to
+    install, from `colibrid generate` and from `colibri bench kernels`."""
+    env = {**os.environ, "VK_ICD_FILENAMES": "/nonexistent.json", "VK_DRIVER_FILES": ""}
+    model = str(oracle_checkpoint("glm4_moe").out_dir)
+    ids = ["--ids", "1,2", "--ids-out", "--max-tokens", "1"]
+    result = _colibrid("generate", "--model", model, *ids, "--backend", "webgpu", env=env)
+    _one_line(result, "no WebGPU adapter", "mesa-vulkan-drivers")
+
+
+@pytest.mark.skipif(NO_WEBGPU is not None, reason=str(NO_WEBGPU))
+def test_bench_kernels_on_webgpu_stands_by_the_devices_own_probe() -> None:
+    args = ["--seconds", "0.01", "--working-set", "1", "--format", "q4g64"]
+    for json_out in (False, True):
+        result = subprocess.run(
+            [sys.executable, "-m", "colibri_cli", "bench", "kernels", "--backend", "webgpu"]
+            + args
+            + (["--json"] if json_out else []),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        if json_out:
+            rows = json.loads(result.stdout)
+        else:
+            assert "read probe" in result.stdout and "host to device" in result.stdout
+    assert [(r["isa"], r["family"], r["fmt"]) for r in rows] == [
+        ("webgpu", family, "q4g64") for _shape in (1, 2) for family in ("f32", "i8")
+    ]
     assert all(r["gbs"] > 0 and r["membw_gbs"] > 0 for r in rows)

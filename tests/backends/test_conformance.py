@@ -46,6 +46,13 @@ def _cuda_ops():  # noqa: ANN202
         pytest.skip("no NVIDIA GPU / pycuda")
 
 
+def _webgpu_ops():  # noqa: ANN202
+    try:
+        return make_ops("webgpu")
+    except BackendError as exc:
+        pytest.skip(str(exc))
+
+
 def _mlx_ops():  # noqa: ANN202
     if not mlx_installed():
         pytest.skip("mlx is not installed (pip install 'colibri[mlx]')")
@@ -61,13 +68,15 @@ def _make(backend: str):  # noqa: ANN202
     return make_ops(backend)
 
 
-@pytest.fixture(params=["cpu", "mlx", "cuda", "cuda-emulated"])
+@pytest.fixture(params=["cpu", "mlx", "cuda", "cuda-emulated", "webgpu"])
 def backend(request) -> str:  # noqa: ANN001
     """The backend name, skipped when this machine cannot run it."""
     if request.param == "mlx":
         _mlx_ops()
     elif request.param == "cuda":
         _cuda_ops()
+    elif request.param == "webgpu":
+        _webgpu_ops()
     return request.param
 
 

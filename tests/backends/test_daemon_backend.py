@@ -1,7 +1,9 @@
 """The daemon computes on the backend its config names (the `backend` key, or
 `colibrid start --backend`): on MLX it answers what it answers on the CPU kernels; on the
-cuda backend (its kernels emulated on this CPU where there is no GPU) streamed experts
-with PILOT answer what the resident model answers."""
+cuda backend (its kernels emulated on this CPU where there is no GPU) and on the webgpu
+backend (a real WebGPU adapter: Mesa's lavapipe in CI) streamed experts with PILOT answer
+what the resident model answers, a profile switch included, and in the i8 family they
+answer what the CPU daemon answers, byte for byte; `colibri ps` names the adapter."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import pytest
 from daemon_helpers import Home, free_port, install_chat_tokenizer
 
 from colibrid.backends.cuda_device import EMULATE_ENV
-from colibrid.engine.backend import mlx_installed
+from colibrid.engine.backend import make_ops, mlx_installed
+from colibrid.errors import BackendError
 from colibrid.formats.quant import container_tensors, quantize
 from colibrid.formats.weights import WeightFormat
 
@@ -41,8 +44,8 @@ def _answer(
             assert use.returncode == 0, use.stderr + home.log()
             again = home.colibri("ask", "--max-tokens", "12", "What is the capital?")
             assert again.stdout == asked.stdout, home.log()
-            if backend == "cuda":  # the pinned experts were offered to the device tier
-                assert "hottest experts copied to the cuda device tier" in home.log()
+            if backend in ("cuda", "webgpu"):  # the pinned experts went to the device tier
+                assert f"hottest experts copied to the {backend} device tier" in home.log()
         if backend is None:
             backend = "mlx" if "mlx" in (*start_flags, home.settings.get("backend")) else "cpu"
         assert f"on the {backend} backend" in home.log()
@@ -88,7 +91,7 @@ def test_daemon_on_cuda_streams_experts_as_it_answers_resident(
     vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
     assert int(vram.split()[1]) > 0, shown[0]  # experts on the device
     # a tier the dense weights fit, its experts competing for the rest
-    assert "GB of weights on the device (budget 0.0025 GB)" in shown[0]
+    assert "GB of weights on cpu-emulated (CUDA) (budget 0.0025 GB)" in shown[0]
     assert "% of uses)" in shown[0] and "used once and not kept" in shown[0]
     metrics = dict(
         line.rsplit(" ", 1) for line in shown[1].splitlines() if not line.startswith("#")
@@ -150,3 +153,68 @@ def test_daemon_refuses_i8_on_mlx_in_one_line(chat_model: Path, tmp_path: Path) 
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     finally:
         home.close()
+
+
+def _webgpu_adapter() -> str | None:
+    """Why the webgpu backend cannot run here (None: it can)."""
+    try:
+        make_ops("webgpu")
+    except BackendError as exc:
+        return str(exc)
+    return None
+
+
+NO_WEBGPU = _webgpu_adapter()
+
+
+@pytest.mark.skipif(NO_WEBGPU is not None, reason=str(NO_WEBGPU))
+def test_daemon_on_webgpu_streams_experts_as_it_answers_resident(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    """f32: the resident webgpu daemon, and one streaming its experts (one cached a layer,
+    PILOT on, pins from a warmed profile it switches to) through a device tier smaller
+    than the model, answer the same; `ps` names the adapter and the tier's hit rate."""
+    on_cpu = _answer(Home(tmp_path / "cpu", chat_model, backend="cpu"))
+    resident = _answer(Home(tmp_path / "resident", chat_model, backend="webgpu"), backend="webgpu")
+    shown: list[str] = []
+    http = f"127.0.0.1:{free_port()}"
+    streamed = _answer(
+        Home(tmp_path / "streamed", chat_model, backend="webgpu"),
+        *("--cache", "1", "--pilot", "on", "--pin", "all", "--vram-gb", "0.0025", "--http", http),
+        backend="webgpu",
+        ps=shown,
+        metrics_url=f"http://{http}/metrics",
+        switch_profile=True,
+    )
+    assert resident.strip() and streamed == resident == on_cpu
+    vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
+    assert int(vram.split()[1]) > 0, shown[0]  # experts on the device
+    assert "(Vulkan" in shown[0] or "(Metal" in shown[0] or "(DX12" in shown[0], shown[0]
+    assert "% of uses)" in shown[0], shown[0]
+    metrics = dict(
+        line.rsplit(" ", 1) for line in shown[1].splitlines() if not line.startswith("#")
+    )
+    assert 0.0 < float(metrics["colibri_vram_hit_rate"]) < 1.0
+
+
+@pytest.mark.skipif(NO_WEBGPU is not None, reason=str(NO_WEBGPU))
+def test_daemon_in_the_i8_family_gives_the_cpu_answer_on_webgpu(
+    int_chat_model: Path, tmp_path: Path
+) -> None:
+    """i8: the webgpu daemon streaming its integer experts through a small device tier
+    (those it passes through computed on the host or copied) answers what the resident
+    CPU daemon answers, byte for byte, before and after a profile switch."""
+    cpu_answer = _answer(Home(tmp_path / "cpu", int_chat_model, kernel_family="i8"))
+    shown: list[str] = []
+    on_webgpu = Home(tmp_path / "webgpu", int_chat_model, backend="webgpu")
+    webgpu_answer = _answer(
+        on_webgpu,
+        *("--kernel-family", "i8", "--cache", "1", "--pin", "all", "--vram-gb", "0.0025"),
+        backend="webgpu",
+        ps=shown,
+        switch_profile=True,
+    )
+    assert cpu_answer.strip() and webgpu_answer == cpu_answer
+    assert "; on the webgpu backend, i8 kernels" in shown[0], shown[0]
+    vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
+    assert int(vram.split()[1]) > 0, shown[0]  # integer experts computed on the device
