@@ -143,8 +143,11 @@ def store_options(args: argparse.Namespace):  # -> StoreOptions (lazy import)
     if "direct" in given:
         given["direct"] = given["direct"] == "on"
     verify = args.verify_weights != "off"  # a check, not a placement knob
+    profiles = Paths.from_env(None).profiles  # PILOT remembers its measurements there
     try:
-        return StoreOptions(mode="tiered" if given else "auto", verify=verify, **given)
+        return StoreOptions(
+            mode="tiered" if given else "auto", verify=verify, profiles_dir=profiles, **given
+        )
     except ValueError as exc:
         args.parser.error(str(exc))
 

@@ -336,11 +336,12 @@ def speculation(settings: Settings):  # -> colibrid.engine.speculate.SpecSetting
         raise ConfigError(f"speculate/draft_max: {exc}") from None
 
 
-def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
+def store_options(settings: Settings, profiles: Path | None = None):  # -> StoreOptions
     """The expert placement the settings ask for; any placement key selects the tiered
     store (so a knob is never silently ignored), none keeps the automatic choice. Pins
     follow the active usage profile (the daemon's profile book) by the store's one pin rule;
-    the profile file itself is the book's to read and write, not the store's."""
+    the profile file itself is the book's to read and write, not the store's. ``profiles``:
+    the profiles folder, where PILOT remembers its measurements per model."""
     from colibrid.store.options import StoreOptions
 
     given = {
@@ -356,6 +357,7 @@ def store_options(settings: Settings):  # -> colibrid.store.options.StoreOptions
             verify=settings.verify_weights,  # nor is this: a check, the same either way
             save_profile=False,
             pin_at_start=False,
+            profiles_dir=profiles,
             **given,
         )
     except ValueError as exc:

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -80,6 +81,11 @@ def isa_setting() -> str:
     return current_isa() if lib.colibri_isa_forced() else "auto"
 
 
+def isa_label() -> str:
+    """The ISA as a bench line says it: the forced one, or auto=<the process ISA>."""
+    return current_isa() if lib.colibri_isa_forced() else f"auto={current_isa()}"
+
+
 def set_isa(name: str) -> None:
     """Force one kernel set for every later call (process wide), or "auto": each weight
     layout on its calibrated choice (`colibrid.backends.calibrate`), else the best ISA."""
@@ -132,6 +138,29 @@ def set_threads(n: int) -> None:
 
 def threads() -> int:
     return int(lib.colibri_get_threads())
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """The calling thread's side of the pool's parallel jobs since the last reset: how
+    many, seconds inside them, and of those the seconds spent waiting for chunks the
+    pool's other threads were still computing."""
+
+    jobs: int
+    seconds: float
+    wait_s: float
+
+    @property
+    def wait_share(self) -> float:
+        return self.wait_s / self.seconds if self.seconds else 0.0
+
+
+def pool_stats(reset: bool = False) -> PoolStats:
+    jobs, total, wait = (ffi.new("unsigned long long *") for _ in range(3))
+    lib.colibri_pool_stats(jobs, total, wait)
+    if reset:
+        lib.colibri_pool_stats_reset()
+    return PoolStats(int(jobs[0]), total[0] / 1e9, wait[0] / 1e9)
 
 
 def membw_probe(nbytes: int = 1 << 30, threads: int | None = None, repeats: int = 3) -> float:

@@ -157,6 +157,9 @@ class Result:
     kernel_floor_tok_s: float
     floor_ratio: float
     backend: str = "cpu"
+    isa: str = ""  # the kernels' instruction set (the dispatched one: auto=...)
+    pool_wait_share: float = 0.0  # of decode's wall time, the caller waiting for the pool
+    pool_busy_share: float = 0.0  # of decode's wall time, inside the pool's parallel jobs
 
 
 def random_prompt(vocab: int, tokens: int) -> list[int]:
@@ -235,9 +238,11 @@ def measure(
         logits = session.prefill(prompt)
         prefill_s = time.perf_counter() - started
         logits = _greedy(session, logits, warmup)
+        native.pool_stats(reset=True)
         started = time.perf_counter()
         logits = _greedy(session, logits, tokens)
         decode_s = time.perf_counter() - started
+        pool = native.pool_stats(reset=True)
 
         probe_after = native.membw_probe(1 << 29)
         ops.counting = True
@@ -268,6 +273,9 @@ def measure(
         kernel_floor_tok_s=floor_tok_s,
         floor_ratio=decode_tok_s / floor_tok_s,
         backend=ops.name,
+        isa=native.isa_label(),
+        pool_wait_share=pool.wait_s / decode_s,
+        pool_busy_share=pool.seconds / decode_s,
     )
 
 
@@ -305,7 +313,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(asdict(r)))
         return 0
-    print(f"model: {r.model} ({r.backend} backend, {r.threads} threads, experts resident)")
+    print(f"model: {r.model} ({r.backend} backend, {r.isa}, {r.threads} threads, experts resident)")
     print(f"memory read probe: {r.membw_gbs:.1f} GB/s (best of before and after decoding)")
     print(
         f"prefill: {r.prefill_tok_s:.1f} tok/s over {r.prompt_tokens} tokens "
@@ -325,6 +333,11 @@ def main(argv: list[str]) -> int:
         f"kernel floor: {r.kernel_floor_tok_s:.1f} tok/s (the token's matrices at their "
         f"cache-hot S=1 kernel speed); decode is {100 * r.floor_ratio:.0f}% of it; "
         f"the lower limit: {bound}"
+    )
+    print(
+        f"pool: {100 * r.pool_busy_share:.0f}% of decode in the kernels' parallel jobs; the "
+        f"calling thread waited {100 * r.pool_wait_share:.1f}% of decode for chunks another "
+        "thread was still computing"
     )
     return 0
 

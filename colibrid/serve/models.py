@@ -71,8 +71,11 @@ def parse_keep_alive(value: object) -> float:
     return result
 
 
-def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
-    """The engine and its text codec (None when the checkpoint has no tokenizer)."""
+def load_model(
+    model_dir: Path, settings: Settings, profiles: Path | None = None
+) -> tuple[Any, Any]:
+    """The engine and its text codec (None when the checkpoint has no tokenizer);
+    ``profiles``: the profiles folder (PILOT's memory of this model lives there)."""
     from colibrid.backends.base import KernelFamily
     from colibrid.engine.backend import make_ops
     from colibrid.engine.engine import Engine
@@ -84,7 +87,7 @@ def load_model(model_dir: Path, settings: Settings) -> tuple[Any, Any]:
         family=family,
         ops=make_ops(settings.backend, family, vram_gb=settings.vram_gb),
         max_context=settings.max_context,
-        store=store_options(settings),
+        store=store_options(settings, profiles),
         mtp=settings.speculate in ("mtp", "auto"),
     )
     text = has_tokenizer(model_dir)  # one that is there but unreadable is refused, named
@@ -226,7 +229,7 @@ class ModelSlot:
         )
 
     def _load_here(self, path: Path) -> Loaded:
-        engine, codec = load_model(path, self.settings)
+        engine, codec = load_model(path, self.settings, self.paths.profiles)
         try:
             book = ProfileBook(
                 self.paths.profiles / path.name,

@@ -25,6 +25,7 @@ from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, expert_tensor_names
 from colibrid.store.extents import NotStreamable
 from colibrid.store.integrity import Digests
+from colibrid.store.pilot_memory import PilotMemory
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pins import PIN_MODES, PinBudget
 from colibrid.store.protocol import ExpertStore
@@ -60,6 +61,9 @@ class StoreOptions:
     save_profile: bool = True
     pin_at_start: bool = True  # pin from `profile` now (the daemon's profile book pins later)
     verify: bool = True  # hold weight bytes to the manifest's digests (store/weight_checks.py)
+    # the profiles folder ($COLIBRI_HOME/profiles): PILOT remembers what it measured, per
+    # model and plan, in MODEL/pilot.json there (store/pilot_memory.py); None: it forgets
+    profiles_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "resident", "tiered"):
@@ -84,6 +88,8 @@ class StoreSizing:
     source: str  # where the budget came from ("auto", "--ram-gb")
     dense: int  # bytes of everything that is not a routed expert
     model_type: str
+    model_key: str = ""  # the model's folder and size: what PILOT's memory is kept under
+    model_name: str = ""  # the folder's name: its profiles' folder
 
 
 def split_bytes(
@@ -163,8 +169,33 @@ def _open(
         log.warning("colibri: experts stay resident (%s)", exc)
         return ResidentExpertStore(checkpoint, layout)
     budgets.check_dense_fits(total, dense, source)
-    store.sizing = StoreSizing(total, source, dense, model_type)
+    model_key = f"{checkpoint.dir.resolve()}|{sum(f.path.stat().st_size for f in checkpoint.files)}"
+    store.sizing = StoreSizing(total, source, dense, model_type, model_key, checkpoint.dir.name)
     return store
+
+
+def pilot_switch(
+    store: TieredStore, opts: StoreOptions, base: budgets.BudgetPlan
+) -> PilotSwitch | None:
+    """`--pilot auto`: PILOT measures whether it pays (starting from what earlier runs of
+    this model and budget measured, when remembered); `on` or `off`: the run measures its
+    state for the memory and never switches; None when there is nothing to measure."""
+    memory = None
+    if opts.profiles_dir is not None:  # the user's knobs, not the budget they gave today
+        key = (
+            f"{store.sizing.model_key}|ram={opts.ram_gb}|cache={opts.cache}|pin={opts.pin}|"
+            f"io={opts.io_threads}|direct={opts.direct}"
+        )
+        path = opts.profiles_dir / store.sizing.model_name / "pilot.json"
+        memory = PilotMemory(path, key)
+    if opts.pilot == "auto" and base.pilot_slots:
+        switch = PilotSwitch(memory)
+        if not switch.on:  # remembered: PILOT costs more than it saves here
+            store.set_pilot(False)
+        return switch
+    if memory is None or opts.pilot == "auto":
+        return None
+    return PilotSwitch(memory, fixed=opts.pilot == "on")
 
 
 def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> None:
@@ -216,8 +247,8 @@ def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> 
         pilot_slots=base.pilot_slots,
         pin_budget=budget,
     )
-    if opts.pilot == "auto" and base.pilot_slots and store.streams():
-        store.pilot_switch = PilotSwitch()  # PILOT measures whether it pays, per run
+    if store.streams():
+        store.pilot_switch = pilot_switch(store, opts, base)
     if opts.pin_at_start:
         store.apply_pins(usage.counts)
     if opts.memwatch:  # whenever experts stream, `--cache` included (it is the ceiling)

@@ -21,9 +21,17 @@ after one window of each ends the trials at once: on a 10.7 GB GLM-5-shaped mode
 the budget PILOT measured 463 against 574 ms a token, and the second pair of trial
 windows cost ~40 tokens at the slow state for nothing. Each state's figure is the average
 of its last windows (half old, half new), so a drift is followed.
+
+With a memory (store/pilot_memory.py), what earlier runs of the same model and plan
+measured counts as trials already done: both states remembered, the run starts in the
+faster one and goes straight to holding it; one remembered, it measures the other state
+first and decides after that one window. Every window measured, in any mode (a fixed
+`on` or `off` run measures without switching), updates the memory.
 """
 
 from __future__ import annotations
+
+from colibrid.store.pilot_memory import PilotMemory
 
 WINDOW = 16
 WARMUP = 4
@@ -34,8 +42,13 @@ CLEAR = 0.20  # one window each decides past this gap; a wrong call is re-measur
 
 
 class PilotSwitch:
-    def __init__(self) -> None:
-        self.on = True
+    """``fixed``: a `--pilot on` or `off` run, which measures its state for the memory and
+    never switches; ``memory``: what earlier runs measured, and where this one's go."""
+
+    def __init__(self, memory: PilotMemory | None = None, fixed: bool | None = None) -> None:
+        self.on = True if fixed is None else fixed
+        self.fixed = fixed
+        self.memory = memory
         self.seconds: dict[bool, float | None] = {True: None, False: None}  # per token
         self.windows = {True: 0, False: 0}
         self._since_switch = 0
@@ -43,6 +56,14 @@ class PilotSwitch:
         self._tokens = 0
         self._held = 0
         self.switches = 0
+        self.remembered = memory.load() if memory is not None and fixed is None else {}
+        for state, seconds in self.remembered.items():
+            self.seconds[state] = seconds
+            self.windows[state] = TRIALS  # an earlier run's measurement: a trial done
+        if len(self.remembered) == 2:  # start in the faster state (PILOT on within MARGIN)
+            self.on = self.remembered[False] * (1.0 + MARGIN) >= self.remembered[True]
+        elif self.remembered:  # measure the state not remembered first
+            self.on = not next(iter(self.remembered))
 
     def observe(self, rows: int, wall_s: float) -> bool:
         """A forward pass of ``rows`` tokens took ``wall_s``; returns whether PILOT should
@@ -61,6 +82,10 @@ class PilotSwitch:
         old = self.seconds[self.on]
         self.seconds[self.on] = mean if old is None else 0.5 * (old + mean)
         self.windows[self.on] += 1
+        if self.memory is not None:
+            self.memory.save(self.on, self.seconds[self.on] or mean)
+        if self.fixed is not None:
+            return self.on
         return self._decide()
 
     def _decide(self) -> bool:
@@ -97,9 +122,12 @@ class PilotSwitch:
     def describe(self) -> str:
         with_, without = self.seconds[True], self.seconds[False]
         state = "on" if self.on else "off"
+        if self.fixed is not None:
+            return state
         if with_ is None or without is None:
             return f"auto: {state}, measuring"
         figures = f"{with_ * 1e3:.0f} ms/token with PILOT, {without * 1e3:.0f} without"
         if not self.trials_over:  # still alternating: nothing chosen yet
             return f"auto: {state}, measuring ({figures} so far)"
-        return f"auto: {state} ({figures}; {self.switches} switches)"
+        earlier = f"; {len(self.remembered)} state(s) remembered" if self.remembered else ""
+        return f"auto: {state} ({figures}; {self.switches} switches{earlier})"

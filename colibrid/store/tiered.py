@@ -381,4 +381,6 @@ class TieredStore:
     def close(self) -> None:
         if self.memwatch is not None:
             self.memwatch.close()
+        if self.pilot_switch is not None and self.pilot_switch.memory is not None:
+            self.pilot_switch.memory.flush()  # what this run measured, for the next
         self.reader.close()

@@ -63,6 +63,13 @@ int colibri_choice(int fmt, int gs, int I, int family);
 void colibri_set_threads(int n);
 int colibri_get_threads(void);
 
+/* What the pool's parallel jobs cost the calling thread since the last reset: jobs run,
+ * nanoseconds inside them, and of those the nanoseconds spent waiting for chunks other
+ * threads were still computing (the spin-wait `bench decode` and `bench peer` report). */
+void colibri_pool_stats(unsigned long long *jobs, unsigned long long *total_ns,
+                        unsigned long long *wait_ns);
+void colibri_pool_stats_reset(void);
+
 /* y[S, O] = x[S, I] @ W^T in the given family. */
 int colibri_matmul(const colibri_weight *w, int family, const float *x, int S, float *y);
 

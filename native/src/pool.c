@@ -18,6 +18,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 #include <unistd.h>
 
 #define POOL_MAX 256
@@ -33,6 +34,14 @@ static _Atomic int chunks_done;
 static _Atomic int sleepers;
 static chunk_fn job_fn;
 static void *job_ctx;
+/* The caller's side of parallel jobs (colibri_pool_stats); written under run_lock. */
+static uint64_t stat_jobs, stat_total_ns, stat_wait_ns;
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
 
 #define T_GEN(t) ((uint32_t)((t) >> 40))
 #define T_NEXT(t) ((int)(((t) >> 20) & 0xfffff))
@@ -108,6 +117,7 @@ void colibri_pool_for(int nchunks, int nt, chunk_fn fn, void *ctx) {
         for (int c = 0; c < nchunks; c++) fn(ctx, c);
         return;
     }
+    const uint64_t start = now_ns();
     grow(nt);
     job_fn = fn;
     job_ctx = ctx;
@@ -120,9 +130,29 @@ void colibri_pool_for(int nchunks, int nt, chunk_fn fn, void *ctx) {
         pthread_mutex_unlock(&sleep_mtx);
     }
     work(gen);
+    const uint64_t mine = now_ns();
     for (long i = 0; atomic_load(&chunks_done) < nchunks; i++) {
         if (i < SPIN_ITERS) cpu_relax();
         else sched_yield();
     }
+    const uint64_t end = now_ns();
+    stat_jobs++;
+    stat_total_ns += end - start;
+    stat_wait_ns += end - mine;
+    pthread_mutex_unlock(&run_lock);
+}
+
+void colibri_pool_stats(unsigned long long *jobs, unsigned long long *total_ns,
+                        unsigned long long *wait_ns) {
+    pthread_mutex_lock(&run_lock);
+    *jobs = stat_jobs;
+    *total_ns = stat_total_ns;
+    *wait_ns = stat_wait_ns;
+    pthread_mutex_unlock(&run_lock);
+}
+
+void colibri_pool_stats_reset(void) {
+    pthread_mutex_lock(&run_lock);
+    stat_jobs = stat_total_ns = stat_wait_ns = 0;
     pthread_mutex_unlock(&run_lock);
 }

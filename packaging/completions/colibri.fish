@@ -51,7 +51,7 @@ function _shtab_colibri_using
 end
 
 set -g _shtab_colibri_commands ask repl run list pull stop rm ps logs profile 'profile list' 'profile show' 'profile use' 'profile save' 'profile warm' service 'service install' 'service uninstall' 'service status' completion convert inspect config synth bench 'bench kernels' 'bench decode' 'bench stream' 'bench batch' 'bench spec' 'bench replay' 'bench policy' 'bench peer' 'bench routing'
-set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --mxfp4 --name --order --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --verify-weights --vram-gb --warmup --working-set -n
+set -g _shtab_colibri_opts_with_value --attn-bits --backend --bits --cache --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --from --gguf --grammar --group-size --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-tokens --model --mtp-bits --mxfp4 --name --order --pairs --pilot --pin --png --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --replay --seconds --seed --shape --shard-gb --shared-bits --speculate --stop --system --temperature --threads --tokens --top-k --top-p --trace --verify-weights --vram-gb --warmup --working-set -n
 
 complete -c colibri -e
 complete -c colibri -f
@@ -296,6 +296,7 @@ complete -c colibri -n '_shtab_colibri_using bench peer' -l prompt-tokens -x -d 
 complete -c colibri -n '_shtab_colibri_using bench peer' -l tokens -x -d 'decode steps measured (default 128; 16 with --far)'
 complete -c colibri -n '_shtab_colibri_using bench peer' -l far -x -d 'side-by-side (b): this GLM-4.5-Air-shaped container (colibri synth --shape glm4-air) and its GGUF twin (written once, or --gguf), with all but --leave-gb of memory locked away'
 complete -c colibri -n '_shtab_colibri_using bench peer' -l leave-gb -x -d '--far: GB of memory left to the runtimes'
+complete -c colibri -n '_shtab_colibri_using bench peer' -l pairs -x -d 'runs of both runtimes, colibri first in every other one (default 1; the figures quoted in docs/performance.md use 8)'
 complete -c colibri -n '_shtab_colibri_using bench peer' -l json -d 'print one JSON object'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a routing -d 'per-layer expert skew and code-vs-prose difference on the built-in profiles'
 complete -c colibri -n '_shtab_colibri_using bench routing' -s h -l help -d 'show this help message and exit'

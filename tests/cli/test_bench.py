@@ -234,8 +234,13 @@ def test_peer_bench_runs_both_runtimes_or_says_how_to_get_llama_cpp(demo_home) -
         return
     pulled = run("pull", "demo", "--dense", "--quiet")
     assert pulled.returncode == 0, pulled.stderr
-    r = run("bench", "peer", "--prompt-tokens", "16", "--tokens", "8", "--json")
+    r = run("bench", "peer", "--prompt-tokens", "16", "--tokens", "8", "--pairs", "2", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["colibri"]["decode_tok_s"] > 0 and doc["peer"]["decode_tok_s"] > 0
-    assert doc["membw_gbs"] > 0 and doc["decode_ratio"] > 0
+    assert doc["colibri_i8"]["decode_tok_s"] > 0 and doc["decode_ratio_i8"] > 0
+    assert doc["membw_gbs"] > 0 and doc["decode_ratio"] > 0 and len(doc["pairs"]) == 2
+    summary = doc["summary"]
+    assert summary["pairs"] == 2 and summary["isa"]
+    assert 0.0 <= summary["pool_wait_share"]["median"] < 1.0
+    assert summary["decode_ratio"]["min"] <= summary["decode_ratio"]["median"]

@@ -230,3 +230,23 @@ def test_concurrent_builds_share_one_result(tmp_path):
     assert len(paths) == 1
     built = [d for d in tmp_path.iterdir() if d.is_dir()]
     assert len(built) == 1 and not any(".tmp" in d.name for d in tmp_path.iterdir())
+
+
+def test_the_pool_counts_its_jobs_and_the_callers_wait():
+    """What `bench decode` and `bench peer` report as the pool's wait: jobs run in parallel
+    are counted, their time measured, the wait a part of it; a reset starts again."""
+    from colibrid.backends import native
+    from colibrid.formats.quant import quantize
+
+    if native.threads() < 2:
+        pytest.skip("one thread: no parallel jobs")
+    w = quantize(_x(2048, 1024, seed=3), WeightFormat.Q4, 64)
+    x = _x(1, 1024)
+    native.pool_stats(reset=True)
+    for _ in range(20):
+        native.matmul(w, x, KernelFamily.F32)
+    stats = native.pool_stats(reset=True)
+    assert stats.jobs == 20 and stats.seconds > 0
+    assert 0.0 <= stats.wait_s <= stats.seconds and 0.0 <= stats.wait_share < 1.0
+    native.matmul(w, x, KernelFamily.F32)
+    assert native.pool_stats().jobs == 1

@@ -4,6 +4,8 @@ switching lends PILOT's slots to the caches and back without changing a token.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from colibrid.engine.engine import Engine
@@ -11,6 +13,7 @@ from colibrid.engine.generate import TokenEvent, generate
 from colibrid.engine.sampling import SamplingParams
 from colibrid.store import pilot_switch
 from colibrid.store.options import StoreOptions
+from colibrid.store.pilot_memory import MAX_ENTRIES, PilotMemory
 from colibrid.store.pilot_switch import CLEAR, HOLD, MARGIN, TRIALS, WARMUP, WINDOW, PilotSwitch
 
 
@@ -139,3 +142,79 @@ def test_explicit_pilot_modes_do_not_switch(oracle_checkpoint, mode):
         assert engine.experts.statistics().pilot_note == mode
     finally:
         engine.close()
+
+
+# ---- what earlier runs measured (store/pilot_memory.py) ---------------------------------
+def test_both_states_remembered_start_in_the_faster_one_without_trials(tmp_path):
+    memory = PilotMemory(tmp_path / "pilot.json", "model|plan")
+    memory.save(True, 0.22)  # written at once (the first write)
+    memory.save(False, 0.20)  # pending: a write a minute at most while decoding
+    assert PilotMemory(memory.path, memory.key).load() == {True: pytest.approx(0.22)}
+    memory.flush()
+    switch = PilotSwitch(memory)
+    assert switch.on is False and switch.trials_over
+    assert feed(switch, CLOSE, HOLD - 1) == [False] * (HOLD - 1), "no trial at the slow state"
+    assert "2 state(s) remembered" in switch.describe()
+    assert memory.load()[False] == pytest.approx(0.20)
+
+
+def test_one_state_remembered_measures_the_other_then_decides(tmp_path):
+    memory = PilotMemory(tmp_path / "pilot.json", "model|plan")
+    memory.save(True, 0.463)  # a `--pilot on` run measured this
+    switch = PilotSwitch(memory)
+    assert switch.on is False, "the state nobody measured yet goes first"
+    states = feed(switch, {True: 0.463, False: 0.574}, 1 + HOLD - 1)
+    assert states == [True] * HOLD, "one window of the other state decided it"
+
+
+def test_fixed_runs_measure_for_the_memory_and_never_switch(tmp_path):
+    memory = PilotMemory(tmp_path / "pilot.json", "k")
+    fixed = PilotSwitch(memory, fixed=False)
+    assert feed(fixed, {True: 0.1, False: 0.3}, 3) == [False] * 3
+    memory.flush()
+    assert memory.load() == {False: pytest.approx(0.3)} and fixed.describe() == "off"
+
+
+def test_the_memory_is_per_plan_bounded_and_survives_a_bad_file(tmp_path):
+    path = tmp_path / "pilot.json"
+    path.write_text("{not json")
+    assert PilotMemory(path, "a").load() == {}
+    for k in range(MAX_ENTRIES + 5):
+        PilotMemory(path, f"plan{k}").save(True, 0.1 + k / 1000)
+    assert PilotMemory(path, "plan0").load() == {}, "the oldest plans are forgotten"
+    last = f"plan{MAX_ENTRIES + 4}"
+    assert PilotMemory(path, last).load() == {True: pytest.approx(0.1 + (MAX_ENTRIES + 4) / 1000)}
+    assert PilotMemory(path, "other").load() == {}
+    assert (path.stat().st_mode & 0o777) == 0o600
+
+
+def test_a_run_remembers_for_the_next_and_tokens_never_change(
+    oracle_checkpoint, tmp_path, monkeypatch
+):
+    """`off`, then `on`, each measuring into the model's memory; then `auto` starts in the
+    faster state without trials. Every run answers the resident run's tokens."""
+    monkeypatch.setattr(pilot_switch, "WINDOW", 2)
+    monkeypatch.setattr(pilot_switch, "WARMUP", 0)
+    ref = oracle_checkpoint("glm4_moe")
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    notes = {}
+    for mode in ("off", "on", "auto"):
+        opts = StoreOptions(mode="tiered", cache=1, pin="off", pilot=mode, io_threads=2,
+                            profiles_dir=tmp_path)  # fmt: skip
+        engine = Engine.load(ref.out_dir, store=opts)
+        try:
+            store = engine.experts
+            assert store.pilot_switch is not None
+            if mode == "auto":
+                assert len(store.pilot_switch.remembered) == 2 and store.pilot_switch.trials_over
+                assert store.pilot_on == store.pilot_switch.on
+            events = generate(engine, ref.prompt_ids, params)
+            assert [e.token_id for e in events if isinstance(e, TokenEvent)] == ref.greedy_ids[:12]
+            notes[mode] = store.statistics().pilot_note
+        finally:
+            engine.close()
+    saved = json.loads((tmp_path / ref.out_dir.name / "pilot.json").read_text())
+    (entry,) = saved["entries"].values()
+    assert entry["on_ms"] > 0 and entry["off_ms"] > 0
+    assert notes["off"] == "off" and notes["on"] == "on"
+    assert "remembered" in notes["auto"]
