@@ -47,6 +47,7 @@ from colibrid.errors import ColibriError
 from colibrid.http.app import parse_bind, serve_http
 from colibrid.paths import Paths, make_state_private, remove_orphan_temps
 from colibrid.serve.accept import install_accept_filter, raise_fd_limit
+from colibrid.serve.faults import FaultPlan
 from colibrid.serve.grammars import GrammarLimits, GrammarService
 from colibrid.serve.host import EngineHost
 from colibrid.serve.models import ModelSlot
@@ -139,9 +140,9 @@ async def serve(
         None,
         max_conversations=settings.max_conversations,
         prompt_cache=settings.prompt_cache,
-        layer_delay_s=settings.debug_layer_delay_s,
-        fail_prompt=settings.debug_fail_prompt,
-        fail_after=settings.debug_fail_after,
+        faults=FaultPlan(
+            settings.debug_layer_delay_s, settings.debug_fail_prompt, settings.debug_fail_after
+        ),
         speculate=speculation(settings),
     )
     grammars = GrammarService(GrammarLimits.of(settings))

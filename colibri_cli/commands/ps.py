@@ -30,7 +30,7 @@ def model_state(status: dict) -> str:
         return f"idle; unloads in {duration(unload_in)}"
     if keep is not None and keep < 0:
         return "stays loaded (keep_alive < 0)"
-    if status.get("running"):
+    if status.get("running") or status.get("preparing"):
         return f"busy; unloads {duration(keep)} after its last request" if keep else "busy"
     return "loaded"
 

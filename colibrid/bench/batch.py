@@ -74,12 +74,11 @@ def main(argv: list[str]) -> int:
     from colibrid.config import resolve_model
     from colibrid.engine.engine import Engine
     from colibrid.paths import Paths
-    from colibrid.store.tiered import TieredStore
 
     model = resolve_model(Paths.from_env(None), args.model)
     engine = Engine.load(model, ops=engine_ops(args), store=store_options(args))
     store = engine.experts
-    streams = isinstance(store, TieredStore)
+    streams = store.reads_experts()
     prompts = prompt_ids(Path(model), engine.vocab_size, QUESTIONS[: max(levels)])
     gbs = None
     if streams:

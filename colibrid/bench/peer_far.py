@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from colibrid.bench.llama_peer import last_logits, llama_cpp_module, no_repack
 from colibrid.errors import ConfigError
 
 GB = 1e9
@@ -85,8 +86,6 @@ def _colibri(model: Path, prompt: list[int], tokens: int, threads: int) -> dict[
 
 
 def _llama(gguf: Path, prompt: list[int], tokens: int, threads: int) -> dict[str, Any]:
-    from colibrid.bench.peer import last_logits, llama_cpp_module, no_repack
-
     llama_cpp = llama_cpp_module()
     with no_repack(llama_cpp):
         llm = llama_cpp.Llama(

@@ -75,14 +75,13 @@ def main(argv: list[str]) -> int:
     from colibrid.engine.engine import Engine
     from colibrid.engine.speculate import OFF, SpecSettings
     from colibrid.paths import Paths
-    from colibrid.store.tiered import TieredStore
 
     model = Path(resolve_model(Paths.from_env(None), args.model))
     engine = Engine.load(
         model, ops=engine_ops(args), store=store_options(args), mtp="mtp" in drafters
     )
     store = engine.experts
-    streams = isinstance(store, TieredStore)
+    streams = store.reads_experts()
     gbs = probe(store, args.probe_reads, store.pool.threads or 1)[0] if streams else None
     batcher = new_batcher(engine)
     rows: list[Row] = []

@@ -133,14 +133,13 @@ def main(argv: list[str]) -> int:
     if args.ram_gb is None and args.cache is None:
         p.error("give --ram-gb N (or --cache N)")
     from colibrid.engine.engine import Engine
-    from colibrid.store.tiered import TieredStore
 
     family = KernelFamily(args.family)
     engine = Engine.load(
         args.model, family=family, ops=engine_ops(args, family), store=store_options(args)
     )
     store = engine.experts
-    if not isinstance(store, TieredStore):
+    if not store.reads_experts():
         print("bench stream: experts are resident for this model; nothing streams")
         return 1
     threads = store.pool.threads or 1

@@ -15,7 +15,9 @@ import numpy as np
 
 from colibrid.bench.replay import take_pass
 from colibrid.engine.batcher import Batcher, Member
-from colibrid.engine.generate import DoneEvent, TokenEvent, generation
+from colibrid.engine.engine import Engine
+from colibrid.engine.events import DoneEvent, TokenEvent
+from colibrid.engine.request_run import RequestRun
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import OFF, SpecSettings, SpecStats
 from colibrid.errors import ColibriError
@@ -114,7 +116,7 @@ class _Collect:
 
 
 def run_together(
-    engine: Any,
+    engine: Engine,
     prompts: Sequence[Sequence[int]],
     max_tokens: int,
     *,
@@ -127,7 +129,7 @@ def run_together(
     answers = [Answer() for _ in prompts]
     params = SamplingParams(max_tokens=max_tokens)
     for prompt, answer in zip(prompts, answers, strict=True):
-        steps = generation(
+        run = RequestRun(
             engine,
             prompt,
             params,
@@ -135,7 +137,7 @@ def run_together(
             speculate=speculate,
             costs=batcher.costs,
         )
-        batcher.add(Member(steps, tag=answer))
+        batcher.add(Member(run, tag=answer))
     passes, rows = batcher.stats.passes, batcher.stats.decode_rows
     store = engine.experts
     store.take_usage()  # starts the feed: every step's selections from now on
@@ -172,7 +174,7 @@ def _generated(answers: Sequence[Answer]) -> int:
     return sum(len(a.tokens) for a in answers)
 
 
-def new_batcher(engine: Any) -> Batcher:
+def new_batcher(engine: Engine) -> Batcher:
     return Batcher(engine, _Collect())
 
 

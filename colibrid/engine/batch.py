@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -54,8 +54,22 @@ class Forward:
         return Forward(self.session, self.tokens[start:stop], logits)
 
 
+class PassEngine(Protocol):
+    """What a pass needs of the engine (engine.Engine): the hidden states of the rows of
+    several sessions at once, and the head."""
+
+    def hidden_states(
+        self,
+        tokens: np.ndarray,
+        parts: Sequence[tuple[Any, int]],
+        hook: Callable[[int], None] | None,
+    ) -> np.ndarray: ...
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray: ...
+
+
 def run(
-    engine: Any, forwards: Sequence[Forward], hook: Callable[[int], None] | None = None
+    engine: PassEngine, forwards: Sequence[Forward], hook: Callable[[int], None] | None = None
 ) -> list[np.ndarray | None]:
     """One forward pass for every forward (each session at most once); each session then
     holds its new rows. Returns each forward's logits: [V], [S, V] or None.

@@ -1,9 +1,9 @@
 """Continuous batching: every step is one forward pass over the next rows of every request.
 
-Each request is a generation coroutine (engine.generate.generation) that asks for passes.
-A step advances every member to its next request for a pass, runs all of them as one
-(engine.batch: each row computed alone, each expert fetched once for every row that
-chose it) and sends each its logits back. Members join and leave between steps.
+Each request is a `RequestRun` (engine.request_run) that asks for passes. A step gives
+every member what its last pass produced and takes its next request for a pass, runs all
+of them as one (engine.batch: each row computed alone, each expert fetched once for every
+row that chose it). Members join and leave between steps.
 
 What a step carries: every decode and speculative verify whole; prompts whole when they
 are the only member, else at most `PREFILL_CHUNK` tokens a step between them (so the
@@ -27,12 +27,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from colibrid.engine.batch import LOGITS_NONE, Forward
-from colibrid.engine.generate import DoneEvent, Generation, TokenEvent
+from colibrid.engine.events import DoneEvent, GenEvent, TokenEvent
+from colibrid.engine.protocols import EngineLike
+from colibrid.engine.request_run import RequestRun
 from colibrid.engine.speculate import PassCosts
 from colibrid.errors import Cancelled, ColibriError, contain_panics
 
@@ -43,15 +47,16 @@ PREFILL_CHUNK = 256  # prompt tokens a step takes while other requests share the
 
 @dataclass(eq=False)
 class Member:
-    """One request in the batch: its generation and what the batcher keeps for it."""
+    """One request in the batch: its run and what the batcher keeps for it."""
 
-    steps: Generation
+    run: RequestRun
     cancel: threading.Event | None = None
     progress: Callable[[int, int], None] | None = None  # (layers done, layers) of a prompt
     tag: Any = None  # the driver's own record of the request
     forward: Forward | None = None  # the pass its generation waits for
     done_rows: int = 0  # of `forward`, rows already computed (a prompt taken in chunks)
-    reply: Any = None  # what to send the generation next (the forward's logits)
+    reply: np.ndarray | Cancelled | None = None  # for the run: its pass's logits, or a cancel
+    started: bool = False  # the run has begun
     ran: bool = False  # a pass has run (or tried to) with its rows
     label: str = ""  # for log lines
 
@@ -84,7 +89,7 @@ class BatchStats:
 
 @dataclass
 class Batcher:
-    engine: Any
+    engine: EngineLike
     listener: Listener
     costs: PassCosts = field(default_factory=PassCosts)
     members: list[Member] = field(default_factory=list)
@@ -122,51 +127,59 @@ class Batcher:
         if member in self._isolate:
             self._isolate.remove(member)
         member.forward = None
-        member.steps.close()
 
     def _fail(self, member: Member, code: str, message: str) -> None:
         self._end(member)
         self.listener.failed(member, code, message)
 
     def _advance(self, member: Member) -> bool:
-        """Run the generation until it asks for a pass (True) or ends (False)."""
+        """Give the request what its last pass produced (or start it) and hand its events
+        on as they come: True when it then waits for a pass, False when it has ended."""
         if member.forward is not None:
             return True
-        reply, member.reply = member.reply, None
-        while True:
-            try:
-                with contain_panics("a native library"):  # tokenizers, llguidance
-                    if isinstance(reply, BaseException):
-                        item = member.steps.throw(reply)
-                    else:
-                        item = member.steps.send(reply)
-            except StopIteration:
-                self._fail(member, "INTERNAL", "the generation ended without an answer")
-                return False
-            except ColibriError as exc:
-                self._fail(member, exc.code, str(exc))
-                return False
-            except Exception as exc:
-                log.exception("request %s failed", member.label)
-                self._fail(member, "INTERNAL", f"{type(exc).__name__}: {exc}")
-                return False
-            reply = None
-            if isinstance(item, Forward):
-                try:  # refused here, not inside a pass other members share
-                    member.forward = Forward(
-                        item.session, item.session.check(item.tokens), item.logits
-                    )
-                except ColibriError as exc:
-                    self._fail(member, exc.code, str(exc))
+        try:
+            with contain_panics("a native library"):  # tokenizers, llguidance
+                for event in self._feed(member):
+                    if isinstance(event, TokenEvent):
+                        self.listener.token(member, event)
+                        continue
+                    self._end(member)
+                    self.listener.done(member, event)
                     return False
-                member.done_rows = 0
-                return True
-            if isinstance(item, TokenEvent):
-                self.listener.token(member, item)
-                continue
-            self._end(member)
-            self.listener.done(member, item)
+        except ColibriError as exc:
+            self._fail(member, exc.code, str(exc))
             return False
+        except Exception as exc:
+            log.exception("request %s failed", member.label)
+            self._fail(member, "INTERNAL", f"{type(exc).__name__}: {exc}")
+            return False
+        return self._ask(member)
+
+    def _feed(self, member: Member) -> Iterator[GenEvent]:
+        reply, member.reply = member.reply, None
+        if not member.started:
+            member.started = True
+            return member.run.begin()
+        if isinstance(reply, Cancelled):
+            return iter([member.run.abandon()])
+        assert reply is not None
+        return member.run.take(reply)
+
+    def _ask(self, member: Member) -> bool:
+        """The member's next pass, checked here rather than inside a pass others share."""
+        wanted = member.run.next_pass()
+        if wanted is None:
+            self._fail(member, "INTERNAL", "the generation ended without an answer")
+            return False
+        try:
+            member.forward = Forward(
+                wanted.session, wanted.session.check(wanted.tokens), wanted.logits
+            )
+        except ColibriError as exc:
+            self._fail(member, exc.code, str(exc))
+            return False
+        member.done_rows = 0
+        return True
 
     def _cancel_waiting(self, member: Member) -> None:
         """A member cancelled while waiting for its next pass leaves now, its session

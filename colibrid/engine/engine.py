@@ -19,15 +19,15 @@ import numpy as np
 from colibrid.backends.base import KernelFamily, require_family
 from colibrid.engine import batch
 from colibrid.engine.kv import KVCache, bytes_per_position
+from colibrid.engine.layout import expert_layout, mtp_prefix
 from colibrid.engine.mtp_draft import MTPState
 from colibrid.engine.validate import validate
 from colibrid.errors import Cancelled, RequestError
 from colibrid.models import family as model_family
-from colibrid.models.base import PassClock, Segment, Step
-from colibrid.models.mtp import MTPLayer
+from colibrid.models.base import Model, Ops, PassClock, Segment, Step
+from colibrid.models.transformer import planned_cache_layouts
 from colibrid.store.checkpoint import Checkpoint
-from colibrid.store.experts import ExpertLayout
-from colibrid.store.options import StoreOptions, allocate_store, open_store
+from colibrid.store.options import StoreOptions, open_store
 from colibrid.store.pins import hottest
 from colibrid.store.protocol import ExpertStore
 
@@ -47,20 +47,26 @@ class LoadInfo:
 
 
 class Engine:
+    """Implements engine.protocols.EngineLike: what requests, the batcher, the daemon's
+    host and the benches use of a loaded model."""
+
     def __init__(
         self,
         checkpoint: Checkpoint,
-        model: Any,
+        model: Model,
         args: Any,
         experts: ExpertStore,
         family: KernelFamily,
         max_context: int,
         info: LoadInfo,
+        ops: Ops,
+        *,
         kv_budget_bytes: int | None = None,
+        mtp_on: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
         self.model = model
-        self.args = args
+        self.args = args  # the family's ModelArgs (each family its own class)
         self.experts = experts
         self.family = family
         self.max_context = max_context
@@ -68,9 +74,9 @@ class Engine:
         # The KV share of the memory budget (one sequence at the full context): what kept
         # sessions may hold between requests (engine.sessions.SessionPool).
         self.kv_budget_bytes = kv_budget_bytes
-        self.mtp_on = False  # the MTP layer drafts (Engine.load(mtp=True) on a model with one)
-        self.backend = "cpu"  # the name of the backend whose ops compute (Engine.load sets it)
-        self.ops: Any = None  # that backend's ops (models.base.Ops; Engine.load sets them)
+        self.mtp_on = mtp_on and model.mtp is not None  # the MTP layer drafts
+        self.ops = ops  # the backend's ops (models.base.Ops)
+        self.backend = ops.name  # its name as `--backend` spells it
 
     @property
     def vocab_size(self) -> int:
@@ -83,7 +89,7 @@ class Engine:
         *,
         family: KernelFamily = KernelFamily.F32,
         max_context: int | None = None,
-        ops: Any = None,
+        ops: Ops | None = None,
         store: StoreOptions | None = None,
         mtp: bool = False,
     ) -> Engine:
@@ -110,18 +116,17 @@ class Engine:
         store_opts = store or StoreOptions()
         idle = mtp_prefix(args, checkpoint)  # loaded, not run unless drafting: no budget
         mtp_on = bool(mtp and idle)
+        context = min(max_context or DEFAULT_MAX_CONTEXT, args.trunk.max_position_embeddings)
+        kv = bytes_per_position(planned_cache_layouts(args, checkpoint)) * context
         experts = open_store(
             checkpoint,
             expert_layout(args, checkpoint, with_mtp=mtp_on),
             store_opts,
             str(model_type),
+            kv_bytes=kv,
             idle_prefixes=(idle,) if idle and not mtp_on else (),
         )
         model = module.build(args, checkpoint, experts, ops)
-        limit = args.trunk.max_position_embeddings
-        context = min(max_context or DEFAULT_MAX_CONTEXT, limit)
-        kv = bytes_per_position(model.cache_layouts()) * context
-        allocate_store(experts, store_opts, kv_bytes=kv)
         ops.prepare(checkpoint.matrix_layouts)
         if pilot_wanted(store_opts.pilot, experts):
             from colibrid.engine.pilot import attach
@@ -130,10 +135,10 @@ class Engine:
         info = LoadInfo(
             str(model_type), args.trunk.num_hidden_layers, time.perf_counter() - started
         )
-        engine = cls(checkpoint, model, args, experts, family, context, info, kv)
-        engine.mtp_on = mtp_on and getattr(model, "mtp", None) is not None
-        engine.backend = ops.name
-        engine.ops = ops
+        engine = cls(
+            checkpoint, model, args, experts, family, context, info, ops,
+            kv_budget_bytes=kv, mtp_on=mtp_on,
+        )  # fmt: skip
         engine.promote_hottest(experts.counts)  # the profile's pins, on the device too
         return engine
 
@@ -209,7 +214,8 @@ class Engine:
         return batch.run(self, forwards, hook)
 
     def request_finished(self) -> None:
-        """A request ended: the store persists its usage profile and re-pins."""
+        """A request ended (its driver says so, once: the daemon's host, `generate`): the
+        store persists its usage profile and re-pins."""
         self.experts.request_finished()
 
     def close(self) -> None:
@@ -224,36 +230,6 @@ def pilot_wanted(mode: str, store: ExpertStore) -> bool:
     if mode != "auto":
         return mode == "on"
     return store.streams()
-
-
-def mtp_prefix(args: Any, checkpoint: Checkpoint) -> str | None:
-    """The tensor-name prefix of the checkpoint's MTP layer, when it has one."""
-    mtp = args.trunk.num_hidden_layers
-    if args.trunk.num_mtp_layers and MTPLayer.present(checkpoint, mtp):
-        return f"model.layers.{mtp}."
-    return None
-
-
-def expert_layout(args: Any, checkpoint: Checkpoint, *, with_mtp: bool = False) -> ExpertLayout:
-    """The neutral description of the routed experts the store serves. The MTP layer's
-    experts are left out (``with_mtp`` puts them in, for validation): the MTP layer is
-    loaded but never run until speculation uses it, so the store must not plan, pin or
-    count them (they would take slots and budget for nothing)."""
-    trunk, moe = args.trunk, args.moe
-    layers = [layer for layer, is_moe in enumerate(args.is_moe) if is_moe]
-    drafting: tuple[int, ...] = ()
-    if with_mtp and mtp_prefix(args, checkpoint) is not None:
-        layers.append(trunk.num_hidden_layers)
-        drafting = (trunk.num_hidden_layers,)
-    return ExpertLayout(
-        moe_layers=tuple(layers),
-        n_experts=moe.n_routed_experts,
-        hidden=trunk.hidden_size,
-        ffn=moe.moe_intermediate_size,
-        name_template=f"model.layers.{{layer}}.{moe.module}.experts.{{expert}}.{{proj}}.weight",
-        proj_names=moe.expert_names,
-        draft_layers=drafting,
-    )
 
 
 class Session:

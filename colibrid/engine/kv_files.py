@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from colibrid.engine.engine import Session
+from colibrid.engine.engine import Engine, Session
 from colibrid.engine.kv import KVCache
 from colibrid.paths import atomic_file
 
@@ -41,7 +41,7 @@ SUFFIX = ".npz"
 FORMAT = 2  # 2: a digest of the contents
 
 
-def identity(engine: Any) -> str:
+def identity(engine: Engine) -> str:
     """What the KV of this engine depends on, as a hex digest."""
     ckpt = engine.checkpoint
     stats = [(f.path.name, f.path.stat()) for f in ckpt.files]
@@ -58,7 +58,7 @@ def identity(engine: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def save(sessions: Iterable[Any], directory: Path, engine: Any) -> int:
+def save(sessions: Iterable[Session], directory: Path, engine: Engine) -> int:
     """Write `sessions` (most valuable first) as 0.npz, 1.npz, ... replacing what was
     there; returns how many were written."""
     for private in (directory.parent, directory):  # token ids spell out the user's prompts
@@ -80,7 +80,7 @@ def save(sessions: Iterable[Any], directory: Path, engine: Any) -> int:
     return written
 
 
-def load(directory: Path, engine: Any) -> list[Any]:
+def load(directory: Path, engine: Engine) -> list[Session]:
     """The saved sessions this engine can use, in saved order; unusable files are
     reported, removed, and cost nothing else."""
     if not directory.is_dir():
@@ -125,7 +125,7 @@ def digest(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _session(path: Path, engine: Any, ident: str) -> Session:
+def _session(path: Path, engine: Engine, ident: str) -> Session:
     with np.load(path, allow_pickle=False) as z:
         if bytes(_member(z, "identity", 64)).decode("ascii", "replace") != ident:
             raise ValueError("computed by another model, kernel family or model version")

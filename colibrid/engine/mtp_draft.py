@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
 from colibrid.engine.kv import KVCache
+from colibrid.engine.protocols import DraftingEngine
 
 HISTORY = 2048  # hidden states kept for the next catch-up (positions)
 COST_WEIGHT = 0.25  # weight of a new measurement in the running mean of a draft row's time
@@ -72,13 +73,24 @@ class MTPState:
         self.hidden_start += drop
 
 
+class DraftSession(Protocol):
+    """What the drafter needs of a session (engine.Session): what it holds, and its MTP
+    side."""
+
+    tokens: list[int]
+    mtp: MTPState | None
+
+    @property
+    def length(self) -> int: ...
+
+
 class MTPDrafter:
     """Drafts with the MTP layer for one request's session (see the module doc)."""
 
     name = "mtp"
     free = False  # a pass per draft: the depth is chosen first
 
-    def __init__(self, engine: Any, session: Any) -> None:
+    def __init__(self, engine: DraftingEngine, session: DraftSession) -> None:
         self.engine = engine
         self.session = session
         self.last: int | None = None  # the last token fed: sampled, not in the KV yet

@@ -9,12 +9,9 @@ cannot change; the store reports recall and how many misses became hits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 
-from colibrid.models.layers.moe import MoE
+from colibrid.models.base import Lookahead, Model, NextMoE
 from colibrid.store.protocol import ExpertStore
 
 # Runners-up hinted after the top-k, as a share of k (measured with `colibri bench stream`
@@ -27,15 +24,9 @@ from colibrid.store.protocol import ExpertStore
 EXTRA_GUESSES = 0.5
 
 
-def attach(model: Any, store: ExpertStore) -> int:
+def attach(model: Model, store: ExpertStore) -> int:
     """Give every decoder layer followed by a MoE layer a lookahead; returns how many."""
-    layers = list(getattr(model, "layers", []))
-    n = 0
-    for here, nxt in zip(layers, layers[1:], strict=False):
-        if isinstance(nxt.mlp, MoE):
-            here.lookahead = _predictor(nxt, store)
-            n += 1
-    return n
+    return model.set_lookahead(lambda nxt: _predictor(nxt, store))
 
 
 def most_confident_first(experts: np.ndarray) -> list[int]:
@@ -46,12 +37,11 @@ def most_confident_first(experts: np.ndarray) -> list[int]:
     return ranked[np.sort(first)].tolist()
 
 
-def _predictor(nxt: Any, store: Any) -> Callable[[np.ndarray], None]:
-    mlp: MoE = nxt.mlp
-    n_guess = mlp.router.top_k + int(mlp.router.top_k * EXTRA_GUESSES)
+def _predictor(nxt: NextMoE, store: ExpertStore) -> Lookahead:
+    n_guess = nxt.top_k + int(nxt.top_k * EXTRA_GUESSES)
+    layer = nxt.moe_layer
 
     def lookahead(h: np.ndarray) -> None:
-        ranked = mlp.router.candidates(nxt.mlp_input(h), n_guess)
-        store.hint(mlp.layer, most_confident_first(ranked))
+        store.hint(layer, most_confident_first(nxt.candidates(h, n_guess)))
 
     return lookahead

@@ -35,7 +35,7 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol
 
 from colibrid.errors import RequestError
 
@@ -47,10 +47,25 @@ TAKEOVER_SLACK = 64  # tokens a continuing prompt may drop from the end of a kep
 SessionKey = tuple[int | None, str | int]
 
 
+class PooledSession(Protocol):
+    """What the pool keeps and asks of a session (engine.Session): the tokens it holds,
+    a copy of its prefix, a check of restored KV, and its size."""
+
+    tokens: list[int]
+
+    def common_prefix(self, token_ids: Sequence[int]) -> int: ...
+
+    def fork(self, length: int) -> PooledSession: ...
+
+    def verify(self) -> str | None: ...
+
+    def kv_bytes(self) -> int: ...
+
+
 class SessionPool:
     def __init__(
         self,
-        new_session: Callable[[], Any],
+        new_session: Callable[[], PooledSession],
         *,
         max_sessions: int,
         max_kv_bytes: int | None = None,
@@ -60,8 +75,10 @@ class SessionPool:
         self.max_sessions = max(0, max_sessions)
         self.max_kv_bytes = max_kv_bytes
         self.prompt_cache = prompt_cache
-        self._idle: OrderedDict[SessionKey, Any] = OrderedDict()  # least recently used first
-        self._busy: dict[SessionKey, Any] = {}
+        self._idle: OrderedDict[SessionKey, PooledSession] = (
+            OrderedDict()
+        )  # least recently used first
+        self._busy: dict[SessionKey, PooledSession] = {}
         self._dropped: set[SessionKey] = set()  # busy sessions of clients that left
         self._unverified: set[SessionKey] = set()  # restored from disk, not yet recomputed
         self._serial = itertools.count()
@@ -72,7 +89,9 @@ class SessionPool:
     def kept_kv_bytes(self) -> int:
         return sum(_kv_bytes(s) for s in self._idle.values())
 
-    def checkout(self, client: int, conv: str | None, ids: Sequence[int]) -> tuple[SessionKey, Any]:
+    def checkout(
+        self, client: int, conv: str | None, ids: Sequence[int]
+    ) -> tuple[SessionKey, PooledSession]:
         """The session a request runs in (busy until `checkin`)."""
         if conv is not None:
             key: SessionKey = (client, conv)
@@ -85,7 +104,7 @@ class SessionPool:
         self._busy[key] = session
         return key, session
 
-    def _from_prompt_cache(self, ids: Sequence[int]) -> Any:
+    def _from_prompt_cache(self, ids: Sequence[int]) -> PooledSession | None:
         """A session for `ids` starting from the anonymous one sharing the longest prefix:
         taken over when `ids` continues it, else a copy of the shared beginning."""
         while True:
@@ -144,11 +163,11 @@ class SessionPool:
             self._unverified.discard(key)
         self._dropped.update(k for k in self._busy if k[0] == client)
 
-    def cached_prompts(self) -> list[Any]:
+    def cached_prompts(self) -> list[PooledSession]:
         """The idle prompt-cache sessions, most recently used first (what is worth saving)."""
         return [s for key, s in reversed(self._idle.items()) if key[0] is None]
 
-    def adopt(self, sessions: Sequence[Any]) -> None:
+    def adopt(self, sessions: Sequence[PooledSession]) -> None:
         """Take sessions (most recently used first) into the prompt cache, within limits."""
         if not self.prompt_cache:
             return
@@ -167,6 +186,5 @@ class SessionPool:
             self._unverified.discard(key)
 
 
-def _kv_bytes(session: Any) -> int:
-    measure = getattr(session, "kv_bytes", None)
-    return int(measure()) if measure is not None else 0
+def _kv_bytes(session: PooledSession) -> int:
+    return int(session.kv_bytes())

@@ -94,14 +94,15 @@ def _expected_and_kv(
     config: dict[str, Any], has: Callable[[str], bool]
 ) -> tuple[Any, dict[str, Expected], int]:
     """`expected_from_config` plus the KV bytes per position, from one model walk."""
-    from colibrid.engine.engine import expert_layout
+    from colibrid.engine.layout import expert_layout
     from colibrid.models import family
     from colibrid.store.experts import PROJECTIONS
 
-    module = family(config.get("model_type"))
+    model_type = config.get("model_type")
+    module = family(model_type)
     args = module.ModelArgs.from_config(config)
     rec = _Recorder(has)
-    kv = _walk_model(module, args, rec)
+    kv = _walk_model(args, rec, model_type)
     layout = expert_layout(args, rec, with_mtp=True)
     for layer in layout.moe_layers:
         for e in range(layout.n_experts):
@@ -110,12 +111,13 @@ def _expected_and_kv(
     return args, rec.seen, kv
 
 
-def _walk_model(module: Any, args: Any, rec: _Recorder) -> int:
+def _walk_model(args: Any, rec: _Recorder, model_type: object) -> int:
     """Run the family's loaders one layer at a time, dropping each layer at once, so a
     78-layer model is walked in one layer's worth of placeholder memory. This is the
     loop of the families' ``build`` (all share load_decoder_layer / attention_at).
     Returns the KV bytes per position of the layers walked."""
     from colibrid.engine.kv import bytes_per_position
+    from colibrid.models import mtp_loader
     from colibrid.models.transformer import Transformer, load_decoder_layer
 
     t, experts = args.trunk, _NoExperts()
@@ -143,10 +145,7 @@ def _walk_model(module: Any, args: Any, rec: _Recorder) -> int:
         rotary=None,
         tie_embeddings=t.tie_word_embeddings,
     )
-    import importlib
-
-    builder = importlib.import_module(module.build.__module__)  # glm_moe_dsa: deepseek_v3
-    load_mtp = getattr(builder, "load_mtp", None)
+    load_mtp = mtp_loader(model_type)
     if load_mtp is not None:
         load_mtp(args, rec, experts, None)
     return kv

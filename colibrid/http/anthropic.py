@@ -25,7 +25,8 @@ from colibrid.http.openai import (
     shaped,
     whole,
 )
-from colibrid.http.parsing import Features, ToolCall, make_splitter
+from colibrid.http.parsing import Features, ToolCall
+from colibrid.http.splitter import make_splitter
 from colibrid.http.structured import ToolChoice
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest

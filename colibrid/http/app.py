@@ -35,6 +35,7 @@ from colibrid.http.openapi import describe
 from colibrid.http.parsing import Features
 from colibrid.installed import names as installed_names
 from colibrid.serve.events import Accepted, Done, Failed, Progress, Token
+from colibrid.serve.prepare import GrammarRefused
 
 log = logging.getLogger("colibrid.http")
 JSON = (b"content-type", b"application/json")
@@ -292,34 +293,28 @@ class HttpApp:
         return plan, anthropic.MessageStream(plan)
 
     async def _prepare(self, plan: openai.Plan) -> openai.Plan:
-        """The plan with its grammar compiled and its matcher built (serve.grammars: a
-        worker process, off this loop): each schema the client gave is compiled first
-        by itself, so that a bad one is a 400 naming its field (one that is the whole
-        grammar, a response format alone, is compiled once, as the grammar)."""
-        grammars = self.state.grammars
+        """The plan's request tokenised and its grammar compiled, off this loop
+        (serve.prepare): each schema the client gave is compiled first by itself, so that
+        a bad one is a 400 naming its field (one that is the whole grammar, a response
+        format alone, is compiled once, as the grammar)."""
         grammar = plan.request.grammar
         itself = next((c for c in plan.checks if grammar and c.grammar.key == grammar.key), None)
         for check in plan.checks:
             if check is itself:
                 continue
             try:
-                await grammars.check(check.grammar)
+                await self.state.grammars.check(check.grammar)
             except RequestError as exc:
                 raise bad_request(f"{check.where}: {exc}", check.param) from None
-        if grammar is None:
-            return plan
-        loaded = self.state.models.current
         try:
-            constraint = await grammars.constraint(
-                grammar, loaded.engine if loaded else None, loaded.codec if loaded else None
-            )
-        except RequestError as exc:
+            request = await self.state.prepare(plan.request)
+        except GrammarRefused as exc:
             if itself is None:
                 raise bad_request(str(exc)) from None
             raise bad_request(f"{itself.where}: {exc}", itself.param) from None
         except ColibriError as exc:
-            raise errors.from_code(exc.code, str(exc)) from None
-        return replace(plan, request=replace(plan.request, constraint=constraint))
+            raise errors.from_code(exc.code, str(exc), max_context=self.max_context) from None
+        return replace(plan, request=request)
 
     # ---- generation -----------------------------------------------------------------------
     async def _generate(

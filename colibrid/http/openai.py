@@ -17,7 +17,8 @@ from colibrid.engine.grammar import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.errors import ColibriError, RequestError
 from colibrid.http.errors import ApiError, bad_request
-from colibrid.http.parsing import Features, ToolCall, make_splitter
+from colibrid.http.parsing import Features, ToolCall
+from colibrid.http.splitter import make_splitter
 from colibrid.http.structured import (
     SchemaCheck,
     ToolChoice,

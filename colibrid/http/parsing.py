@@ -9,7 +9,8 @@ elements, one ``<｜DSML｜parameter name=… string="true|false">`` per argumen
 `OutputSplitter.feed` returns pieces as soon as they are certain, holding back only a
 tail that could still turn out to be the start of a tag; `finish` flushes and parses the
 tool calls. Which parts are looked for is decided from the chat template (`Features`);
-a Harmony template (gpt-oss) gets `harmony.HarmonySplitter` instead (`make_splitter`).
+a Harmony template (gpt-oss) gets `harmony.HarmonySplitter` instead (`splitter.make_splitter`
+chooses: this module is below both and imports neither).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 THINK_OPEN, THINK_CLOSE, TOOL_OPEN = "<think>", "</think>", "<tool_call>"
 # DeepSeek-V3 / V3.1: calls between special tokens, `function<sep>name` + a fenced JSON block
@@ -274,31 +275,3 @@ class OutputSplitter:
         out.append((kind, self.buf[: len(self.buf) - keep]))
         self.buf = self.buf[len(self.buf) - keep :]
         return None
-
-
-class Splitter(Protocol):
-    """What the HTTP translators feed generated text to."""
-
-    def feed(self, text: str) -> list[tuple[str, str]]: ...
-
-    def finish(self, *, whole: bool = True) -> tuple[list[tuple[str, str]], list[ToolCall]]: ...
-
-
-def make_splitter(features: Features) -> Splitter:
-    """The splitter for the template's output format: Harmony or GLM-style tags."""
-    if features.harmony:
-        from colibrid.http.harmony import HarmonySplitter  # it imports this module
-
-        return HarmonySplitter(features)
-    return OutputSplitter(features)
-
-
-def split_all(text: str, features: Features) -> tuple[str, str, list[ToolCall]]:
-    """The whole output at once: (reasoning, content, tool calls)."""
-    splitter = make_splitter(features)
-    pieces = splitter.feed(text)
-    rest, calls = splitter.finish()
-    pieces += rest
-    reasoning = "".join(t for k, t in pieces if k == "reasoning")
-    content = "".join(t for k, t in pieces if k == "content")
-    return reasoning, content, calls

@@ -375,3 +375,61 @@ class Linear:
         if self.bias is not None:
             y += self.bias
         return y
+
+
+# ---- the model seam: what the engine asks of every architecture's model --------------
+Lookahead = Callable[[np.ndarray], None]
+"""Called with a layer's post-attention residual [S, D] (PILOT's guess of the next MoE
+layer's experts, engine/pilot.py)."""
+
+
+class NextMoE(Protocol):
+    """A MoE layer as a lookahead sees it: its index, its router's k, and the experts its
+    router ranks best for rows of the residual stream before it (norm and router only)."""
+
+    @property
+    def moe_layer(self) -> int: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    def candidates(self, h: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` best experts per row [S, n], best first."""
+        ...
+
+
+class DraftLayer(Protocol):
+    """A model's multi-token-prediction layer (GLM-5, DeepSeek-V3): drafts tokens for
+    speculative decoding from the main model's hidden states (engine/mtp_draft.py)."""
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]: ...
+
+    def draft_hidden(
+        self,
+        model: Model,
+        next_tokens: np.ndarray,
+        hidden: np.ndarray,
+        positions: np.ndarray,
+        cache: Any,
+        family: KernelFamily,
+    ) -> np.ndarray: ...
+
+
+class Model(Protocol):
+    """What the engine asks of a model (models.transformer.Transformer for every family):
+    one forward pass over segments, the head, the KV layout, the MTP layer when the
+    checkpoint has one and it was loaded (else None), and PILOT's lookahead hooks."""
+
+    vocab: int
+    mtp: DraftLayer | None
+
+    def cache_layouts(self) -> list[dict[str, tuple[int, ...]]]: ...
+
+    def hidden_states(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray: ...
+
+    def logits(self, hidden: np.ndarray, family: KernelFamily) -> np.ndarray: ...
+
+    def set_lookahead(self, make: Callable[[NextMoE], Lookahead]) -> int:
+        """Give every layer followed by a MoE layer the lookahead ``make`` builds for that
+        MoE layer; returns how many got one."""
+        ...

@@ -8,7 +8,7 @@ from typing import Any
 
 from colibrid.models.base import MAX_HEADS, ConfigReader, ExpertSource, Ops, WeightSource
 from colibrid.models.common import TrunkArgs, moe_layers, read_moe, read_trunk
-from colibrid.models.layers.dsa import Indexer
+from colibrid.models.layers.dsa import Indexer, IndexerShape, indexer_prefix
 from colibrid.models.layers.mla import MLAAttention, MLAShape, softmax_scale
 from colibrid.models.mtp import MTPLayer
 from colibrid.models.transformer import (
@@ -43,8 +43,18 @@ class ModelArgs:
             self.indexer_at(src, ops, layer),
         )
 
-    def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
+    def cache_layout_at(self, src: WeightSource, layer: int) -> dict[str, tuple[int, ...]]:
+        """What layer ``layer`` caches per position, from the config and the checkpoint's
+        names alone (before any weight is loaded)."""
+        return self.attention.cache_layout(self.indexer_shape_at(src, layer))
+
+    def indexer_shape_at(self, src: WeightSource, layer: int) -> IndexerShape | None:
+        """The DSA indexer layer ``layer`` runs, or None (DeepSeek-V3 has none)."""
         return None
+
+    def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
+        shape = self.indexer_shape_at(src, layer)
+        return None if shape is None else Indexer(src, ops, indexer_prefix(layer), shape)
 
 
 def read_mla_fields(

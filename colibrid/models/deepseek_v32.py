@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibrid.models import deepseek_v3
-from colibrid.models.base import ConfigReader, Ops, WeightSource
+from colibrid.models.base import ConfigReader, WeightSource
 from colibrid.models.common import TrunkArgs
-from colibrid.models.layers.dsa import Indexer, IndexerShape
+from colibrid.models.layers.dsa import IndexerShape, indexer_prefix
 from colibrid.models.layers.mla import MLAShape
 
 ARCH = "deepseek_v32"
@@ -31,15 +31,11 @@ class ModelArgs(deepseek_v3.ModelArgs):
         r = ConfigReader(config, ARCH)
         return cls(**read_dsa_fields(r, default_index_heads=64, index_interleave=False))
 
-    def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
+    def indexer_shape_at(self, src: WeightSource, layer: int) -> IndexerShape | None:
         prefix = indexer_prefix(layer)
         if layer >= self.trunk.num_hidden_layers and not src.has(f"{prefix}.wk.weight"):
             return None  # an MTP layer without indexer weights
-        return Indexer(src, ops, prefix, self.indexer)
-
-
-def indexer_prefix(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn.indexer"
+        return self.indexer
 
 
 def read_dsa_fields(

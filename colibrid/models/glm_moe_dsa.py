@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from colibrid.models import deepseek_v32
-from colibrid.models.base import ConfigReader, Ops, WeightSource
-from colibrid.models.layers.dsa import Indexer
+from colibrid.models.base import ConfigReader, WeightSource
+from colibrid.models.layers.dsa import IndexerShape
 
 ARCH = "glm_moe_dsa"
 build = deepseek_v32.build
@@ -27,10 +27,10 @@ class ModelArgs(deepseek_v32.ModelArgs):
         n_layers = fields["trunk"].num_hidden_layers
         return cls(**fields, indexer_types=tuple(_indexer_types(r, n_layers)))
 
-    def indexer_at(self, src: WeightSource, ops: Ops, layer: int) -> Indexer | None:
+    def indexer_shape_at(self, src: WeightSource, layer: int) -> IndexerShape | None:
         if layer < len(self.indexer_types) and self.indexer_types[layer] == "shared":
             return None
-        return super().indexer_at(src, ops, layer)
+        return super().indexer_shape_at(src, layer)
 
 
 def _indexer_types(r: ConfigReader, n_layers: int) -> list[str]:

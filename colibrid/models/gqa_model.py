@@ -26,6 +26,10 @@ class GQAModelArgs:
     def attention_at(self, src: WeightSource, ops: Ops, layer: int) -> GQAAttention:
         return GQAAttention(src, ops, f"model.layers.{layer}.self_attn", self.attention)
 
+    def cache_layout_at(self, src: WeightSource, layer: int) -> dict[str, tuple[int, ...]]:
+        """What layer ``layer`` caches per position (a sliding window caches the same)."""
+        return self.attention.cache_layout()
+
 
 @dataclass(frozen=True)
 class Heads:

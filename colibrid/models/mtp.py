@@ -14,7 +14,7 @@ import numpy as np
 
 from colibrid.backends.base import KernelFamily
 from colibrid.models.base import Linear, Ops, Segment, Step, WeightSource
-from colibrid.models.transformer import DecoderLayer
+from colibrid.models.transformer import DecoderLayer, Transformer
 
 
 class MTPLayer:
@@ -46,7 +46,7 @@ class MTPLayer:
 
     def draft_hidden(
         self,
-        model: Any,
+        model: Transformer,
         next_tokens: np.ndarray,
         hidden: np.ndarray,
         positions: np.ndarray,

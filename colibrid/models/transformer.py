@@ -9,14 +9,22 @@ Shape legend: S rows, D hidden, V vocabulary.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
-from colibrid.models.base import ExpertSource, Ops, Segment, WeightSource
+from colibrid.models.base import (
+    DraftLayer,
+    ExpertSource,
+    Lookahead,
+    NextMoE,
+    Ops,
+    Segment,
+    WeightSource,
+)
 from colibrid.models.layers.biased_moe import BiasedMoE, ClampedGLU, ExpertBiases
 from colibrid.models.layers.mlp import MLP
 from colibrid.models.layers.moe import MoE
@@ -71,7 +79,7 @@ class DecoderLayer:
         self.input_norm = input_norm
         self.post_norm = post_norm
         self.eps = eps
-        self.lookahead = None  # PILOT: called with the post-attention residual (engine-set)
+        self.lookahead: Lookahead | None = None  # PILOT's guess (Transformer.set_lookahead)
 
     def __call__(
         self,
@@ -122,6 +130,22 @@ class DecoderLayer:
     def mlp_input(self, h: np.ndarray) -> np.ndarray:
         """The post-attention residual as the MLP sees it (PILOT guesses from it too)."""
         return self.ops.rms_norm(h, self.post_norm, self.eps)
+
+    # ---- models.base.NextMoE, for a layer whose MLP is a MoE -----------------------------
+    @property
+    def moe_layer(self) -> int:
+        assert isinstance(self.mlp, MoE)
+        return self.mlp.layer
+
+    @property
+    def top_k(self) -> int:
+        assert isinstance(self.mlp, MoE)
+        return self.mlp.router.top_k
+
+    def candidates(self, h: np.ndarray, n: int) -> np.ndarray:
+        """The experts this layer's router ranks best for the residual ``h`` before it."""
+        assert isinstance(self.mlp, MoE)
+        return self.mlp.router.candidates(self.mlp_input(h), n)
 
 
 def load_decoder_layer(
@@ -204,7 +228,10 @@ def expert_biases(src: WeightSource, prefix: str, hidden: int, args: MoEArgs) ->
 
 
 class Transformer:
-    """Embedding, decoder layers, final norm and head; `forward` runs S new rows."""
+    """Embedding, decoder layers, final norm and head; `forward` runs S new rows.
+    Implements models.base.Model."""
+
+    mtp: DraftLayer | None = None  # the MTP layer, where the family loads one
 
     def __init__(
         self,
@@ -234,6 +261,15 @@ class Transformer:
     def cache_layouts(self) -> list[dict[str, tuple[int, ...]]]:
         return [layer.attention.cache_layout() for layer in self.layers]
 
+    def set_lookahead(self, make: Callable[[NextMoE], Lookahead]) -> int:
+        """Every layer followed by a MoE layer gets ``make(that layer)`` as its lookahead."""
+        n = 0
+        for here, nxt in zip(self.layers, self.layers[1:], strict=False):
+            if isinstance(nxt.mlp, MoE):
+                here.lookahead = make(nxt)
+                n += 1
+        return n
+
     def hidden_states(self, tokens: np.ndarray, segments: Sequence[Segment]) -> np.ndarray:
         """Final-normed hidden states [S, D] for the new tokens (each segment's rows in
         turn); writes their KV into each segment's cache."""
@@ -252,6 +288,13 @@ class Transformer:
 
     def logits(self, hidden: np.ndarray, family: KernelFamily) -> np.ndarray:
         return self.ops.matmul(self.lm_head, np.ascontiguousarray(hidden), family)  # [S, V]
+
+
+def planned_cache_layouts(args: Any, src: WeightSource) -> list[dict[str, tuple[int, ...]]]:
+    """Every trunk layer's cache layout from the config and the checkpoint's names, before
+    the model is built: what sizes the KV budget the expert store is planned around
+    (equal to the built model's ``cache_layouts()``)."""
+    return [args.cache_layout_at(src, layer) for layer in range(args.trunk.num_hidden_layers)]
 
 
 def build_transformer(

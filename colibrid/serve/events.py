@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from colibrid.engine.events import DoneEvent
+
 
 @dataclass(frozen=True)
 class Accepted:
@@ -47,6 +49,25 @@ class Done:
     speculation: dict[str, str] | None = None  # what speculative decoding did, when on
     constraint: dict[str, str] | None = None  # the grammar and its mask cost, when one ran
 
+    @classmethod
+    def of(cls, event: DoneEvent, cached_tokens: int) -> Done:
+        """The engine's end of a request as the front ends report it (a cancel that was
+        a STOP request finishes "stopped")."""
+        stats = event.stats
+        return cls(
+            "stopped" if event.finish_reason == "cancelled" else event.finish_reason,
+            stats.prompt_tokens,
+            stats.generated_tokens,
+            cached_tokens,
+            stats.prefill_s,
+            stats.decode_s,
+            stats.prefill_tok_s,
+            stats.decode_tok_s,
+            event.stop_string,
+            None if event.spec is None else event.spec.extras(),
+            None if event.constraint is None else event.constraint.extras(),
+        )
+
 
 @dataclass(frozen=True)
 class Failed:
@@ -58,3 +79,21 @@ class Failed:
 
 Event = Accepted | Progress | Token | Done | Failed
 TERMINAL = (Done, Failed)
+
+
+def summary(event: Event) -> str:
+    """A finished request as the log's one line about it (`colibri logs`)."""
+    if isinstance(event, Done):
+        spec = event.speculation or {}
+        drafts = f", {spec['accepted']}/{spec['drafted']} drafts kept" if "drafted" in spec else ""
+        grammar = event.constraint or {}
+        if grammar:
+            drafts += f", {grammar['grammar']} grammar ({grammar['mask_us']} µs a token)"
+        return (
+            f"{event.prompt_tokens} prompt ({event.cached_tokens} cached) + "
+            f"{event.generated_tokens} tokens, prefill {event.prefill_tok_s:.1f} tok/s, "
+            f"decode {event.decode_tok_s:.1f} tok/s, finish={event.finish}{drafts}"
+        )
+    if isinstance(event, Failed):
+        return f"failed {event.code}: {event.message}"
+    return type(event).__name__

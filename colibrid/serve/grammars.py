@@ -36,7 +36,9 @@ from typing import Any
 import trio
 
 from colibrid.engine.constraint import Constraint, Vocabulary
+from colibrid.engine.engine import Engine
 from colibrid.engine.grammar import CompiledGrammar, Grammar
+from colibrid.engine.tokenizer import TextCodec
 from colibrid.errors import ConfigError, NoModel, RequestError
 
 log = logging.getLogger("colibrid.grammars")
@@ -166,7 +168,9 @@ class GrammarService:
         schema, checked by itself so an error can name the tool); RequestError else."""
         return await self._compiled(grammar, None)
 
-    async def constraint(self, grammar: Grammar, engine: Any, codec: Any) -> Constraint:
+    async def constraint(
+        self, grammar: Grammar, engine: Engine | None, codec: TextCodec | None
+    ) -> Constraint:
         """A fresh matcher of `grammar` for the model `engine` serves (its `codec` holds
         the tokenizer); RequestError with the one-line reason when it cannot be had."""
         if engine is None or codec is None:
@@ -190,7 +194,7 @@ class GrammarService:
             await worker.end()
 
     # ---- the model's vocabulary ---------------------------------------------------------
-    async def _vocabulary(self, engine: Any, codec: Any) -> _ModelVocabulary:
+    async def _vocabulary(self, engine: Engine, codec: TextCodec) -> _ModelVocabulary:
         async with self._model_lock:
             if self._model is None or self._model.owner != id(engine):
                 self._model = None

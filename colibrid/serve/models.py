@@ -37,7 +37,9 @@ from colibrid.errors import (
 from colibrid.paths import Paths
 from colibrid.serve.profiles import ProfileBook
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine loads numpy and the kernels: imported when a model loads
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.tokenizer import TextCodec
     from colibrid.serve.host import Job
 
 log = logging.getLogger("colibrid.models")
@@ -52,8 +54,8 @@ class Loaded:
 
     name: str
     path: Path
-    engine: Any
-    codec: Any
+    engine: Engine
+    codec: TextCodec | None
     book: ProfileBook
     kv_dir: Path
     loaded_at: float = field(default_factory=time.time)
@@ -73,7 +75,7 @@ def parse_keep_alive(value: object) -> float:
 
 def load_model(
     model_dir: Path, settings: Settings, profiles: Path | None = None
-) -> tuple[Any, Any]:
+) -> tuple[Engine, TextCodec | None]:
     """The engine and its text codec (None when the checkpoint has no tokenizer);
     ``profiles``: the profiles folder (PILOT's memory of this model lives there)."""
     from colibrid.backends.base import KernelFamily

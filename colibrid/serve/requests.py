@@ -29,7 +29,10 @@ class GenerateRequest:
     draft_max: int | None = None  # deepest draft (None: the daemon's)
     keep_alive: float | None = None  # seconds the model stays loaded once idle (None: as set)
     grammar: Grammar | None = None  # what the answer must look like (shape checked at the edge)
-    # its matcher, built by the grammar service (serve.grammars) before the request is queued
+    # made on the trio side before the request is queued (serve.prepare), for the engine
+    # `owner` (its id()): the prompt's ids and the grammar's matcher
+    prompt_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    owner: int = field(default=0, compare=False, repr=False)
     constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     def speculation(self, default: SpecSettings) -> SpecSettings:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import replace
+from dataclasses import dataclass
 
 import trio
 from colibri_protocol.codec import (
@@ -56,13 +56,23 @@ log = logging.getLogger("colibrid.session")
 _client_ids = itertools.count(1)
 
 
+@dataclass
+class _Preparing:
+    """A request not queued yet, and a STOP or CANCEL it got meanwhile."""
+
+    stop: bool = False
+    cancel: bool = False
+
+
 class Connection:
     def __init__(self, stream: trio.abc.Stream, state: DaemonState) -> None:
         self.stream = stream
         self.state = state
         self.client = next(_client_ids)
         self.requests: dict[str, Handle] = {}
-        self.loading: set[str] = set()  # request ids waiting for their model to load
+        self.loading: dict[str, _Preparing] = {}  # requests being prepared, not queued yet
+        self._turn = trio.Event()  # set once the last SUBMIT so far is queued (or refused)
+        self._turn.set()
         self._send_lock = trio.Lock()
         self._closed = False
 
@@ -131,23 +141,18 @@ class Connection:
                 generate = GenerateRequest.from_submit(request, self.client)
             except ColibriError as exc:
                 raise ProtocolError("BAD_REQUEST", str(exc), request.id) from None
-            served = self._served(request.model)
-            if served and generate.grammar is None:  # queued now: the connection's order
-                self.requests[request.id] = self._submit(generate)
-                nursery.start_soon(self._run, self.requests[request.id])
-            else:  # a model to load or a grammar to compile first: in the request's own task
-                if not served:
-                    try:  # an unknown name is answered now, in this connection's order
-                        state.models.resolve(request.model)
-                    except ColibriError as exc:
-                        raise ProtocolError(_code(exc), str(exc), request.id) from None
-                self.loading.add(request.id)
-                nursery.start_soon(self._load_and_run, generate, request.model)
+            if not self._served(request.model):
+                try:  # an unknown name is answered now, in this connection's order
+                    state.models.resolve(request.model)
+                except ColibriError as exc:
+                    raise ProtocolError(_code(exc), str(exc), request.id) from None
+            # prepared in its own task (a model to load, the prompt to tokenise, a grammar
+            # to compile), queued in this connection's order: after the SUBMIT before it
+            turn, self._turn = self._turn, trio.Event()
+            self.loading[request.id] = _Preparing()
+            nursery.start_soon(self._load_and_run, generate, request.model, turn, self._turn)
         elif isinstance(request, (Stop, Cancel)):
-            handle = self.requests.get(request.id)
-            if handle is None:
-                raise ProtocolError("NOT_FOUND", f"no request {request.id} in flight", request.id)
-            handle.stop() if isinstance(request, Stop) else handle.cancel()
+            self._stop_or_cancel(request.id, stop=isinstance(request, Stop))
         elif isinstance(request, Hello):
             await self.send(encode_line("HELLO", *state.hello()))
         elif isinstance(request, Query):
@@ -184,20 +189,35 @@ class Connection:
         except ColibriError as exc:
             raise ProtocolError(_code(exc), str(exc), generate.id) from None
 
-    async def _load_and_run(self, generate: GenerateRequest, model: str | None) -> None:
-        """Load the model the request names (or the default) and compile its grammar,
-        then run it; a model that cannot be loaded or a grammar that cannot be compiled
-        ends the request with the reason."""
+    def _stop_or_cancel(self, rid: str, *, stop: bool) -> None:
+        handle = self.requests.get(rid)
+        if handle is not None:
+            handle.stop() if stop else handle.cancel()
+        elif rid in self.loading:  # still being prepared: applied once it is queued
+            pending = self.loading[rid]
+            pending.stop, pending.cancel = pending.stop or stop, pending.cancel or not stop
+        else:
+            raise ProtocolError("NOT_FOUND", f"no request {rid} in flight", rid)
+
+    async def _load_and_run(
+        self, generate: GenerateRequest, model: str | None, turn: trio.Event, mine: trio.Event
+    ) -> None:
+        """Load the model the request names (or the default), tokenise its prompt and
+        compile its grammar (serve.prepare), queue it once the SUBMIT before it was
+        (`turn`; then `mine` lets the next one go), then run it; a model that cannot be
+        loaded or a request that cannot be prepared ends it with the reason."""
         rid = generate.id
         try:
             with contain_panics("a native library"):
-                loaded = await self.state.models.ensure(model)
-                if generate.grammar is not None:
-                    constraint = await self.state.grammars.constraint(
-                        generate.grammar, loaded.engine, loaded.codec
-                    )
-                    generate = replace(generate, constraint=constraint)
+                await self.state.models.ensure(model)
+                generate = await self.state.prepare(generate)
+            await turn.wait()
             handle = self._submit(generate)
+            pending = self.loading.get(rid)
+            if pending is not None and pending.stop:
+                handle.stop()
+            elif pending is not None and pending.cancel:
+                handle.cancel()
         except ProtocolError as exc:
             await self.send(encode_error(rid, exc.code, exc.message))
             return
@@ -209,7 +229,8 @@ class Connection:
             await self.send(encode_error(rid, "INTERNAL", _one_line(exc)))
             return
         finally:
-            self.loading.discard(rid)
+            mine.set()
+            self.loading.pop(rid, None)
         self.requests[rid] = handle
         await self._run(handle)
 

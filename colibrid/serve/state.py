@@ -22,7 +22,9 @@ from colibrid.errors import NoModel
 from colibrid.serve.grammars import GrammarService
 from colibrid.serve.host import EngineHost
 from colibrid.serve.models import ModelSlot
+from colibrid.serve.prepare import Preparer
 from colibrid.serve.profiles import ProfileBook, ProfileError
+from colibrid.serve.requests import GenerateRequest
 from colibrid.serve.scheduler import Scheduler
 
 GB = 1024**3
@@ -43,6 +45,15 @@ class DaemonState:
     started: float = dataclasses.field(default_factory=time.time)
     http_urls: list[str] = dataclasses.field(default_factory=list)  # where the HTTP API is
     grammars: GrammarService = dataclasses.field(default_factory=GrammarService)
+    preparer: Preparer = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.preparer = Preparer(self.grammars)
+
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        """`request` tokenised and its grammar compiled for the model loaded now (on the
+        trio side: serve.prepare), ready to submit."""
+        return await self.preparer.prepare(request, self.models.current)
 
     # ---- the loaded model (None while none is) ------------------------------------------
     @property
@@ -124,6 +135,7 @@ class DaemonState:
             "unload_in_s": self.models.unload_in(),
             "uptime_s": round(time.time() - self.started, 1),
             "profile": self.models.current.book.active if self.models.current else None,
+            "preparing": self.preparer.preparing,
             "queued": sched.queued,
             "running": sched.running,
             "max_queue": sched.max_queue,

@@ -28,12 +28,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from colibrid.store.budget import mem_available, process_rss
-
-if TYPE_CHECKING:
-    from colibrid.store.tiered import TieredStore
+from colibrid.store.reader import ExpertReader
 
 log = logging.getLogger("colibri.store")
 GiB = 1 << 30
@@ -41,6 +39,29 @@ MIN_FLOOR = 512 << 20
 FLOOR_FRACTION = 0.05
 _HEADER = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) ", re.M)
 _RSS = re.compile(rb"^Rss:\s+(\d+) kB", re.M)
+
+
+class WatchedStore(Protocol):
+    """What the watch reads of a tiered store, and the one thing it changes (the cache's
+    size, between tokens)."""
+
+    reader: ExpertReader  # the arena whose residency is sampled
+    slot_bytes: int
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def cache_per_layer(self) -> int: ...
+
+    @property
+    def cache_max(self) -> int: ...
+
+    def resident_bytes(self) -> int:
+        """Bytes of the slots the plan keeps un-parked."""
+        ...
+
+    def set_cache_per_layer(self, n: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -109,12 +130,12 @@ def mapping_rss(start: int, end: int, smaps: str = "/proc/self/smaps") -> int | 
     return total if found else None
 
 
-def unfilled_planned_bytes(store: TieredStore) -> int:
+def unfilled_planned_bytes(store: WatchedStore) -> int:
     """Bytes of ``store``'s slots the plan keeps un-parked (cache, pins, work, PILOT) that
     have no pages now: never faulted, swapped out, or reclaimed while empty. 0 before the
     store is placed, and when unknown (no /proc: the floor then reads MemAvailable alone)."""
     arena = store.reader.arena
-    if arena is None or store.placement is None:
+    if arena is None:  # no memory planned yet
         return 0
     start = arena.buf.ctypes.data
     for _ in range(3):  # the engine thread may park or fault a slot meanwhile: read again
@@ -145,8 +166,11 @@ class MemWatch:
         unfilled: Callable[[], int] | None = None,
         residency_interval_s: float = 1.0,
         sample_thread: bool = True,
+        note: str | None = None,
     ) -> None:
         self.low, self.band, self.rss_cap = max(0, low), max(band, 1), rss_cap
+        # what `ps` shows: what the watch keeps until it acts, then its last action
+        self.note = note or f"on: floor {self.low / GiB:.1f} GiB"
         self.available, self.rss = available, rss
         self.unfilled = unfilled or (lambda: 0)
         self.interval_s, self.residency_interval_s = interval_s, residency_interval_s
@@ -173,15 +197,8 @@ class MemWatch:
             except Exception:  # a blind watch must say so, not die silently
                 log.exception("colibri: memwatch: sampling failed")
 
-    def describe(self, store: Any) -> str:
-        """The note `ps` shows while the watch has not acted yet."""
-        return (
-            f"on: floor {self.low / GiB:.1f} GiB, cache "
-            f"{store.cache_per_layer}/{store.cache_max} experts/layer"
-        )
-
-    def tick(self, store: Any) -> None:
-        """Called between tokens; resizes ``store`` (a TieredStore) when needed."""
+    def tick(self, store: WatchedStore) -> None:
+        """Called between tokens; resizes ``store`` when needed."""
         r = self.latest if self._thread is not None else self.read()
         cur, ceiling = store.cache_per_layer, store.cache_max
         new = decide(
@@ -203,7 +220,7 @@ class MemWatch:
             f"{r.rss / GiB:.2f} GiB)"
         )
         self.actions.append(note)
-        store.memwatch_note = note
+        self.note = note
         log.warning("colibri: memwatch: %s", note)
         if self._thread is not None:  # the next decision sees the effect of this one
             self.latest = self.read()
@@ -220,12 +237,17 @@ def default_floor() -> int:
     return max(MIN_FLOOR, int(phys * FLOOR_FRACTION))
 
 
-def default_watch(total_budget: int, store: TieredStore, *, floor: int | None = None) -> MemWatch:
+def default_watch(total_budget: int, store: WatchedStore, *, floor: int | None = None) -> MemWatch:
     """The daemon's watch: ``floor`` bytes kept available (default :func:`default_floor`),
     a band of two experts per layer, RSS capped at the budget, the unfilled plan counted."""
+    low = default_floor() if floor is None else floor
     return MemWatch(
-        low=default_floor() if floor is None else floor,
+        low=low,
         band=2 * store.n_layers * store.slot_bytes,
         rss_cap=total_budget,
         unfilled=lambda: unfilled_planned_bytes(store),
+        note=(
+            f"on: floor {max(0, low) / GiB:.1f} GiB, cache "
+            f"{store.cache_per_layer}/{store.cache_max} experts/layer"
+        ),
     )

@@ -1,5 +1,7 @@
-"""Store options (the knobs of `colibrid generate`, `colibrid start` and config.toml)
-and the factory that turns them into an expert store.
+"""Store options (the knobs of `colibrid generate`, `colibrid start` and config.toml),
+the factory that turns them into an expert store, and the planner a tiered store is
+opened with (:class:`TierPlanner`: the budget from the headers, the KV size and these
+knobs, which plan every slot; :mod:`colibrid.store.memory_plan`).
 
 Default (``mode="auto"``): when the routed experts plus the dense part fit in half the
 RAM budget, keep them resident as zero-copy mmap views (no I/O, no copies: the page
@@ -17,14 +19,13 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import numpy as np
-
 from colibrid.policy import DEFAULT_POLICY
 from colibrid.store import budget as budgets
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, expert_tensor_names
 from colibrid.store.extents import NotStreamable
 from colibrid.store.integrity import Digests
+from colibrid.store.memory_plan import StorePlan
 from colibrid.store.pilot_memory import PilotMemory
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pins import PIN_MODES, PinBudget
@@ -92,6 +93,92 @@ class StoreSizing:
     model_name: str = ""  # the folder's name: its profiles' folder
 
 
+@dataclass(frozen=True)
+class TierPlanner:
+    """The budget a tiered store is opened with, the KV cache's size and the knobs that
+    shape its plan (a :class:`~colibrid.store.memory_plan.MemoryPlanner`)."""
+
+    sizing: StoreSizing
+    opts: StoreOptions
+    kv_bytes: int
+
+    def plan(
+        self,
+        *,
+        layers: tuple[int, ...],
+        n_layers: int,
+        n_experts: int,
+        slot_bytes: int,
+    ) -> StorePlan:
+        """Every slot from one budget, with the pins it leaves room for, and the parts
+        that follow from it (the usage profile, PILOT's switch, MEMWATCH's floor)."""
+        sizing, opts = self.sizing, self.opts
+        # Co-occurrences only where they are saved (the `.cooc.npz` sidecar `convert --order`
+        # reads): the daemon's profile book keeps counts, so its store does not pay for them.
+        save_to = opts.profile if opts.save_profile else None
+        usage = UsageProfile(
+            max(layers) + 1, n_experts, sizing.model_type, layers, cooc=save_to is not None
+        )
+        if opts.profile:
+            usage.merge_file(Path(opts.profile))
+        plan = partial(
+            budgets.plan,
+            total=sizing.total,
+            source=sizing.source,
+            dense=sizing.dense,
+            kv=self.kv_bytes,
+            slot_bytes=slot_bytes,
+            n_layers=n_layers,
+            n_experts=n_experts,
+            work_slots=min(n_experts, WORK_SLOTS),
+            pilot_slots=0 if opts.pilot == "off" else min(n_experts, PILOT_SLOTS),
+            cache=opts.cache,
+        )
+        base = plan()
+        room = base.total - base.dense - base.kv - base.reserve - base.work
+        pin_first = opts.pin == "all" and opts.cache is None  # --pin all: pins before the cache
+        pin_budget = PinBudget.plan(
+            opts.pin,
+            expert_room=room,
+            cache_room=0 if pin_first else base.cache_bytes,
+            slot_bytes=slot_bytes,
+            n_experts_total=n_experts * len(layers),
+        )
+        if pin_budget.capacity:
+            base = plan(pins=pin_budget.capacity * slot_bytes)
+        streams = base.cache_per_layer < n_experts
+        floor = opts.memory_floor_gb
+        return StorePlan(
+            budget=base,
+            pin_budget=pin_budget,
+            usage=usage,
+            save_usage_to=save_to,
+            pin_at_start=opts.pin_at_start,
+            pilot_switch=self.pilot_switch(base) if streams else None,
+            memwatch=opts.memwatch,  # whenever experts stream, `--cache` included (the ceiling)
+            memory_floor=None if floor is None else int(floor * budgets.GiB),
+        )
+
+    def pilot_switch(self, base: budgets.BudgetPlan) -> PilotSwitch | None:
+        """`--pilot auto`: PILOT measures whether it pays (starting from what earlier runs
+        of this model and budget measured, when remembered); `on` or `off`: the run
+        measures its state for the memory and never switches; None when there is nothing
+        to measure."""
+        opts = self.opts
+        memory = None
+        if opts.profiles_dir is not None:  # the user's knobs, not the budget they gave today
+            key = (
+                f"{self.sizing.model_key}|ram={opts.ram_gb}|cache={opts.cache}|pin={opts.pin}|"
+                f"io={opts.io_threads}|direct={opts.direct}"
+            )
+            memory = PilotMemory(opts.profiles_dir / self.sizing.model_name / "pilot.json", key)
+        if opts.pilot == "auto" and base.pilot_slots:
+            return PilotSwitch(memory)
+        if memory is None or opts.pilot == "auto":
+            return None
+        return PilotSwitch(memory, fixed=opts.pilot == "on")
+
+
 def split_bytes(
     checkpoint: Checkpoint, expert_names: set[str], idle_prefixes: tuple[str, ...] = ()
 ) -> tuple[int, int]:
@@ -113,49 +200,28 @@ def open_store(
     opts: StoreOptions,
     model_type: str,
     *,
+    kv_bytes: int = 0,
     idle_prefixes: tuple[str, ...] = (),
 ) -> ExpertStore:
-    """The expert store for ``opts``; it still needs :func:`allocate_store`.
+    """The expert store for ``opts``, its memory planned whole (``kv_bytes``: what the KV
+    cache takes of the budget at the full context).
     ``idle_prefixes``: tensors loaded but never run (kept out of the budget, unchecked).
     With ``opts.verify`` the weights the model reads are held to the container's digests
     by the daemon's rule (:mod:`colibrid.store.weight_checks`): what is mapped is checked
     here, before the store is built; streamed experts as they are read."""
     digests = load_digests(checkpoint) if opts.verify else None
-    experts: set[str] = set()
-    if digests is not None:  # the dense part is mapped whatever the store
-        names = checkpoint.names()
-        experts = expert_tensor_names(layout).intersection(names)
-        mapped = [n for n in names if n not in experts and not n.startswith(idle_prefixes)]
-        verify_mapped(checkpoint, digests, mapped, "dense weights")
-    store = _open(checkpoint, layout, opts, model_type, idle_prefixes, digests)
-    if digests is not None:
-        try:
-            if isinstance(store, TieredStore):  # checked as they are read
-                check_covered(checkpoint, digests, experts)
-            else:  # every expert is mapped too
-                verify_mapped(checkpoint, digests, sorted(experts), "resident experts")
-        except BaseException:
-            store.close()
-            raise
-    return store
-
-
-def _open(
-    checkpoint: Checkpoint,
-    layout: ExpertLayout,
-    opts: StoreOptions,
-    model_type: str,
-    idle_prefixes: tuple[str, ...],
-    digests: Digests | None,
-) -> ExpertStore:
+    checks = None if digests is None else _check_dense(checkpoint, layout, digests, idle_prefixes)
     total, source = budgets.resolve_total(opts.ram_gb)
     if opts.mode == "resident" or not layout.moe_layers:  # no routed experts: none to stream
-        return ResidentExpertStore(checkpoint, layout)
+        return _resident(checkpoint, layout, checks)
     # From the headers alone (the tiered store's planned payload is these same bytes),
     # before planning ~10^4 extents: auto keeps everything resident in half the budget.
     dense, experts = split_bytes(checkpoint, expert_tensor_names(layout), idle_prefixes)
     if opts.mode == "auto" and dense + experts <= total // 2:
-        return ResidentExpertStore(checkpoint, layout)
+        return _resident(checkpoint, layout, checks)
+    model_key = f"{checkpoint.dir.resolve()}|{sum(f.path.stat().st_size for f in checkpoint.files)}"
+    sizing = StoreSizing(total, source, dense, model_type, model_key, checkpoint.dir.name)
+    budgets.check_dense_fits(total, dense, source)  # before a slot is planned
     try:
         store = TieredStore(
             checkpoint,
@@ -163,98 +229,50 @@ def _open(
             direct=opts.direct,
             io_threads=opts.io_threads,
             policy=opts.policy,
-            digests=digests,
+            digests=None if checks is None else checks.digests,
+            planner=TierPlanner(sizing, opts, kv_bytes),
         )
     except NotStreamable as exc:
         log.warning("colibri: experts stay resident (%s)", exc)
-        return ResidentExpertStore(checkpoint, layout)
-    budgets.check_dense_fits(total, dense, source)
-    model_key = f"{checkpoint.dir.resolve()}|{sum(f.path.stat().st_size for f in checkpoint.files)}"
-    store.sizing = StoreSizing(total, source, dense, model_type, model_key, checkpoint.dir.name)
+        return _resident(checkpoint, layout, checks)
+    if checks is not None:  # every streamed expert is checked as it is read
+        try:
+            check_covered(checkpoint, checks.digests, checks.experts)
+        except BaseException:
+            store.close()
+            raise
     return store
 
 
-def pilot_switch(
-    store: TieredStore, opts: StoreOptions, base: budgets.BudgetPlan
-) -> PilotSwitch | None:
-    """`--pilot auto`: PILOT measures whether it pays (starting from what earlier runs of
-    this model and budget measured, when remembered); `on` or `off`: the run measures its
-    state for the memory and never switches; None when there is nothing to measure."""
-    memory = None
-    if opts.profiles_dir is not None:  # the user's knobs, not the budget they gave today
-        key = (
-            f"{store.sizing.model_key}|ram={opts.ram_gb}|cache={opts.cache}|pin={opts.pin}|"
-            f"io={opts.io_threads}|direct={opts.direct}"
-        )
-        path = opts.profiles_dir / store.sizing.model_name / "pilot.json"
-        memory = PilotMemory(path, key)
-    if opts.pilot == "auto" and base.pilot_slots:
-        switch = PilotSwitch(memory)
-        if not switch.on:  # remembered: PILOT costs more than it saves here
-            store.set_pilot(False)
-        return switch
-    if memory is None or opts.pilot == "auto":
-        return None
-    return PilotSwitch(memory, fixed=opts.pilot == "on")
+@dataclass(frozen=True)
+class _Checks:
+    """The container's digests, and the routed experts' tensors they must cover (checked
+    now when mapped, as they are read when streamed)."""
+
+    digests: Digests
+    experts: set[str]
 
 
-def allocate_store(store: ExpertStore, opts: StoreOptions, *, kv_bytes: int) -> None:
-    """Plan every slot from one budget (now that the KV size is known), allocate, and pin
-    what the pin rule chooses from the usage profile. A resident store needs nothing."""
-    if not isinstance(store, TieredStore):
-        return
-    sizing: StoreSizing = store.sizing
-    layers = store.layers
-    n_exp = store.layout.n_experts
-    usage = UsageProfile(max(layers) + 1, n_exp, sizing.model_type, layers)
-    if opts.profile:
-        usage.merge_file(Path(opts.profile))
-    store.recorder.profile = usage
-    work = min(n_exp, WORK_SLOTS)
-    pilot_slots = 0 if opts.pilot == "off" else min(n_exp, PILOT_SLOTS)
-    plan = partial(
-        budgets.plan,
-        total=sizing.total,
-        source=sizing.source,
-        dense=sizing.dense,
-        kv=kv_bytes,
-        slot_bytes=store.slot_bytes,
-        n_layers=store.n_layers,
-        n_experts=n_exp,
-        work_slots=work,
-        pilot_slots=pilot_slots,
-        cache=opts.cache,
-    )
-    base = plan()
-    room = base.total - base.dense - base.kv - base.reserve - base.work
-    pin_first = opts.pin == "all" and opts.cache is None  # --pin all: pins before the cache
-    budget = PinBudget.plan(
-        opts.pin,
-        expert_room=room,
-        cache_room=0 if pin_first else base.cache_bytes,
-        slot_bytes=store.slot_bytes,
-        n_experts_total=n_exp * len(layers),
-    )
-    if budget.capacity:
-        base = plan(pins=budget.capacity * store.slot_bytes)
-    store.budget_plan = base
-    store.profile_path = opts.profile if opts.save_profile else None
-    if budget.capacity:
-        store.recorder.heat = np.zeros(store.counts.shape, dtype=np.float64)  # REPIN
-    store.allocate(
-        base.cache_per_layer,
-        work_slots=base.work_slots,
-        pilot_slots=base.pilot_slots,
-        pin_budget=budget,
-    )
-    if store.streams():
-        store.pilot_switch = pilot_switch(store, opts, base)
-    if opts.pin_at_start:
-        store.apply_pins(usage.counts)
-    if opts.memwatch:  # whenever experts stream, `--cache` included (it is the ceiling)
-        from colibrid.store.memwatch import default_watch
+def _check_dense(
+    checkpoint: Checkpoint, layout: ExpertLayout, digests: Digests, idle: tuple[str, ...]
+) -> _Checks:
+    """Check every dense tensor the model reads now: it is mapped whatever the store."""
+    names = checkpoint.names()
+    routed = expert_tensor_names(layout).intersection(names)
+    mapped = [n for n in names if n not in routed and not n.startswith(idle)]
+    verify_mapped(checkpoint, digests, mapped, "dense weights")
+    return _Checks(digests, routed)
 
-        floor = None if opts.memory_floor_gb is None else int(opts.memory_floor_gb * budgets.GiB)
-        store.memwatch = default_watch(base.total, store, floor=floor)
-        store.memwatch_note = store.memwatch.describe(store)
-    log.info("colibri: %s; %s; pins: %s", base.describe(), store.plan.describe(), store.pins.note)
+
+def _resident(
+    checkpoint: Checkpoint, layout: ExpertLayout, checks: _Checks | None
+) -> ResidentExpertStore:
+    """Every expert mapped, and (with digests) checked now."""
+    store = ResidentExpertStore(checkpoint, layout)
+    if checks is not None:
+        try:
+            verify_mapped(checkpoint, checks.digests, sorted(checks.experts), "resident experts")
+        except BaseException:
+            store.close()
+            raise
+    return store

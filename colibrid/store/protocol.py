@@ -84,4 +84,10 @@ class ExpertStore(Protocol):
     def streams(self) -> bool:
         """Experts are read from disk during decode (the cache cannot hold them all)."""
 
+    def reads_experts(self) -> bool:
+        """The store reads experts from the checkpoint's files into slots it manages (the
+        tiered store, even when its cache holds every expert), so a disk probe, a cache
+        flush and a cache bound mean something; False where the file mapping is the
+        memory (the resident store)."""
+
     def close(self) -> None: ...

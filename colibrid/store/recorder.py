@@ -26,6 +26,12 @@ class UsageRecorder:
         self._pending: list[tuple[int, np.ndarray]] = []
         self._followed = False  # someone takes the selections (else none are kept)
 
+    def learn(self, profile: UsageProfile, *, heat: bool) -> None:
+        """From now on feed ``profile`` (the .coli_usage being learned) and, with ``heat``,
+        REPIN's session heat (kept only when pins are planned: it costs a bincount a call)."""
+        self.profile = profile
+        self.heat = np.zeros(self.counts.shape, dtype=np.float64) if heat else None
+
     def check(self, layer: int, experts) -> np.ndarray:
         if layer not in self.layers:
             raise KeyError(f"layer {layer} has no routed experts in this store")

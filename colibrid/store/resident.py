@@ -134,6 +134,9 @@ class ResidentExpertStore:
     def streams(self) -> bool:
         return False
 
+    def reads_experts(self) -> bool:
+        return False  # the checkpoint's mapping is the memory
+
     def statistics(self, since: Counters | None = None) -> StoreStats:
         c = self.stats if since is None else self.stats.minus(since)
         total = len(self._experts) * self.layout.n_experts

@@ -1,13 +1,19 @@
 """The tiered expert store: pinned hot store -> per-layer cache -> disk (docs/architecture.md).
 
-Composed from parts with one job each: :mod:`slots` (which expert is in which slot; no
-I/O), :mod:`reader` (extents, slabs, the I/O pool), :mod:`prefetch` (PILOT),
-:mod:`recorder` (usage counts), :mod:`pins` (the pin controller) and MEMWATCH. This module
-only serves layers: a lookup is a dict hit (pinned, then the layer's cache); the misses
-of a layer are all handed to the I/O pool at once, the resident experts are given to the
-model first, and each miss is given as its read lands (:meth:`iter_ready`). The model
-reduces contributions in ascending expert order, so arrival order cannot change a token.
+Composed from parts with one job each: :mod:`reader` (the checkpoint's experts on disk:
+extents, files, the I/O pool), :mod:`tiers` (the memory: the slab arena, :mod:`slots`,
+:mod:`prefetch` (PILOT), completions, :mod:`serving`, pin moves), :mod:`recorder` (usage
+counts), :mod:`pins` (the pin controller) and MEMWATCH. This module only serves layers:
+a lookup is a dict hit (pinned, then the layer's cache); the misses of a layer are all
+handed to the I/O pool at once, the resident experts are given to the model first, and
+each miss is given as its read lands (:meth:`iter_ready`). The model reduces
+contributions in ascending expert order, so arrival order cannot change a token.
 Everything here runs on the engine thread; reader threads only fill slots.
+
+Built whole in its constructor: the disk side from the headers, then, from the one
+:class:`~colibrid.store.memory_plan.StorePlan` its planner makes (the budget, the KV
+size the config gives, the user's knobs), the whole memory side. A store opened without
+a planner (tests, tools) gets its memory from :meth:`allocate`, a slot plan made by hand.
 
 A failure is contained: whatever raises inside a pass (a read error, a cancel, a bug in
 the model), the delivery's clean-up lets its reads land and frees their slots, so the
@@ -22,10 +28,13 @@ from dataclasses import replace
 
 from colibrid.backends.base import ResidentExperts
 from colibrid.policy import DEFAULT_POLICY
+from colibrid.store.budget import BudgetPlan
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.completions import Completions
 from colibrid.store.experts import ExpertLayout, ExpertWeights
 from colibrid.store.integrity import Digests
+from colibrid.store.memory_plan import MemoryPlanner
+from colibrid.store.memwatch import MemWatch, default_watch
 from colibrid.store.pilot_switch import PilotSwitch
 from colibrid.store.pin_moves import PinMoves
 from colibrid.store.pins import PinBudget, PinController, repin_swaps
@@ -35,6 +44,7 @@ from colibrid.store.recorder import UsageRecorder
 from colibrid.store.serving import LayerServer
 from colibrid.store.slots import Key, Placement, SlotPlan, StoreError
 from colibrid.store.telemetry import Counters, StoreStats, snapshot
+from colibrid.store.tiers import Tiers
 
 log = logging.getLogger("colibri.store")
 
@@ -44,10 +54,12 @@ __all__ = ["StoreError", "TieredStore"]
 class TieredStore:
     """ExpertStore over disk with a pinned tier and a per-layer cache (see module doc).
 
-    Construct (plans extents from headers only), then :meth:`allocate` once the budget is
-    known. ``cache_per_layer`` may later move between 0 and the allocated maximum
-    (:meth:`set_cache_per_layer`, MEMWATCH). With ``digests`` each expert's first read
-    from disk is checked against them (:mod:`colibrid.store.weight_checks`).
+    ``planner``: the budget, KV size and knobs every slot is planned from (the memory
+    side is then built here); without one, :meth:`allocate` with a slot plan made by
+    hand. ``cache_per_layer`` may later move
+    between 0 and the allocated maximum (:meth:`set_cache_per_layer`, MEMWATCH). With
+    ``digests`` each expert's first read from disk is checked against them
+    (:mod:`colibrid.store.weight_checks`).
     """
 
     def __init__(
@@ -60,6 +72,7 @@ class TieredStore:
         policy: str = DEFAULT_POLICY,
         extra_layers: dict[int, str] | None = None,
         digests: Digests | None = None,
+        planner: MemoryPlanner | None = None,
     ) -> None:
         self.layout = layout
         self.stats = Counters()
@@ -81,17 +94,20 @@ class TieredStore:
         profiled = [layer for layer in self.extents if layer not in layout.draft_layers]
         self.recorder = UsageRecorder(max(profiled, default=-1) + 1, layout.n_experts, profiled)
         self.counts = self.recorder.counts
-        self.profile_path: str | None = None  # where usage is saved after each request
         self.pins = PinController(PinBudget("off", 0, 0))
-        self.memwatch = None  # a memwatch.MemWatch, attached by options.allocate_store
-        self.memwatch_note = "off"  # what `ps` shows: the watch's "on: ..." until it acts
         self.pilot_on = True  # PILOT's slots read guesses (False: lent to the caches)
+        # What a plan builds; when the memory is allocated by hand, these say "none":
+        self.tiers: Tiers | None = None  # the memory: arena, placement, PILOT, serving
+        self.budget_plan: BudgetPlan | None = None  # the budget every slot was planned from
+        self.profile_path: str | None = None  # where usage is saved after each request
         self.pilot_switch: PilotSwitch | None = None  # --pilot auto: measures on vs off
-        self.placement: Placement | None = None
-        self.prefetcher: Prefetcher | None = None
-        self.completions: Completions | None = None
-        self.server: LayerServer | None = None
-        self.moves: PinMoves | None = None
+        self.memwatch: MemWatch | None = None  # follows free memory, resizes the cache
+        if planner is not None:
+            try:
+                self._build(planner)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- set-up --------------------------------------------------------------------------
     @property
@@ -110,6 +126,34 @@ class TieredStore:
     def payload_bytes(self) -> int:
         return self.reader.payload_bytes()
 
+    def _build(self, planner: MemoryPlanner) -> None:
+        """Plan every slot from one budget, allocate, and pin what the pin rule chooses
+        from the usage profile; start PILOT's switch and MEMWATCH as planned."""
+        plan = planner.plan(
+            layers=self.layers,
+            n_layers=self.n_layers,
+            n_experts=self.layout.n_experts,
+            slot_bytes=self.slot_bytes,
+        )
+        base = plan.budget
+        self.budget_plan = base
+        self.recorder.learn(plan.usage, heat=plan.repin)
+        self.profile_path = plan.save_usage_to
+        self.allocate(
+            base.cache_per_layer,
+            work_slots=base.work_slots,
+            pilot_slots=base.pilot_slots,
+            pin_budget=plan.pin_budget,
+        )
+        self.pilot_switch = plan.pilot_switch
+        if self.pilot_switch is not None and not self.pilot_switch.on:
+            self.set_pilot(False)  # remembered: PILOT costs more than it saves here
+        if plan.pin_at_start:
+            self.apply_pins(plan.usage.counts)
+        if plan.memwatch:
+            self.memwatch = default_watch(base.total, self, floor=plan.memory_floor)
+        log.info("colibri: %s; %s; pins: %s", base.describe(), self.plan.describe(), self.pins.note)
+
     def allocate(
         self,
         cache_per_layer: int,
@@ -119,7 +163,8 @@ class TieredStore:
         pins: Sequence[Key] = (),
         pin_budget: PinBudget | None = None,
     ) -> None:
-        """Create the arena from one slot plan, pre-fault what it needs now, load pins."""
+        """Build the memory side whole from one slot plan (replacing any earlier one),
+        pre-fault what it needs now, load ``pins``."""
         n_exp = self.layout.n_experts
         budget = pin_budget or PinBudget("all" if pins else "off", len(pins), len(pins))
         plan = SlotPlan(
@@ -131,104 +176,83 @@ class TieredStore:
         )
         if len(pins) > plan.pins:
             raise StoreError(f"{len(pins)} pins asked for a pin capacity of {plan.pins}")
-        self.reader.allocate(plan.total)
-        self.placement = Placement(
-            plan,
-            self.served_layers,
-            self.policy_name,
-            fault_in=self.reader.fault_in,
-            park=self.reader.park,
-        )
-        # Pre-fault: untouched RAM fills slowly later. In the background where the kernel
-        # can populate without writing, the slots taken first (the free list's end) first;
-        # a slot parked meanwhile is passed over (one racing its park keeps its pages).
-        placement = self.placement
-        self.reader.fault_in_background(
-            placement.free[::-1], skip=lambda slot: slot in placement.parked
-        )
-        self.prefetcher = Prefetcher(self.placement, self.reader, self.stats)
-        self.completions = Completions(self.placement, self.reader, self.prefetcher)
-        self.server = LayerServer(
-            self.placement,
-            self.reader,
-            self.prefetcher,
-            self.completions,
-            self.stats,
-            self.extents,
-            n_exp,
-        )
-        self.moves = PinMoves(
-            self.placement, self.reader, self.prefetcher, self.completions, self._quiesce
-        )
+        self.tiers = Tiers(plan, self.reader, self.stats, policy=self.policy_name, n_experts=n_exp)
         self.pins = PinController(budget)
         self.pin(pins)
 
-    # Views of the placement state (tests, telemetry, bench).
+    def _tiers(self) -> Tiers:
+        if self.tiers is None:
+            raise StoreError("the store has no memory yet: it was opened without a plan")
+        return self.tiers
+
+    # Views of the memory side (tests, telemetry, bench).
+    @property
+    def placement(self) -> Placement:
+        return self._tiers().placement
+
+    @property
+    def prefetcher(self) -> Prefetcher:
+        return self._tiers().prefetcher
+
+    @property
+    def completions(self) -> Completions:
+        return self._tiers().completions
+
+    @property
+    def server(self) -> LayerServer:
+        return self._tiers().server
+
+    @property
+    def moves(self) -> PinMoves:
+        return self._tiers().moves
+
     @property
     def pinned(self) -> dict[Key, int]:
-        return self._placed().pinned
+        return self.placement.pinned
 
     @property
     def cache_per_layer(self) -> int:
-        return self.placement.cache_per_layer if self.placement is not None else 0
+        return self.tiers.placement.cache_per_layer if self.tiers is not None else 0
 
     @property
     def cache_max(self) -> int:
-        return self._placed().cache_max
+        return self.placement.cache_max
 
     @property
     def plan(self) -> SlotPlan:
-        return self._placed().plan
+        return self.placement.plan
 
-    def _placed(self) -> Placement:
-        if self.placement is None:
-            raise StoreError("the store has no memory yet: call allocate()")
-        return self.placement
-
-    def _moves(self) -> PinMoves:
-        assert self.moves is not None, "allocate() first"
-        return self.moves
-
-    def _served(self) -> LayerServer:
-        if self.server is None:
-            raise StoreError("the store has no memory yet: call allocate()")
-        return self.server
-
-    def _pilot(self) -> Prefetcher:
-        assert self.prefetcher is not None, "allocate() first"
-        return self.prefetcher
+    @property
+    def memwatch_note(self) -> str:
+        """What `ps` shows of MEMWATCH: its last action, or what it watches."""
+        return "off" if self.memwatch is None else self.memwatch.note
 
     # ---- pins (PinnedTier for the controller) --------------------------------------------
     def pinned_keys(self) -> list[Key]:
-        return list(self._placed().pinned)
+        return list(self.placement.pinned)
 
     def pin(self, keys: Sequence[Key]) -> None:
         """Load ``keys`` into pinned slots (reads wait here), within the pin capacity."""
         for la, e in keys:
-            if (int(la), int(e)) not in self._placed().pinned:
-                self._moves().pin_one((int(la), int(e)))
+            if (int(la), int(e)) not in self.placement.pinned:
+                self.moves.pin_one((int(la), int(e)))
 
     def apply_pins(self, counts) -> int:
         """Pin what the controller's rule chooses for ``counts`` (a profile's usage)."""
         keys = self.pins.choose(counts, self.layers)
-        return self.pins.apply(self._moves(), keys)
+        return self.pins.apply(self.moves, keys)
 
     def _quiesce(self) -> None:
         """Between passes: finish the last delivery and place what landed."""
-        server = self._served()
-        server.abandon()
-        server.finish_held()
-        server.completions.poll()
-        server.completions.drain()
+        self._tiers().quiesce()
 
-    # ---- completions ---------------------------------------------------------------------
     # ---- the ExpertStore protocol -------------------------------------------------------
     def record(self, layer: int, experts: Sequence[int]) -> None:
         if layer in self.layout.draft_layers:
             return  # a drafting layer's selections are no part of the usage profile
         idx = self.recorder.record(layer, experts)
-        if self.prefetcher is not None:
-            self.prefetcher.score(layer, idx)
+        if self.tiers is not None:
+            self.tiers.prefetcher.score(layer, idx)
 
     def take_usage(self):
         return self.recorder.take()
@@ -240,7 +264,7 @@ class TieredStore:
         """Every expert at once, valid until the next store call (misses wait here)."""
         keys = [int(e) for e in experts]
         out: dict[int, ExpertWeights] = {}
-        for group in self._served().serve(layer, keys, streaming=False):
+        for group in self.server.serve(layer, keys, streaming=False):
             out.update(group)
         return [out[e] for e in keys]
 
@@ -257,7 +281,7 @@ class TieredStore:
         the caller can compute something else (the shared expert) while the drive works.
         A list is valid until the consumer asks for the next one.
         """
-        return self._served().serve(layer, [int(e) for e in experts], streaming=True)
+        return self.server.serve(layer, [int(e) for e in experts], streaming=True)
 
     def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """`iter_groups` one pair at a time; a pair is valid until the next is asked for."""
@@ -268,20 +292,22 @@ class TieredStore:
     def hint(self, layer: int, experts: Sequence[int]) -> int:
         """Start background reads of predicted experts of ``layer`` (surest first) within
         the plan's PILOT slots; returns reads issued. Never blocks, never evicts."""
-        if self.placement is None or layer not in self.extents:
+        tiers = self.tiers
+        if tiers is None or layer not in self.extents:
             return 0
-        pilot = self._pilot()
+        pilot = tiers.prefetcher
         room = 0  # off: the guess is still scored, so the recall stays measured
         if self.pilot_on:
-            landed = len(self._served().completions.landed)
-            room = self.placement.pilot_room - len(pilot.inflight) - landed
+            landed = len(tiers.completions.landed)
+            room = tiers.placement.pilot_room - len(pilot.inflight) - landed
         return pilot.hint(layer, experts, room)
 
     def set_pilot(self, on: bool) -> None:
         """PILOT on (its slots read guesses) or off (its slots lent to the caches, one
         more expert per layer for each layer's worth; guesses in flight land first)."""
         self._quiesce()
-        pl, pilot, completions = self._placed(), self._pilot(), self._served().completions
+        tiers = self._tiers()
+        pl, pilot, completions = tiers.placement, tiers.prefetcher, tiers.completions
         if not on:
             repin = pl.pin_on_land
             for key in [k for k in pilot.inflight if k not in repin]:
@@ -298,7 +324,7 @@ class TieredStore:
     # ---- boundaries, resizing, telemetry -------------------------------------------------
     def between_tokens(self, wall_s: float = 0.0, attention_s: float = 0.0, rows: int = 1) -> None:
         """A forward pass ended: admit held experts, count the token and its time."""
-        self._served().finish_held()
+        self.server.finish_held()
         if self.pilot_switch is not None:
             on = self.pilot_switch.observe(rows, wall_s)
             if on != self.pilot_on:
@@ -308,7 +334,7 @@ class TieredStore:
             self.stats.tokens += 1
             self.stats.token_wall_s += wall_s
             self.stats.attention_s += attention_s
-        self._pilot().end_pass()
+        self.prefetcher.end_pass()
         self.recorder.end_pass()
         if self.memwatch is not None:
             self.memwatch.tick(self)
@@ -316,8 +342,8 @@ class TieredStore:
     def abort_pass(self) -> None:
         """A forward pass raised: end its delivery (reads land, slots free) so the store is
         as consistent as before the pass; called before :meth:`between_tokens`."""
-        self._served().abandon()
-        self._served().finish_held()
+        self.server.abandon()
+        self.server.finish_held()
 
     def request_finished(self) -> None:
         """A request boundary: persist the usage profile, then start the REPIN swaps."""
@@ -326,32 +352,35 @@ class TieredStore:
         if usage is not None and self.profile_path and usage.dirty:
             usage.save(self.profile_path)
         heat = self.recorder.heat
-        if heat is not None and self._placed().pinned:
-            for cold, hot in repin_swaps(heat, list(self._placed().pinned)):
-                self._moves().repin(cold, hot)
+        if heat is not None and self.placement.pinned:
+            for cold, hot in repin_swaps(heat, list(self.placement.pinned)):
+                self.moves.repin(cold, hot)
 
     def set_cache_per_layer(self, n: int) -> int:
         """Resize every layer's cache to ``n`` (clamped to what was allocated); evicts the
         coldest entries and gives their pages back, or faults parked slots in again."""
         self._quiesce()
-        return self._placed().resize_cache(n)
+        return self.placement.resize_cache(n)
 
     def streams(self) -> bool:
         return self.cache_per_layer < self.layout.n_experts
 
+    def reads_experts(self) -> bool:
+        return True  # every expert reaches memory through this store's reads
+
     def check_consistency(self) -> None:
         """Assert the placement bookkeeping is whole (tests; after faults)."""
         self._quiesce()
-        self._placed().check(idle=True)
+        self.placement.check(idle=True)
 
     def resident_bytes(self) -> int:
-        pl = self._placed()
+        pl = self.placement
         return (pl.n_slots - len(pl.parked)) * self.reader.arena.slot_bytes
 
     def statistics(self, since: Counters | None = None) -> StoreStats:
         self.stats.io_active_s = self.pool.busy_seconds()
         c = self.stats if since is None else self.stats.minus(since)
-        pl = self.placement
+        pl = self.tiers.placement if self.tiers is not None else None
         cached = sum(len(x) for x in pl.cache.values()) if pl is not None else 0
         snap = snapshot(
             c,

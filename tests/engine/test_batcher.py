@@ -12,7 +12,8 @@ import pytest
 from colibrid.engine import batcher as batcher_module
 from colibrid.engine.batcher import Batcher, Member
 from colibrid.engine.engine import Engine
-from colibrid.engine.generate import DoneEvent, TokenEvent, generation
+from colibrid.engine.events import DoneEvent, TokenEvent
+from colibrid.engine.request_run import RequestRun
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.store.options import StoreOptions
@@ -58,7 +59,7 @@ def prompts(engine, n: int) -> list[list[int]]:
 
 def add(batch: Batcher, engine, prompt, params, *, spec=OFF, cancel=None) -> Record:  # noqa: ANN001
     record = Record()
-    steps = generation(engine, prompt, params, cancel=cancel, speculate=spec, costs=batch.costs)
+    steps = RequestRun(engine, prompt, params, cancel=cancel, speculate=spec, costs=batch.costs)
     batch.add(Member(steps, cancel, tag=record, label=f"r{len(batch.members)}"))
     return record
 

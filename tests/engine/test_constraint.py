@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from structured_cases import SCHEMAS
 
-from colibrid.engine import generate as gen_module
+from colibrid.engine import request_run as gen_module
 from colibrid.engine.batcher import Batcher, Member
 from colibrid.engine.constraint import Vocabulary
 from colibrid.engine.engine import Engine
-from colibrid.engine.generate import DoneEvent, TokenEvent, generation
+from colibrid.engine.events import DoneEvent, TokenEvent
 from colibrid.engine.grammar import Grammar
+from colibrid.engine.request_run import RequestRun
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
@@ -71,7 +72,7 @@ def chat(codec: TextCodec, prompt: str) -> list[int]:
 def add(batch: Batcher, demo, ids, params, grammar=None, spec=OFF, session=None, ff=True):  # noqa: ANN001
     engine, codec, vocab = demo
     record = Record()
-    steps = generation(
+    steps = RequestRun(
         engine,
         ids,
         params,

@@ -14,12 +14,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from colibrid.engine.generate import (
     DoneEvent,
     GenStats,
-    StopStringMatcher,
     TokenEvent,
     generate,
     teacher_forced_argmax,
 )
 from colibrid.engine.sampling import NonFiniteLogits, SamplingError, SamplingParams
+from colibrid.engine.text_out import StopStringMatcher
 from colibrid.engine.tokenizer import StreamingDetokenizer, TextCodec
 from colibrid.errors import RequestError
 
@@ -85,6 +85,7 @@ class FakeEngine:
         self.logits_for = lambda ids: next_logits(list(ids)).astype(np.float32)
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.mtp_on = False
         self.prefills = self.decodes = 0
 
     def new_session(self) -> FakeSession:

@@ -122,7 +122,7 @@ def test_speculation_changes_no_token(oracle_checkpoint, monkeypatch, arch) -> N
     """Drafts right, wrong at every third and fifth place, and from prompt lookup; greedy
     and sampled (same seed): the text is the one without speculation, and a request that
     ends inside a verify leaves its session holding what one without would."""
-    import colibrid.engine.generate as gen_module
+    import colibrid.engine.request_run as gen_module
 
     engine = Engine.load(oracle_checkpoint(arch).out_dir, store=StoreOptions(mode="resident"))
     try:

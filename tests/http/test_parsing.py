@@ -16,10 +16,9 @@ from colibrid.http.parsing import (
     DEEPSEEK_CALL_TOKENS,
     HARMONY_CALL_TOKENS,
     Features,
-    make_splitter,
     parse_tool_calls,
-    split_all,
 )
+from colibrid.http.splitter import make_splitter, split_all
 from colibrid.serve.events import Done
 
 BOTH = Features(tools=True, think=True)

@@ -24,6 +24,7 @@ from colibrid.engine.generate import DoneEvent, TokenEvent, generate, teacher_fo
 from colibrid.engine.sampling import SamplingParams
 from colibrid.formats.quant import container_tensors, dequantize, quantize
 from colibrid.formats.weights import WeightFormat
+from colibrid.models.transformer import planned_cache_layouts
 
 
 def greedy(engine: Engine, prompt: list[int], n: int = 20) -> list[int]:
@@ -47,6 +48,19 @@ def check_against_reference(ref: tiny_models.OracleReference) -> None:
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "fp8"])
 def test_matches_transformers(oracle_checkpoint, arch: str, dtype: str) -> None:
     check_against_reference(oracle_checkpoint(arch, dtype))
+
+
+@pytest.mark.parametrize("arch", tiny_models.ARCHS)
+def test_planned_cache_layouts_match_the_built_model(oracle_checkpoint, arch: str) -> None:
+    """The KV budget the expert store is planned around is read from the config before
+    the model exists; it must be what the built model then caches, layer by layer (DSA
+    layers with and without their own indexer, sliding windows, MLA and GQA alike)."""
+    engine = Engine.load(oracle_checkpoint(arch).out_dir)
+    try:
+        planned = planned_cache_layouts(engine.args, engine.checkpoint)
+        assert planned == engine.model.cache_layouts()
+    finally:
+        engine.close()
 
 
 QUANT_FORMATS = {"int8": (WeightFormat.Q8, 0), "int4-g64": (WeightFormat.Q4, 64)}

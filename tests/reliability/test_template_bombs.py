@@ -72,9 +72,9 @@ def test_start_refuses_a_model_whose_template_always_bombs(
         home.close()
 
 
-def running(home: Home) -> int:
+def preparing(home: Home) -> int:
     with Client.connect(home.socket, timeout_s=10) as client:
-        return client.query("STATUS")["running"]
+        return client.query("STATUS")["preparing"]
 
 
 def test_a_template_that_bombs_on_some_messages_costs_those_requests_only(
@@ -94,9 +94,9 @@ def test_a_template_that_bombs_on_some_messages_costs_those_requests_only(
         line = one_line(boom.stderr)
         assert "TEMPLATE" in line and "size limit of" in line and str(model) in line, line
 
-        # A render that spins runs on the engine thread; the event loop still answers.
+        # A render that spins runs in a preparing thread; the event loop still answers.
         spin = home.popen_colibri(*ASK, "SPIN what is the capital?")
-        assert wait_for(lambda: running(home) >= 1, timeout_s=10)
+        assert wait_for(lambda: preparing(home) >= 1, timeout_s=10)
         started = time.monotonic()
         ps = home.colibri("ps", timeout=10)
         assert ps.returncode == 0 and "MODEL" in ps.stdout, ps.stderr

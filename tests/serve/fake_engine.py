@@ -161,6 +161,12 @@ class FakeSession:
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
 
+    def kv_bytes(self) -> int:
+        return 0  # no KV held: the pool's byte budget never binds
+
+    def verify(self) -> str | None:
+        return None
+
     def fork(self, length: int) -> FakeSession:
         copy = FakeSession(self.engine)
         copy.tokens = self.tokens[:length]
@@ -173,6 +179,13 @@ class FakeSession:
         return None
 
 
+class NoDevice:
+    """The ops' one question the host asks: what device memory holds (nothing)."""
+
+    def device_tier(self) -> None:
+        return None
+
+
 class FakeEngine:
     def __init__(self, *, max_context: int = 512, layer_delay_s: float = 0.0) -> None:
         self.max_context = max_context
@@ -182,9 +195,10 @@ class FakeEngine:
         self.layer_delay_s = layer_delay_s
         self.computed = 0
         self.kv_budget_bytes = None
-        self.ops = None  # no backend: nothing held in device memory for `ps`
+        self.ops = NoDevice()  # no backend: nothing held in device memory for `ps`
         self.backend = "fake"
         self.family = KernelFamily.F32
+        self.mtp_on = False
 
     def request_finished(self) -> None:
         self.experts.request_finished()

@@ -93,3 +93,33 @@ def test_survives_kill_9_at_any_moment(tmp_path: Path) -> None:
         u = UsageProfile(8, 64, "glm_moe_dsa", moe_layers=range(8))
         got = u.merge_file(path)  # parses completely: never torn
         assert got > 0 and got % 2 == 0
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_cooccurrences_are_counted_only_where_they_are_saved(
+    oracle_checkpoint, tmp_path: Path, saved: bool
+) -> None:
+    """A run that saves its profile (`colibrid generate --profile FILE`) counts
+    co-occurrences and writes the sidecar `convert --order` reads; the daemon's store
+    (no file: its profile book keeps counts) does not pay for them."""
+    from colibrid.config import Settings, store_options
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.generate import generate
+    from colibrid.engine.sampling import SamplingParams
+    from colibrid.store.options import StoreOptions
+
+    ref = oracle_checkpoint("glm4_moe")
+    path = tmp_path / ".coli_usage"
+    if saved:
+        opts = StoreOptions(mode="tiered", cache=2, profile=str(path))
+    else:  # what `colibrid start` opens with these knobs
+        opts = store_options(Settings(cache=2), tmp_path / "profiles")
+    engine = Engine.load(ref.out_dir, store=opts)
+    try:
+        list(generate(engine, ref.prompt_ids, SamplingParams(max_tokens=4, temperature=0.0)))
+        profile = engine.experts.recorder.profile
+        assert profile is not None and profile.cooc is saved
+        assert (int(profile.within.sum()) > 0) is saved
+    finally:
+        engine.close()
+    assert cooc_path(path).is_file() is saved

@@ -37,6 +37,10 @@ from colibrid.models.layers.rope import apply_half, apply_interleave
 INDEX_NORM_EPS = 1e-6
 
 
+def indexer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.indexer"
+
+
 @dataclass(frozen=True)
 class IndexerShape:
     hidden: int
@@ -46,6 +50,10 @@ class IndexerShape:
     rope: int
     topk: int
     interleave: bool  # RoPE layout of the index q/k: pairs (GLM-5) or rotate_half (V3.2)
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        """What one position adds to its layer's cache: the indexer's key."""
+        return {"index_k": (self.head_dim,)}
 
 
 class Indexer:
@@ -62,7 +70,7 @@ class Indexer:
         self._rotate = apply_interleave if s.interleave else apply_half
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
-        return {"index_k": (self.shape.head_dim,)}
+        return self.shape.cache_layout()
 
     def __call__(
         self,

@@ -37,6 +37,10 @@ class GQAShape:
     window: int | None = None
     sinks: bool = False
 
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        """What one position caches: keys and values per KV head."""
+        return {"k": (self.kv_heads, self.head_dim), "v": (self.kv_heads, self.head_dim)}
+
 
 class GQAAttention:
     def __init__(self, src: WeightSource, ops: Ops, prefix: str, shape: GQAShape) -> None:
@@ -78,10 +82,7 @@ class GQAAttention:
         )
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
-        return {
-            "k": (self.shape.kv_heads, self.shape.head_dim),
-            "v": (self.shape.kv_heads, self.shape.head_dim),
-        }
+        return self.shape.cache_layout()
 
     def __call__(
         self,

@@ -27,7 +27,7 @@ import numpy as np
 from colibrid.models.base import Linear, Ops, Step, WeightSource
 from colibrid.models.layers.absorb import split_kv_b
 from colibrid.models.layers.attention import row_softmax
-from colibrid.models.layers.dsa import Indexer
+from colibrid.models.layers.dsa import Indexer, IndexerShape
 from colibrid.models.layers.rope import apply_half, apply_interleave
 
 # The reference builds q_a_layernorm / kv_a_layernorm with the default epsilon, not
@@ -46,6 +46,17 @@ class MLAShape:
     v: int
     bias: bool
     interleave: bool
+
+    def cache_layout(self, indexer: IndexerShape | None) -> dict[str, tuple[int, ...]]:
+        """What one position caches: the compressed latent and the rotary key, plus the
+        indexer's key on a layer with its own DSA indexer."""
+        layout: dict[str, tuple[int, ...]] = {
+            "latent": (self.kv_lora_rank,),
+            "k_rope": (self.rope,),
+        }
+        if indexer is not None:
+            layout.update(indexer.cache_layout())
+        return layout
 
 
 def softmax_scale(shape: MLAShape, rope_params: dict[str, Any]) -> float:
@@ -96,13 +107,7 @@ class MLAAttention:
         self._rotate = apply_interleave if s.interleave else _apply_half_full
 
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
-        layout: dict[str, tuple[int, ...]] = {
-            "latent": (self.shape.kv_lora_rank,),
-            "k_rope": (self.shape.rope,),
-        }
-        if self.indexer is not None:
-            layout.update(self.indexer.cache_layout())
-        return layout
+        return self.shape.cache_layout(None if self.indexer is None else self.indexer.shape)
 
     def __call__(
         self,
