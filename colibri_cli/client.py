@@ -27,6 +27,7 @@ from colibri_protocol.messages import (
     Done,
     ErrorReply,
     Line,
+    Logprobs,
     Progress,
     Reply,
     Response,
@@ -123,15 +124,18 @@ class Client:
     def query(self, kind: str) -> Any:
         return self.call(encode_line(kind), want=(kind,))
 
-    def generate(self, submit: Submit) -> Iterator[Accept | Progress | Data | Done]:
-        """Send `submit` and yield its ACCEPT, PROGRESS, DATA and DONE; an ERROR raises
-        ClientError."""
+    def generate(self, submit: Submit) -> Iterator[Accept | Progress | Data | Logprobs | Done]:
+        """Send `submit` and yield its ACCEPT, PROGRESS, DATA, LOGPROBS (when asked) and
+        DONE; an ERROR raises ClientError."""
         self.send(encode_submit(submit))
         yield from self.follow(submit.id)
 
-    def follow(self, rid: str) -> Iterator[Accept | Progress | Data | Done]:
+    def follow(self, rid: str) -> Iterator[Accept | Progress | Data | Logprobs | Done]:
         for response in self.responses():
-            if isinstance(response, (Accept, Progress, Data, Done)) and response.id == rid:
+            if (
+                isinstance(response, (Accept, Progress, Data, Logprobs, Done))
+                and response.id == rid
+            ):
                 yield response
                 if isinstance(response, Done):
                     return
@@ -166,14 +170,24 @@ def start_daemon(model: str | None, stderr: TextIO) -> None:
     what = f"model {model}" if model else "the configured default model"
     print(f"colibri: no daemon running; starting one with {what}", file=stderr)
     cmd = [sys.executable, "-m", "colibrid", "start"] + (["--model", model] if model else [])
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        message = result.stderr.strip().removeprefix("colibrid: error: ")
+    # start's notes (the first run's native build) are shown as they come; its error line
+    # is kept for the message below
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        errors = []
+        for line in proc.stderr:
+            if line.startswith("colibrid: error: "):
+                errors.append(line.removeprefix("colibrid: error: ").strip())
+            else:
+                print(line.rstrip("\n"), file=stderr, flush=True)
+        out = proc.stdout.read()
+    if proc.returncode != 0:
+        message = "; ".join(errors) or f"colibrid start exited with {proc.returncode}"
         if "already running" in message:
             print("colibri: another client started it; using that one", file=stderr)
             return
         raise ClientError(f"could not start the daemon: {message}")
-    print(result.stdout.strip(), file=stderr)
+    print(out.strip(), file=stderr)
 
 
 def ensure_demo(model: str | None, stderr: TextIO) -> None:
@@ -220,14 +234,6 @@ def ensure_daemon(model: str | None = None, *, stderr: TextIO = sys.stderr) -> C
         ensure_demo(model, stderr)
         start_daemon(model, stderr)
     return Client.connect()
-
-
-def reconnect(model: str | None, stderr: TextIO = sys.stderr) -> Client:
-    """After the daemon went away: a new connection (starting a daemon when none runs)."""
-    print("colibri: lost the daemon; reconnecting", file=stderr)
-    client = ensure_daemon(model, stderr=stderr)
-    print("colibri: reconnected to the daemon", file=stderr)
-    return client
 
 
 def model_name(model: str | None) -> str | None:

@@ -15,36 +15,6 @@ from types import ModuleType
 
 from colibri_cli import __version__
 
-BENCH_SUITES: dict[str, tuple[str, str]] = {
-    "kernels": (
-        "colibrid.bench.kernels",
-        "effective weight GB/s of each kernel path next to measured memory bandwidth",
-    ),
-    "decode": (
-        "colibrid.bench.decode",
-        "resident prefill and decode tok/s vs the memory-bandwidth roofline",
-    ),
-    "stream": ("colibrid.bench.stream", "decode tok/s streaming experts vs the O_DIRECT roofline"),
-    "batch": (
-        "colibrid.bench.batch",
-        "1, 2, 4, 8 requests decoded together: tok/s and expert bytes per token vs the disk",
-    ),
-    "spec": (
-        "colibrid.bench.spec",
-        "speculative decoding on and off: tok/s, accepted drafts, bytes per token",
-    ),
-    "replay": ("colibrid.bench.replay", "record a request once; replay it teacher-forced"),
-    "policy": ("colibrid.bench.policy", "cache policies on a recorded trace vs Belady"),
-    "peer": (
-        "colibrid.bench.peer",
-        "colibri and llama.cpp decoding the same model in the same run (optional extra)",
-    ),
-    "routing": (
-        "colibrid.bench.routing",
-        "per-layer expert skew and code-vs-prose difference on the built-in profiles",
-    ),
-}
-
 
 @dataclass(frozen=True)
 class Command:
@@ -147,6 +117,14 @@ COMMANDS: dict[str, Command] = {
         "colibrid.convert.convert",
         "convert a checkpoint (f32/bf16/FP8/NVFP4) into a colibri container",
     ),
+    "requant": Command(
+        "colibrid.convert.requant",
+        "per-expert precision from a usage profile: hot experts precise, cold ones low-bit",
+    ),
+    "eval": Command(
+        "colibrid.quality.command",
+        "quality against a reference: KL, top-1 agreement, perplexity, bytes a token",
+    ),
     "inspect": Command(
         "colibrid.convert.inspect",
         "describe a container: architecture, formats, expert size (--verify: check its bytes)",
@@ -173,6 +151,14 @@ def _usage() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # the one rule of both entry points for a reader that leaves (`colibri ps | head -3`):
+    # no traceback, exit 141; stdlib only, so this is no heavy import
+    from colibrid.pipes import quiet_when_reader_leaves
+
+    return quiet_when_reader_leaves(lambda: _main(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())

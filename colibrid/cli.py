@@ -1,7 +1,8 @@
 """`colibrid` command line: a table of subcommands, each a parser setup and a run function.
 
 Expected failures (`ColibriError`) print one line `colibrid: error: <message>` and exit 1;
-bad usage exits 2 (argparse); Ctrl-C exits 130 without a traceback. Heavy imports (the
+bad usage exits 2 (argparse); Ctrl-C exits 130 without a traceback; a reader that goes
+away (`| head`) ends it quietly with 141 (pipes.py). Heavy imports (the
 engine, numpy) happen inside the commands so `--help` stays instant.
 
 `generate` is the one-shot path: load the model, run one prompt, stream the text.
@@ -33,6 +34,7 @@ from colibrid.config import (
 from colibrid.errors import ColibriError, RequestError
 from colibrid.panic_report import quiet_panic_reports
 from colibrid.paths import Paths
+from colibrid.pipes import quiet_when_reader_leaves
 
 if TYPE_CHECKING:
     from colibrid.engine.sampling import SamplingParams
@@ -297,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return quiet_when_reader_leaves(lambda: _parse_and_run(argv))  # `| head`: no traceback
+
+
+def _parse_and_run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # Rust reads this at a panic: a report of three lines in the daemon's log, not a
     # backtrace of ninety (which a crafted request could repeat at will)
@@ -322,11 +328,6 @@ def _main(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # The reader went away (e.g. `| head`): stop quietly; keep the exit flush silent.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
 
 
 if __name__ == "__main__":

@@ -155,6 +155,15 @@ class Settings:
         "ngram) | ngram (prompt lookup) | mtp | off",
     )
     draft_max: int = setting(8, "the deepest speculative draft a step may verify (1-32)")
+    chat_repeat_penalty: float = setting(
+        1.1,
+        "the repetition penalty of `colibri ask`, `run` and `repl` (1 is off; their "
+        "--repeat-penalty overrides it): a small model decoding greedily loops without one. "
+        "SERVE and the HTTP APIs keep their own defaults (off)",
+    )
+    chat_repeat_last_n: int = setting(
+        64, "the window of that penalty: the last N tokens of the context (-1: all of it)"
+    )
     max_conversations: int = setting(
         8, "finished requests whose KV is kept for a next turn or a shared prompt"
     )
@@ -182,8 +191,16 @@ class Settings:
         "pins from the active profile: auto (AUTOPIN) | all (as many used experts as fit) | off",
     )
     profile_save_s: float = setting(60.0, "how often usage profiles are saved while serving")
+    roofline_refresh_s: float = setting(
+        300.0,
+        "how old the disk, memory and kernel probes (the live roofline's ceilings, measured "
+        "after each load) may grow before they are measured again, only while no request runs "
+        "(0: only at load)",
+    )
     http: str | None = setting(
-        None, 'the OpenAI/Anthropic HTTP API: "HOST:PORT", or "PORT" on 127.0.0.1 (unset: off)'
+        None,
+        'the OpenAI/Anthropic HTTP API and the page at /: "HOST:PORT", or "PORT" on '
+        "127.0.0.1 (unset: off)",
     )
     http_api_key: str | None = setting(
         None,
@@ -249,6 +266,10 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
         if value is not None and not _type_ok(value, str(want)):
             raise ConfigError(f"{paths.config}: {name} has the wrong type ({value!r})")
     speculation(settings)  # a bad mode or depth is refused now, not at the first request
+    if not settings.chat_repeat_penalty > 0 or settings.chat_repeat_last_n < -1:
+        raise ConfigError(
+            f"{paths.config}: chat_repeat_penalty must be > 0 and chat_repeat_last_n >= -1"
+        )
     settings = with_api_key(settings, paths)
     if settings.vram_gb is not None and not settings.vram_gb > 0:
         raise ConfigError(

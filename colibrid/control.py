@@ -3,7 +3,9 @@
 `run` is the foreground daemon (service managers; SIGTERM is graceful). `start` runs
 `colibrid run` detached (own session, stdin closed, output appended to the log) and waits
 on a readiness pipe until the model is loaded and the socket bound, then prints where it
-listens; if the daemon dies first its error is shown. `stop` sends SIGTERM to the pid in
+listens; if the daemon dies first its error is shown. What makes the wait long that the
+user would otherwise not see (the first run's native build) comes through the pipe as a
+`NOTE` line, which `start` prints on stderr as it arrives. `stop` sends SIGTERM to the pid in
 the pidfile and waits until the daemon lock is released. `status` asks the daemon.
 
 A start that cannot write its state (a full disk, a read-only home) fails with one line
@@ -76,8 +78,8 @@ def configure_daemon(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--http",
         metavar="HOST:PORT",
-        help="serve the OpenAI/Anthropic HTTP API "
-        "(a bare PORT binds 127.0.0.1; config.toml key `http`)",
+        help="serve the OpenAI/Anthropic HTTP API and, at /, a page to chat and watch the "
+        "memory tiers (a bare PORT binds 127.0.0.1; config.toml key `http`)",
     )
 
 
@@ -128,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from colibrid import daemon
+    from colibrid.backends import native_build
     from colibrid.backends.base import KernelFamily, require_family
-    from colibrid.engine.backend import make_ops
+    from colibrid.engine.backend import make_ops, resolve
 
     ready_fd = args.ready_fd
     try:
@@ -153,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
         )
         # a backend this machine lacks (or one refusing the family) fails before the socket
         family = KernelFamily(settings.kernel_family)
+        # detached, the build's own line goes to the log: tell the waiting `start`
+        detached = ready_fd is not None and resolve(settings.backend, family) != "mlx"
+        if detached and native_build.needs_build():
+            _say(ready_fd, f"NOTE {native_build.BUILD_NOTE}")
         ops = make_ops(settings.backend, family)
         require_family(ops.name, ops.families, family)
         model_dir = resolve_model(paths, settings.default_model)
@@ -278,7 +285,18 @@ def start(args: argparse.Namespace) -> int:
         raise ColibriError(message)
     _, pid, where = ready.split(" ", 2)
     print(f"colibrid: listening on {where} (pid {pid}; log {paths.log})")
+    for url in page_urls(where):
+        print(f"colibrid: chat and the memory tiers, live, in a browser: {url}")
     return 0
+
+
+def page_urls(where: str) -> list[str]:
+    """The page's address on each HTTP listener named in a READY line's
+    ``SOCKET http=URL[,URL] model=NAME`` (none without `http`)."""
+    for word in where.split():
+        if word.startswith("http="):
+            return [url.rstrip("/") + "/" for url in word[5:].split(",") if url]
+    return []
 
 
 def open_log(paths: Paths) -> int:
@@ -294,9 +312,10 @@ def open_log(paths: Paths) -> int:
 
 
 def _read_ready(fd: int, timeout_s: float) -> list[str]:
+    """The daemon's readiness lines; each `NOTE` line is printed on stderr as it comes."""
     import select
 
-    deadline, data = time.monotonic() + timeout_s, b""
+    deadline, data, noted = time.monotonic() + timeout_s, b"", 0
     try:
         while b"READY " not in data and (left := deadline - time.monotonic()) > 0:
             if not select.select([fd], [], [], left)[0]:
@@ -305,6 +324,11 @@ def _read_ready(fd: int, timeout_s: float) -> list[str]:
             if not chunk:
                 break
             data += chunk
+            complete = data.decode(errors="replace").split("\n")[:-1]
+            for line in complete[noted:]:
+                if line.startswith("NOTE "):
+                    print(f"colibrid: {line[5:]}", file=sys.stderr, flush=True)
+            noted = len(complete)
     finally:
         os.close(fd)
     return data.decode(errors="replace").splitlines()
@@ -331,13 +355,29 @@ def stop(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    from colibri_protocol.codec import FrameDecoder, response_payload_length
-    from colibri_protocol.messages import Reply, parse_response
-
     paths = Paths.from_env(args.socket)
     if not socket_server.lock_is_held(paths):
         print("colibrid: not running")
         return 3
+    body = _status_body(paths)
+    if args.json:
+        print(json.dumps(body, indent=2))
+    else:
+        http = ", ".join(body.get("http") or []) or "off"
+        print(
+            f"colibrid: running (pid {body['pid']}), model {body['model']}, "
+            f"up {body['uptime_s']:.0f} s, profile {body['profile']}, "
+            f"socket {paths.socket}, http {http}"
+        )
+    return 0
+
+
+def _status_body(paths: Paths) -> dict:
+    """The daemon's STATUS reply; a socket error is one line (printing stays outside, so
+    a reader of stdout that left is not reported as an unreachable daemon)."""
+    from colibri_protocol.codec import FrameDecoder, response_payload_length
+    from colibri_protocol.messages import Reply, parse_response
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     try:
@@ -351,17 +391,7 @@ def status(args: argparse.Namespace) -> int:
             for frame in decoder.feed(data):
                 reply = parse_response(frame) if not isinstance(frame, Exception) else None
                 if isinstance(reply, Reply):
-                    body = reply.body
-                    if args.json:
-                        print(json.dumps(body, indent=2))
-                    else:
-                        http = ", ".join(body.get("http") or []) or "off"
-                        print(
-                            f"colibrid: running (pid {body['pid']}), model {body['model']}, "
-                            f"up {body['uptime_s']:.0f} s, profile {body['profile']}, "
-                            f"socket {paths.socket}, http {http}"
-                        )
-                    return 0
+                    return reply.body
     except OSError as exc:
         raise ColibriError(f"cannot reach the daemon on {paths.socket}: {exc}") from None
     finally:

@@ -44,13 +44,15 @@ if sys.version_info < (3, 11):  # trio brings the backport there
 
 from colibrid.config import Settings, speculation
 from colibrid.errors import ColibriError
-from colibrid.http.app import parse_bind, serve_http
+from colibrid.http.app import serve_http
+from colibrid.http.listen import bind_http, fd_binds
 from colibrid.paths import Paths, make_state_private, remove_orphan_temps
 from colibrid.serve.accept import install_accept_filter, raise_fd_limit
 from colibrid.serve.faults import FaultPlan
 from colibrid.serve.grammars import GrammarLimits, GrammarService
 from colibrid.serve.host import EngineHost
 from colibrid.serve.models import ModelSlot
+from colibrid.serve.roofline import refresh_when_idle
 from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
 from colibrid.serve.socket_server import serve_socket
@@ -131,8 +133,8 @@ def raise_limits() -> None:
 async def serve(
     settings: Settings, paths: Paths, model_dir: Path, ready: Callable[[str], None]
 ) -> None:
-    if settings.http:
-        parse_bind(settings.http, settings.http_api_key)  # refuse before loading the model
+    # a refused or taken address is one line, before the model loads
+    http_sockets = bind_http(settings) if settings.http else []
     raise_limits()
     tidy_home(paths)
     host = EngineHost(
@@ -163,13 +165,15 @@ async def serve(
                 state = DaemonState(host, scheduler, models, grammars=grammars)
                 daemon.start_soon(save_profiles, models, settings.profile_save_s)
                 daemon.start_soon(models.watch)
+                daemon.start_soon(refresh_when_idle, host, settings.roofline_refresh_s)
                 async with trio.open_nursery() as front:
                     await front.start(
                         serve_socket, paths.socket, lambda stream: serve_connection(stream, state)
                     )
                     where = str(paths.socket)
                     if settings.http:  # the OpenAI/Anthropic API: same scheduler and state
-                        urls = await front.start(serve_http, state, settings)
+                        binds = fd_binds(http_sockets)
+                        urls = await front.start(serve_http, state, settings, binds)
                         state.http_urls = list(urls)
                         where += " http=" + ",".join(urls)
                     ready(f"{where} model={models.name}")
@@ -183,6 +187,8 @@ async def serve(
     except BaseExceptionGroup as group:  # a model that cannot load: its own clear error
         raise _sole_error(group) from None
     finally:
+        for sock in http_sockets:  # those hypercorn never took (a load that failed)
+            sock.close()
         await grammars.aclose()
         if models is not None:
             await models.close()  # the loaded model's profiles and prompt cache are saved

@@ -8,6 +8,8 @@ the converter's `manifest.json`) or a Hugging Face checkpoint the engine reads a
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,3 +97,25 @@ def names(paths: Paths) -> list[str]:
         for e in paths.models.iterdir()
         if not e.name.startswith(".") and (e / "config.json").is_file()
     )
+
+
+class NotInstalled(LookupError):
+    """`remove` was asked for a name that is no installed model."""
+
+
+def remove(name: str, models_dir: os.PathLike[str] | str) -> str:
+    """Take models/NAME away (renamed aside first, so a request arriving meanwhile finds
+    no half-deleted model); what was removed, in words. A link loses only itself: its
+    folder is the user's. Shared by `colibri rm` and the HTTP API's delete."""
+    entry = Path(models_dir) / name
+    if name.startswith(".") or "/" in name or not (entry.is_symlink() or entry.exists()):
+        raise NotInstalled(f"no installed model {name!r} (`colibri list` shows them)")
+    aside = entry.with_name(f".{name}.removing-{os.getpid()}")
+    os.replace(entry, aside)
+    if aside.is_symlink():
+        target = os.readlink(aside)
+        aside.unlink()
+        return f"removed {name} (a link; its folder {target} is kept)"
+    size = sum(f.stat().st_size for f in aside.rglob("*") if f.is_file() and not f.is_symlink())
+    shutil.rmtree(aside)
+    return f"removed {name} ({size / 1e6:.0f} MB freed)"

@@ -92,10 +92,10 @@ def request_payload_length(kind: str, args: Sequence[str]) -> int | None:
 
 def response_payload_length(kind: str, args: Sequence[str]) -> int | None:
     """Payload size of a daemon frame: DATA and the JSON replies carry one."""
-    if kind == "DATA":
+    if kind in ("DATA", "LOGPROBS"):
         if len(args) < 2:
-            raise ProtocolError("BAD_FRAME", "DATA needs `DATA <id> <bytes>`")
-        return parse_count(args[1], "DATA byte count")
+            raise ProtocolError("BAD_FRAME", f"{kind} needs `{kind} <id> <bytes>`")
+        return parse_count(args[1], f"{kind} byte count")
     if kind in JSON_REPLY_KINDS:
         if len(args) != 1:
             raise ProtocolError("BAD_FRAME", f"{kind} needs `{kind} <bytes>`")

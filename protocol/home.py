@@ -31,16 +31,22 @@ def socket_path(home: Path | None = None) -> Path:
     return configured or run_dir(home) / SOCKET_NAME
 
 
-def _configured_socket(path: Path) -> Path | None:
+def config_values(path: Path) -> dict[str, object]:
+    """The keys of ``config.toml`` at `path` as a client reads them ({} when it is absent
+    or unreadable: the daemon, which reads it whole, is the one that reports a bad file)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         try:
             import tomli as tomllib  # type: ignore[no-redef]
         except ModuleNotFoundError:
-            return None
+            return {}
     try:
-        value = tomllib.loads(path.read_text(encoding="utf-8")).get("socket")
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def _configured_socket(path: Path) -> Path | None:
+    value = config_values(path).get("socket")
     return Path(value).expanduser() if isinstance(value, str) and value else None

@@ -49,6 +49,12 @@ class Submit:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    repeat_penalty: float = 1.0  # 1 = off
+    repeat_last_n: int = 64  # the window repeat_penalty looks at (0 off, -1 the context)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
+    logprobs: int | None = None  # a LOGPROBS line per token, with this many alternatives
     conv: str | None = None
     profile: str | None = None
     model: str | None = None
@@ -109,9 +115,16 @@ class Quit:
 
 Request = Hello | Submit | Stop | Cancel | Query | ProfileCommand | Load | Unload | Ping | Quit
 
-_INT_OPTS = {"max_tokens", "top_k", "seed", "draft_max", "gbytes"}
+_INT_OPTS = {"max_tokens", "top_k", "seed", "draft_max", "gbytes", "repeat_last_n", "logprobs"}
 _SECONDS_OPTS = {"keep_alive"}  # seconds, or a duration: 30s, 5m, 1h (negative: forever)
-_FLOAT_OPTS = {"temperature", "top_p"}
+_FLOAT_OPTS = {
+    "temperature",
+    "top_p",
+    "repeat_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "min_p",
+}
 _STR_OPTS = {"conv", "profile", "model", "speculate"}
 _PROFILE_ACTIONS = {"LIST": 0, "SHOW": 1, "USE": 1, "SAVE": -1, "FLUSH": 0}
 
@@ -325,6 +338,19 @@ def encode_submit(req: Submit) -> bytes:
         opts.append(f"top_k={req.top_k}")
     if req.seed is not None:
         opts.append(f"seed={req.seed}")
+    defaults = Submit("-")
+    opts += [  # repr: a float's shortest exact form
+        f"{k}={v!r}"
+        for k in (
+            "repeat_penalty",
+            "repeat_last_n",
+            "frequency_penalty",
+            "presence_penalty",
+            "min_p",
+            "logprobs",
+        )
+        if (v := getattr(req, k)) != getattr(defaults, k)
+    ]
     opts += [f"stop={quote(s, safe='')}" for s in req.stop]
     opts += [
         f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
@@ -373,6 +399,34 @@ class Data:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A token as LOGPROBS reports it: its id, its bytes (a token may hold part of a UTF-8
+    character) and its log-probability."""
+
+    token: int
+    bytes: bytes
+    logprob: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"token": self.token, "bytes": list(self.bytes), "logprob": self.logprob}
+
+    @classmethod
+    def of_json(cls, item: Any) -> Alternative:
+        return cls(int(item["token"]), bytes(item["bytes"]), float(item["logprob"]))
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """``LOGPROBS <id> <bytes>`` LF JSON LF: one generated token (`chosen`) and its best
+    alternatives (`top`, best first), sent before the token's DATA when the request
+    asked with ``logprobs=K``."""
+
+    id: str
+    chosen: Alternative
+    top: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True)
 class Done:
     """``DONE <id> STAT <emitted> <tok_s> <hit_pct> <rss_gb> <prompt_tokens> <length_limited>``
     (upstream's fields, in upstream's order) then ``key=value`` extras."""
@@ -414,7 +468,7 @@ class Line:
     args: tuple[str, ...]
 
 
-Response = Accept | Progress | Data | Done | ErrorReply | Reply | Line
+Response = Accept | Progress | Data | Logprobs | Done | ErrorReply | Reply | Line
 
 
 def encode_accept(rid: str, prompt_tokens: int) -> bytes:
@@ -427,6 +481,11 @@ def encode_progress(rid: str, done: int, total: int) -> bytes:
 
 def encode_data(rid: str, text: str) -> bytes:
     return encode_framed("DATA", rid, payload=text.encode("utf-8"))
+
+
+def encode_logprobs(item: Logprobs) -> bytes:
+    body = {**item.chosen.as_json(), "top": [t.as_json() for t in item.top]}
+    return encode_framed("LOGPROBS", item.id, payload=json.dumps(body).encode("utf-8"))
 
 
 def encode_done(done: Done) -> bytes:
@@ -463,13 +522,17 @@ def parse_response(frame: Frame) -> Response:
             return Progress(args[0], int(args[2]), int(args[3]))
         if kind == "DATA":
             return Data(args[0], (frame.payload or b"").decode("utf-8", errors="replace"))
+        if kind == "LOGPROBS":
+            body = loads_bounded(frame.payload or b"null")
+            top = tuple(Alternative.of_json(t) for t in body["top"])
+            return Logprobs(args[0], Alternative.of_json(body), top)
         if kind == "DONE":
             return _parse_done(args)
         if kind == "ERROR":
             return ErrorReply(args[0], args[1] if len(args) > 1 else "INTERNAL", " ".join(args[2:]))
         if kind in ("STATUS", "MODEL", "TELEMETRY", "PROFILES", "PROFILE"):
             return Reply(kind, loads_bounded(frame.payload or b"null"))
-    except (IndexError, ValueError) as exc:
+    except (IndexError, ValueError, KeyError, TypeError) as exc:
         raise ProtocolError("BAD_FRAME", f"malformed {kind} from the daemon: {exc}") from None
     return Line(kind, args)
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -165,3 +166,23 @@ def install_chat_tokenizer(model: Path) -> None:
     (model / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": GLM_TEMPLATE, "eos_token": "<|endoftext|>"})
     )
+
+
+def start_http(path: Path, model: Path, **settings: object) -> Home:
+    """A started daemon whose HTTP listener is on a free loopback port (`home.url`); the
+    caller closes it."""
+    port = free_port()
+    home = Home(path, model, http=f"127.0.0.1:{port}", **{"shutdown_grace_s": 1.0, **settings})
+    home.start()
+    home.url = f"http://127.0.0.1:{port}"  # type: ignore[attr-defined]
+    return home
+
+
+def serving_http(path: Path, model: Path, **settings: object) -> Iterator[Home]:
+    """`start_http` for a module fixture (`yield from serving_http(...)`): the daemon is
+    stopped when the fixture ends."""
+    home = start_http(path, model, **settings)
+    try:
+        yield home
+    finally:
+        home.close()

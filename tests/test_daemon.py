@@ -103,6 +103,26 @@ def test_ask_json_lines(home: Home) -> None:
     assert isinstance(done["decode_tok_s"], float) and isinstance(done["finish"], str)
 
 
+def test_status_speculation_values_are_numbers(home: Home) -> None:
+    """STATUS's `speculation` (and `colibri ps --json`) used to carry DONE's text values
+    ("3", "1.50"): counts are integers and rates numbers now, the same values as the
+    request's own DONE, and `colibri ps` still renders them."""
+    asked = home.colibri(
+        "ask", "--json", "--speculate", "ngram", "--max-tokens", "12", "--temperature", "0",
+        "the cat the cat the cat the cat",
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    done = json.loads(asked.stdout.splitlines()[-1])
+    spec = json.loads(home.colibri("ps", "--json").stdout)["speculation"]
+    assert spec["spec"] == "ngram"
+    for key in ("drafted", "accepted", "verifies"):
+        assert type(spec[key]) is int, (key, spec)
+    for key in ("depth", "gain_predicted", "gain"):
+        assert key not in spec or type(spec[key]) is float, (key, spec)
+    assert spec == {key: done[key] for key in spec}, (spec, done)  # what DONE said, typed
+    assert "speculate: " in home.colibri("ps").stdout
+
+
 def test_help_shows_defaults_and_versions_answer(home: Home) -> None:
     helptext = home.colibri("ask", "--help").stdout
     assert "default 256" in helptext and "default 0" in helptext

@@ -187,6 +187,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "colibrid.policy": frozenset(),
     "colibrid.logfile": frozenset(),
     "colibrid.panic_report": frozenset(),
+    "colibrid.pipes": frozenset(),  # how both entry points end when their reader leaves
     "colibri_protocol": frozenset(),  # the wire format, shared by daemon and client
     "colibrid": frozenset(),
     "colibrid.paths": frozenset({"colibrid.errors", "colibri_protocol"}),
@@ -227,6 +228,19 @@ ALLOWED: dict[str, frozenset[str]] = {
             "colibrid.engine",
             "colibrid.models",
             "colibrid.store",
+            # `requant --max-kl` scores its candidates with `colibri eval`
+            "colibrid.quality",
+        }
+    ),
+    # quality measured: `colibri eval` runs two models teacher-forced (engine), reads expert
+    # sizes from headers and probes the disk (store), and the built-in profile prompts
+    "colibrid.quality": frozenset(
+        {
+            "colibrid.errors",
+            "colibrid.paths",
+            "colibrid.engine",
+            "colibrid.store",
+            "colibri_cli.commands.profile",
         }
     ),
     # the daemon side: scheduler and SERVE socket, HTTP, the process, its control
@@ -273,6 +287,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "colibrid.errors",
             "colibrid.paths",
             "colibrid.panic_report",
+            "colibrid.pipes",
             "colibrid.config",
             "colibrid.backends",
             "colibrid.store",
@@ -299,7 +314,8 @@ ALLOWED: dict[str, frozenset[str]] = {
         }
     ),
     # the light client: the protocol, and the daemon side only lazily, for the commands
-    # that run it in-process (test_client_imports_no_numpy_or_colibrid_at_module_level)
+    # that run it in-process (test_client_imports_no_numpy_or_colibrid_at_module_level),
+    # and the stdlib-only exit rule both entry points share (colibrid.pipes)
     "colibri_cli": frozenset(
         {
             "colibri_protocol",
@@ -307,6 +323,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "colibrid.errors",
             "colibrid.installed",
             "colibrid.paths",
+            "colibrid.pipes",
         }
     ),
 }

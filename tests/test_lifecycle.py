@@ -7,6 +7,7 @@ HTTP), stop, keep_alive, rm, logs. Every answer is compared with the plain resid
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from interrupt_helpers import KILL_IN_SECOND_SHARD
 
 PROMPT = "Tell me about the sea"
 TOKENS = "12"
+# the chat commands repeat-penalise by default; the reference is the plain greedy run
+PLAIN = ("--repeat-penalty", "1")
 
 
 @pytest.fixture
@@ -72,7 +75,7 @@ def test_pull_list_run_switch_stop_keep_alive_rm(
     assert want_t1 != want_demo
 
     # `run NAME PROMPT` in a pipe: starts the daemon, loads t1, one answer
-    ran = home.colibri("run", "t1", PROMPT, "--max-tokens", TOKENS, stdin="")
+    ran = home.colibri("run", "t1", PROMPT, "--max-tokens", TOKENS, *PLAIN, stdin="")
     assert ran.returncode == 0, ran.stderr + home.log()
     assert ran.stdout == want_t1
     assert status(home)["model"] == "t1"
@@ -83,7 +86,7 @@ def test_pull_list_run_switch_stop_keep_alive_rm(
     assert (home.path / "models" / "t1").is_dir()
 
     # a request naming another installed model loads it (the daemon is idle)
-    asked = home.colibri("ask", "--model", "demo", "--max-tokens", TOKENS, PROMPT)
+    asked = home.colibri("ask", "--model", "demo", "--max-tokens", TOKENS, *PLAIN, PROMPT)
     assert asked.returncode == 0, asked.stderr
     assert asked.stdout == want_demo, asked.stderr + home.log()
     before = status(home)
@@ -105,7 +108,7 @@ def test_pull_list_run_switch_stop_keep_alive_rm(
     assert wait_for(lambda: status(home)["model"] is None, timeout_s=15)
 
     # stop: the model goes, the daemon stays; the next request loads one again
-    asked = home.colibri("ask", "--model", "demo", "--max-tokens", TOKENS, PROMPT)
+    asked = home.colibri("ask", "--model", "demo", "--max-tokens", TOKENS, *PLAIN, PROMPT)
     assert asked.stdout == want_demo, asked.stderr + home.log()
     loaded = status(home)
     assert loaded["model"] == "demo"  # one request's keep_alive 0 did not outlive it
@@ -118,7 +121,7 @@ def test_pull_list_run_switch_stop_keep_alive_rm(
 
     # keep_alive 0 from the socket client: unloaded right after the answer. No model
     # named: the daemon's own (`run t1` started it with t1)
-    asked = home.colibri("ask", "--max-tokens", TOKENS, "--keep-alive", "0", PROMPT)
+    asked = home.colibri("ask", "--max-tokens", TOKENS, "--keep-alive", "0", *PLAIN, PROMPT)
     assert asked.stdout == want_t1, asked.stderr + home.log()
     assert wait_for(lambda: status(home)["model"] is None, timeout_s=15)
 
@@ -142,6 +145,39 @@ def test_a_name_it_cannot_fetch_is_one_line(home: Home) -> None:
     done = home.colibri("pull", "llama3")
     assert done.returncode == 1 and done.stderr.count("\n") == 1
     assert "offline" in done.stderr or "fetches no model registry" in done.stderr
+
+
+def test_a_missing_path_is_no_such_file_or_folder(home: Home) -> None:
+    """A path that does not exist is named as missing, not as something colibri cannot
+    fetch from a registry (which the user never asked for)."""
+    for missing in ("/nonexistent/dir", "./not-here", "~/not-here-either", "SmolLM2.gguf"):
+        done = home.colibri("pull", missing)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr == f"colibri pull: error: {missing}: no such file or folder\n"
+
+
+def test_a_folder_without_tokenizer_json_is_refused_before_converting(
+    home: Home, oracle_checkpoint, tmp_path: Path
+) -> None:
+    """It used to convert, install and then fail at the first question: refused in one
+    line naming what to do, with nothing installed; --no-tokenizer installs it anyway for
+    token-id prompts, which then run."""
+    folder = tmp_path / "hf"
+    shutil.copytree(oracle_checkpoint("glm4_moe").out_dir, folder)  # no tokenizer.json
+    refused = home.colibri("pull", str(folder), "--name", "notok")
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert f"{folder}: no tokenizer.json" in refused.stderr and "--no-tokenizer" in refused.stderr
+    assert "notok" not in listed(home)
+    assert not list((home.path / "models").glob(".notok*"))  # nothing half-converted
+    (folder / "tokenizer.model").write_bytes(b"sentencepiece")
+    hinted = home.colibri("pull", str(folder), "--name", "notok")
+    assert hinted.returncode == 1 and "save_pretrained" in hinted.stderr, hinted.stderr
+    ids_only = home.colibri("pull", str(folder), "--name", "notok", "--no-tokenizer", "--quiet")
+    assert ids_only.returncode == 0, ids_only.stderr
+    answer = home.colibrid(
+        "generate", "--model", "notok", "--ids", "1,2,3", "--ids-out", "--max-tokens", "3"
+    )
+    assert answer.returncode == 0 and answer.stdout.count(",") == 2, answer.stderr
 
 
 def test_pull_a_gguf_and_the_names_it_refuses(home: Home, demo_gguf: Path, chat_model: Path):

@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from colibri_protocol.grammar import format_grammar
 from colibri_protocol.messages import Accept, Data, Done, Submit
 
 from colibri_cli.client import ClientError, ensure_daemon, model_name
-from colibri_cli.options import add_answer_options
+from colibri_cli.options import add_answer_options, chat_sampling
 from colibri_cli.render import ProgressLine, prefill_rate
 
 
@@ -167,6 +167,7 @@ def make_submit(
         draft_max=args.draft_max,
         keep_alive=args.keep_alive,
         grammar=grammar,
+        **chat_sampling(args),
     )
     if args.raw:
         return Submit(rid, prompt=text, **common)
@@ -196,18 +197,22 @@ def grammar_line(x: dict[str, str]) -> str | None:
     return f"grammar {x['grammar']}: {x.get('mask_us', '?')} µs a token for its masks"
 
 
-def speculation_line(x: dict[str, str]) -> str | None:
-    """What speculative decoding did, from DONE's extras (None when it was off)."""
+def speculation_line(x: Mapping[str, object]) -> str | None:
+    """What speculative decoding did (None when it was off), from DONE's extras (text) or
+    STATUS's `speculation` (numbers): the same line either way."""
     mode = x.get("spec")
     if mode is None or mode == "off":
         return None
-    if not int(x.get("verifies", "0")):
+    if not int(str(x.get("verifies", 0))):
         return f"speculation {mode}: no draft was worth verifying"
-    gain = f", {x['gain']}x the plain decode rate" if "gain" in x else ""
+
+    def two(key: str) -> str:
+        return f"{float(str(x[key])):.2f}" if key in x else "?"
+
+    gain = f", {two('gain')}x the plain decode rate" if "gain" in x else ""
     return (
-        f"speculation {mode}: {x['verifies']} verifies of {x['depth']} drafts on average, "
-        f"{x['accepted']} of {x['drafted']} drafts kept{gain} "
-        f"({x.get('gain_predicted', '?')}x predicted)"
+        f"speculation {mode}: {x['verifies']} verifies of {two('depth')} drafts on average, "
+        f"{x['accepted']} of {x['drafted']} drafts kept{gain} ({two('gain_predicted')}x predicted)"
     )
 
 

@@ -7,6 +7,9 @@ packaging/completions/ (a test keeps them current); to install by hand:
   bash: colibri completion bash > ~/.local/share/bash-completion/completions/colibri
   zsh:  colibri completion zsh > ~/.zfunc/_colibri   (with ~/.zfunc on $fpath before compinit)
   fish: colibri completion fish > ~/.config/fish/completions/colibri.fish
+
+For colibrid, add --for colibrid and name the file after it (colibrid, _colibrid,
+colibrid.fish). A new shell (or `exec $SHELL`) picks the script up.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri completion",
         description="print a shell completion script generated from colibri's own parsers",
-        epilog=__doc__.split("\n\n", 2)[1] if __doc__ else None,
+        # all of the docstring after its title, install lines included (verbatim: raw)
+        epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("shell", choices=SHELLS, help="the shell the script is for")

@@ -1,6 +1,7 @@
 """`colibri logs [-f] [-n N]`: the detached daemon's log ($COLIBRI_HOME/colibrid.log): one
-line per finished request (id, client, prompt and generated tokens, tok/s, finish), the
-models it loads and unloads, warnings. `-f` keeps printing lines as they are written.
+line per finished request (id, client, prompt and generated tokens, tok/s, its share of
+the disk and memory probes and of the roofline, finish), the models it loads and
+unloads, warnings. `-f` keeps printing lines as they are written.
 
 A daemon run in the foreground (`colibrid run`, the service unit) logs to its terminal or
 to the journal instead: `journalctl --user -u colibrid` on Linux."""

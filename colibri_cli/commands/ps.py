@@ -35,6 +35,46 @@ def model_state(status: dict) -> str:
     return "loaded"
 
 
+def plan_line(status: dict) -> str:
+    """The loaded container's precision plan (`\nplan: 3fa2c1d90b7e (uniform
+    int4-grouped-g64)`), or "" with no model: its identity, never changed by placement."""
+    plan = status.get("plan")
+    if not plan:
+        return ""
+    experts = plan.get("experts") or {}
+    if plan.get("uniform"):
+        what = "uniform " + next(iter(experts), "-") if experts else "no routed experts"
+    else:
+        what = "mixed: " + ", ".join(f"{n} {fmt}" for fmt, n in experts.items())
+    return f"\nplan: {plan['id']} ({what})"
+
+
+def roofline_line(roofline: dict) -> str:
+    """The ceilings the daemon probed for the model and the last request's shares of
+    them (`\nroofline: disk 2.28 GB/s, memory 33.3 GB/s, kernels 41.0 tok/s; last
+    request: disk 83%, ...`), or "" before the first probe (docs/performance.md "The live
+    roofline")."""
+    ceilings = roofline.get("ceilings")
+    if not ceilings:
+        return ""
+    disk = ceilings.get("disk_gbs")
+    line = "\nroofline: " + ("" if disk is None else f"disk {disk:.2f} GB/s, ")
+    line += f"memory {ceilings['memory_gbs']:.1f} GB/s"
+    kernels = ceilings.get("kernel_tok_s")
+    line += "" if kernels is None else f", kernels {kernels:.1f} tok/s"
+    line += " (probed after the load and when idle)"
+    last = roofline.get("last")
+    if last:
+        on_disk = f"disk {100 * last['disk_share']:.0f}%, " if "disk_share" in last else ""
+        kernels = last.get("kernel_share")
+        on_cpu = "" if kernels is None else f"kernels {100 * kernels:.0f}%, "
+        line += (
+            f"; last request: {on_disk}memory {100 * last['memory_share']:.0f}%, {on_cpu}"
+            f"{100 * last['roofline_share']:.0f}% of the roofline ({last['bound']}-bound)"
+        )
+    return line
+
+
 def render(status: dict) -> str:
     hit = status.get("hit_rate")
     head = table(
@@ -86,12 +126,14 @@ def render(status: dict) -> str:
     if status.get("speculate"):
         last = speculation_line(status.get("speculation") or {})
         pins += f"\nspeculate: {status['speculate']}" + (f" (last request: {last})" if last else "")
+    pins += roofline_line(status.get("roofline") or {})
     http = ", ".join(status.get("http") or []) or "off"
     computes = ""
     if status.get("backend"):
         computes = f"; on the {status['backend']} backend, {status['kernel_family']} kernels"
     return (
-        f"{head}\nmodel: {model_state(status)}{computes}\n\n{table(rows)}{pins}\n\n"
+        f"{head}\nmodel: {model_state(status)}{computes}{plan_line(status)}"
+        f"\n\n{table(rows)}{pins}\n\n"
         f"rss {status['rss_gb']:.2f} GB, pid {status['pid']}, http {http}"
     )
 

@@ -5,6 +5,11 @@ Answers stream as they are generated. The daemon keeps the conversation's KV cac
 that starts with \"\"\" continues until a line ending with \"\"\" (multi-line input), and
 Alt-Enter (Esc, Enter) inserts a newline. Ctrl-C cancels the answer in progress (or
 clears the line); Ctrl-D leaves. History persists in $COLIBRI_HOME/repl_history.
+
+A REPL left open outlives what the user stops elsewhere, and never undoes it without a
+word: a daemon stopped under it (`colibrid stop`) is started again only when the user
+says yes (on a terminal; a piped session says it starts one), and a model unloaded under
+it (`colibri stop`, keep_alive) is announced before the message that loads it again.
 """
 
 from __future__ import annotations
@@ -24,18 +29,19 @@ from colibri_cli.client import (
     Client,
     ClientError,
     ConnectionLost,
+    NotRunning,
     ensure_daemon,
     model_name,
-    reconnect,
 )
-from colibri_cli.options import add_answer_options
+from colibri_cli.options import add_answer_options, chat_sampling
 from colibri_cli.render import ProgressLine, prefill_rate
 
 HELP = """commands:
   /help                 this help
   /reset                forget the conversation
   /system TEXT          set the system message (and reset)
-  /set NAME VALUE       temperature, top_p, top_k, max_tokens, seed
+  /set NAME VALUE       temperature, top_p, top_k, max_tokens, seed, repeat_penalty,
+                        repeat_last_n, frequency_penalty, presence_penalty, min_p
   /profile NAME         make NAME the daemon's active profile; count turns into it
                         (`/profile NAME --create` starts one that does not exist yet)
   /stats                statistics of the last answer
@@ -48,6 +54,11 @@ SETTABLE: dict[str, Callable[[str], object]] = {
     "top_k": int,
     "max_tokens": int,
     "seed": int,
+    "repeat_penalty": float,
+    "repeat_last_n": int,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "min_p": float,
 }
 
 
@@ -114,6 +125,49 @@ def stream_answer(client: Client, chat: Chat, text: str) -> None:
         raise
     except ClientError as exc:
         print(f"\nerror: {exc}")
+
+
+def say_if_unloaded(client: Client, chat: Chat) -> None:
+    """Before a message: when the daemon holds no model (`colibri stop`, or keep_alive ran
+    out while the REPL sat open), say that this message loads one, rather than reloading
+    it in silence. Not when the REPL itself asked to unload after each answer."""
+    if chat.options.get("keep_alive") == 0:
+        return
+    status = client.query("STATUS")
+    if isinstance(status, dict) and status.get("model") is None and not status.get("loading"):
+        what = chat.model or "the default model"
+        print(f"colibri: no model is loaded (`colibri stop` or keep_alive); loading {what}")
+
+
+def may_restart() -> bool:
+    """Whether to start the daemon again after it stopped under the REPL (most likely
+    the user's `colibrid stop`): asked on a terminal (Enter is yes); a piped session
+    cannot be asked without eating a line of its input, so it says it starts one."""
+    if not sys.stdin.isatty():
+        print("colibri: the daemon was stopped; starting it again (stdin is no terminal)")
+        return True
+    try:
+        answer = input("colibri: the daemon was stopped; start it again? [Y/n] ")
+    except (EOFError, KeyboardInterrupt):
+        print()
+        return False
+    return answer.strip().lower() in ("", "y", "yes")
+
+
+def reopen(model: str | None) -> Client | None:
+    """A new connection after the daemon went away: one that answers (restarted
+    meanwhile) is used; with none running, a new one only if `may_restart` (None: the
+    user said no, and the message is not sent)."""
+    print("colibri: lost the daemon; reconnecting")
+    try:
+        client = Client.connect()
+    except NotRunning:
+        if not may_restart():
+            print("(not sent; the daemon stays stopped: send a message to be asked again)")
+            return None
+        client = ensure_daemon(model, stderr=sys.stdout)
+    print("colibri: reconnected to the daemon")
+    return client
 
 
 def command(client: Client, chat: Chat, line: str) -> bool:
@@ -245,6 +299,7 @@ def main(argv: Sequence[str]) -> int:
         profile=args.profile,
         model=args.model,
         options={"max_tokens": args.max_tokens, "temperature": args.temperature}
+        | chat_sampling(args)
         | ({} if args.keep_alive is None else {"keep_alive": args.keep_alive}),
     )
     read = make_reader()
@@ -265,12 +320,13 @@ def main(argv: Sequence[str]) -> int:
                 continue
             for attempt in (1, 2):  # a daemon that went away: reconnect, then once more
                 try:
-                    if conn is None:
-                        conn = reconnect(args.model, sys.stdout)
+                    if conn is None and (conn := reopen(args.model)) is None:
+                        break
                     if text.startswith("/"):
                         if not command(conn, chat, text):
                             return 0
                     else:
+                        say_if_unloaded(conn, chat)
                         stream_answer(conn, chat, text)
                     break
                 except ConnectionLost:

@@ -7,11 +7,9 @@ them)."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from colibri_cli.client import Client, ClientError, NotRunning
 from colibri_cli.commands.stop import unload
@@ -43,25 +41,9 @@ def release(name: str, force: bool) -> None:
         unload(client, name)
 
 
-def remove(name: str, models_dir: os.PathLike[str] | str) -> str:
-    """Take models/NAME away (renamed aside first, so a request arriving meanwhile finds
-    no half-deleted model); what was removed, in words."""
-    entry = Path(models_dir) / name
-    if name.startswith(".") or "/" in name or not (entry.is_symlink() or entry.exists()):
-        raise ClientError(f"no installed model {name!r} (`colibri list` shows them)")
-    aside = entry.with_name(f".{name}.removing-{os.getpid()}")
-    os.replace(entry, aside)
-    if aside.is_symlink():
-        target = os.readlink(aside)
-        aside.unlink()
-        return f"removed {name} (a link; its folder {target} is kept)"
-    size = sum(f.stat().st_size for f in aside.rglob("*") if f.is_file() and not f.is_symlink())
-    shutil.rmtree(aside)
-    return f"removed {name} ({size / 1e6:.0f} MB freed)"
-
-
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
+    from colibrid.installed import NotInstalled, remove
     from colibrid.paths import Paths
 
     paths = Paths.from_env(None)
@@ -70,7 +52,7 @@ def main(argv: Sequence[str]) -> int:
         try:
             release(name, args.force)
             print(remove(name, paths.models))
-        except (ClientError, OSError) as exc:
+        except (ClientError, NotInstalled, OSError) as exc:
             print(f"colibri rm: {exc}", file=sys.stderr)
             failed = 1
             continue

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from colibri_protocol.codec import encode_line
 
 from colibri_cli.client import ClientError, ensure_daemon
-from colibri_cli.options import add_answer_options
+from colibri_cli.options import PENALTY_FLAGS, add_answer_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,7 @@ def main(argv: Sequence[str]) -> int:
         ("--max-tokens", args.max_tokens),
         ("--temperature", args.temperature),
         ("--keep-alive", args.keep_alive),
+        *((flag, getattr(args, name)) for flag, name in PENALTY_FLAGS.items()),
     ):
         if value is not None:
             options += [flag, str(value)]

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
-from colibrid.formats.weights import QuantWeight, WeightFormat, WeightLayout
+from colibrid.formats.affine import affine_groups, affine_row_bytes, affine_sample
+from colibrid.formats.weights import AFFINE_FORMATS, QuantWeight, WeightFormat, WeightLayout
 
 # Smaller matrices are bound by call overhead, not by the kernel: they keep the default.
 MIN_MATRIX_BYTES = 128 << 10
@@ -52,13 +53,15 @@ def _key(layout: WeightLayout, family: KernelFamily) -> str:
 
 def _families(fmt: WeightFormat) -> tuple[KernelFamily, ...]:
     """Families whose arithmetic differs for this format (float weights have one path)."""
-    if fmt in (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4):
+    if fmt in (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4) or fmt in AFFINE_FORMATS:
         return (KernelFamily.F32, KernelFamily.I8)
     return (KernelFamily.F32,)
 
 
 def _matrix_bytes(layout: WeightLayout, rows: int) -> int:
     i = layout.in_features
+    if layout.fmt in AFFINE_FORMATS:  # blocks plus a float16 pair per group
+        return (affine_row_bytes(layout.fmt, i) + 4 * affine_groups(i)) * rows
     per_row = {
         WeightFormat.F32: 4 * i,
         WeightFormat.BF16: 2 * i,
@@ -74,8 +77,12 @@ def worth_tuning(layouts: Mapping[WeightLayout, int]) -> dict[WeightLayout, int]
     return {lay: o for lay, o in layouts.items() if _matrix_bytes(lay, o) >= MIN_MATRIX_BYTES}
 
 
-def _sample(layout: WeightLayout, rows: int, rng: np.random.Generator) -> QuantWeight:
+def sample_weight(layout: WeightLayout, rows: int, rng: np.random.Generator) -> QuantWeight:
+    """A random matrix of ``layout`` with ``rows`` rows, valid for its format: what the
+    kernels are timed on (here and by the live roofline, serve.kernel_ceiling)."""
     i = layout.in_features
+    if layout.fmt in AFFINE_FORMATS:
+        return affine_sample(layout.fmt, rows, i, rng)
     if layout.fmt == WeightFormat.FP4:  # codes and e8m0 scale bytes (factors 2^-9 .. 2^-6)
         data = rng.integers(0, 256, (rows, (i + 1) // 2), dtype=np.uint8)
         scales = rng.integers(119, 123, (rows, -(-i // layout.group))).astype(np.uint8)
@@ -100,7 +107,7 @@ def _sample(layout: WeightLayout, rows: int, rng: np.random.Generator) -> QuantW
 def _copies(layout: WeightLayout, rows: int) -> list[QuantWeight]:
     rng = np.random.default_rng(0)
     one = _matrix_bytes(layout, rows)
-    return [_sample(layout, rows, rng) for _ in range(max(2, WORKING_SET_BYTES // one))]
+    return [sample_weight(layout, rows, rng) for _ in range(max(2, WORKING_SET_BYTES // one))]
 
 
 def measure(layout: WeightLayout, rows: int) -> dict[str, dict[str, float]]:

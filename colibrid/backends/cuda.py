@@ -38,7 +38,7 @@ from colibrid.backends.base import (
 )
 from colibrid.backends.cpu import CpuOps
 from colibrid.backends.cuda_device import Buffer, Device, copy_probe, open_device, read_probe
-from colibrid.backends.cuda_weights import DeviceWeight, upload
+from colibrid.backends.cuda_weights import AFFINE_CODES, DeviceWeight, upload
 from colibrid.backends.device_ops import (
     DeviceOps,
     HostRule,
@@ -188,7 +188,9 @@ class CudaOps(DeviceOps):
                 addresses[j, 4] = x.xs
             threads += o * lanes
             outputs += rows * o
-            partials += rows * o * (chunks if integer else lanes)
+            # I8: an integer a chunk, two for Q2/Q3 (the dot and the sum of x's codes)
+            per_chunk = 2 if w.fmt in AFFINE_CODES else 1
+            partials += rows * o * (chunks * per_chunk if integer else lanes)
         part = self._space("part", partials * F4)
         meta_at, addresses_at = self._put("meta", meta), self._put("addresses", addresses)
         first, second = (

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from colibrid.backends.cuda_device import Buffer, Device
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.weights import AFFINE_FORMATS, NIBBLE_FORMATS, QuantWeight, WeightFormat
 
 FORMAT_CODES = {
     WeightFormat.F32: 0,
@@ -18,8 +18,13 @@ FORMAT_CODES = {
     WeightFormat.Q8: 2,
     WeightFormat.Q4: 3,
     WeightFormat.FP4: 4,
+    WeightFormat.Q2: 5,
+    WeightFormat.Q3: 6,
 }
 """Each format's number in native/cuda/kernels.cu (FMT_*)."""
+
+AFFINE_CODES = frozenset(FORMAT_CODES[f] for f in AFFINE_FORMATS)
+"""The numbers of Q2 and Q3, whose I8 partial sums are two integers a chunk (kernels.cu)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,7 +39,9 @@ class DeviceWeight:
     row_bytes: int
     group: int
     groups: int
-    scale_bytes: int  # one scale's size (4 for float, 1 for FP4's e8m0 byte, 0 for none)
+    # one group's scale bytes: 4 for a float (or Q2/Q3's float16 scale and minimum), 1 for
+    # FP4's e8m0 byte, 0 for none
+    scale_bytes: int
     buffers: tuple[Buffer, ...] = field(default=(), repr=False)  # what keeps the memory
 
     @property
@@ -67,12 +74,14 @@ def upload(device: Device, w: QuantWeight) -> DeviceWeight:
     scales_ptr, scale_bytes, group, groups = 0, 0, i, 1
     if w.scales is not None:
         scales = np.ascontiguousarray(w.scales)
-        if w.fmt in (WeightFormat.Q4, WeightFormat.FP4) and 0 < w.group_size < i:
+        if w.fmt in NIBBLE_FORMATS and 0 < w.group_size < i:
             group, groups = w.group_size, -(-i // w.group_size)
         scale_buf = device.alloc(scales.nbytes)
         device.upload(scale_buf.ptr, scales)
         buffers += (scale_buf,)
         scales_ptr, scale_bytes = scale_buf.ptr, scales.itemsize
+        if w.fmt in AFFINE_FORMATS:  # a float16 (s, m) pair a group, even for one group
+            group, groups, scale_bytes = w.group_size, -(-i // w.group_size), 2 * scales.itemsize
     return DeviceWeight(
         (o, i), FORMAT_CODES[w.fmt], data_buf.ptr, scales_ptr, row_bytes, group, groups,
         scale_bytes, buffers,

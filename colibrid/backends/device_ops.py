@@ -5,8 +5,9 @@ weights a device can compute in the I8 family with the CPU kernels' bits, where 
 expert the device tier does not keep is computed, and the sub-batch left to the host.
 
 Both devices compute integer dots over 32-input chunks and then the CPU's float steps per
-scale group, so a weight is exact on them when its codes are integers (int8, int4, FP4)
-and no chunk crosses a scale group: groups of whole chunks, or one group a row.
+scale group, so a weight is exact on them when its codes are integers (int8, int4, FP4,
+the low-bit affine Q2/Q3, whose groups of 64 are two chunks each) and no chunk crosses a
+scale group: groups of whole chunks, or one group a row.
 """
 
 from __future__ import annotations
@@ -36,7 +37,13 @@ from colibrid.formats.weights import QuantWeight, WeightFormat, WeightLayout
 
 log = logging.getLogger("colibri.backend")
 
-INTEGER_FORMATS = (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4)
+INTEGER_FORMATS = (
+    WeightFormat.Q8,
+    WeightFormat.Q4,
+    WeightFormat.FP4,
+    WeightFormat.Q2,
+    WeightFormat.Q3,
+)
 
 
 def exact_integer(w: QuantWeight, chunk: int) -> bool:

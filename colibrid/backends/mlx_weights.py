@@ -8,6 +8,11 @@ little-endian uint32 words over our bytes are MLX's packing exactly: no repackin
 int8 maps the same way with 8 bits: u = q + 128 (the int8 byte with its top bit flipped),
 b = -128 s, the row's scale repeated over every group of 64 inputs. FP4 is MLX's own
 "mxfp4" mode: e2m1 codes packed the same way and the same e8m0 scale bytes, as they are.
+The low-bit affine Q2/Q3 are MLX's own affine form too (value = s * q + m per group of 64,
+MLX's bias being colibri's minimum), at 2 and 3 bits: the codes are repacked once into
+MLX's bit stream (low bits first; colibri's planes are laid out for SIMD unpacking), and
+the float16 scales and minimums are widened to float32 (exact), so MLX dequantises to the
+reference's values bit for bit: s * q + m, two roundings, as formats.affine computes it.
 Anything that does not fit MLX's groups (per-row int4, an I not divisible by the group)
 is dequantised to float32 once, as are bf16 and f32 weights.
 
@@ -22,8 +27,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from colibrid.formats.affine import AFFINE_BITS, AFFINE_GROUP, unpack_affine
 from colibrid.formats.quant import dequantize
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.weights import AFFINE_FORMATS, QuantWeight, WeightFormat
 
 MLX_GROUPS = (32, 64, 128)
 """Group sizes MLX's affine quantisation supports."""
@@ -111,6 +117,8 @@ def convert(w: QuantWeight) -> MlxWeight:
             bits=4,
             mode="mxfp4",
         )
+    if w.fmt in AFFINE_FORMATS and i % AFFINE_GROUP == 0:
+        return _affine(w)
     if w.fmt is WeightFormat.Q8 and i % Q8_GROUP == 0:
         assert w.scales is not None
         codes = np.ascontiguousarray(w.data).view(np.uint8) ^ np.uint8(0x80)  # q + 128
@@ -118,6 +126,27 @@ def convert(w: QuantWeight) -> MlxWeight:
         scales = np.repeat(per_row, i // Q8_GROUP, axis=1)
         return _quantised(w.shape, codes.view("<u4"), scales, 128, Q8_GROUP, 8)
     return MlxWeight(w.shape, dense=mx.array(dequantize(w)))
+
+
+def _affine(w: QuantWeight) -> MlxWeight:
+    """A Q2/Q3 weight (I a whole number of groups) as MLX affine arrays: each row's codes
+    as one little-endian bit stream, ``bits`` a code, lowest bit first (MLX's packing,
+    which for 3 bits lets a code straddle two words), scales and minimums in float32."""
+    assert w.scales is not None
+    o, i = w.shape
+    bits = AFFINE_BITS[w.fmt]
+    codes = unpack_affine(w.data, w.fmt, i)
+    planes = (codes[:, :, None] >> np.arange(bits, dtype=np.uint8)) & np.uint8(1)
+    stream = np.packbits(planes.reshape(o, i * bits), axis=1, bitorder="little")
+    pairs = np.asarray(w.scales, dtype=np.float16).astype(np.float32).reshape(o, -1, 2)
+    return MlxWeight(
+        w.shape,
+        packed=mx.array(np.ascontiguousarray(stream).view("<u4")),
+        scales=mx.array(np.ascontiguousarray(pairs[:, :, 0])),
+        biases=mx.array(np.ascontiguousarray(pairs[:, :, 1])),
+        group_size=AFFINE_GROUP,
+        bits=bits,
+    )
 
 
 def _quantised(

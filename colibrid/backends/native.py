@@ -23,7 +23,8 @@ import numpy as np
 
 from colibrid.backends import native_build
 from colibrid.backends.base import GQAWeights, KernelFamily, ResidentExperts, RouteRule
-from colibrid.formats.weights import NIBBLE_FORMATS, QuantWeight, WeightFormat
+from colibrid.formats.affine import AFFINE_GROUP, affine_groups, affine_row_bytes
+from colibrid.formats.weights import AFFINE_FORMATS, NIBBLE_FORMATS, QuantWeight, WeightFormat
 
 ISA_NAMES = ("ref", "avx2", "avx512vnni", "neon")
 _FMT_CODE = {
@@ -32,6 +33,8 @@ _FMT_CODE = {
     WeightFormat.Q8: 2,
     WeightFormat.Q4: 3,
     WeightFormat.FP4: 4,
+    WeightFormat.Q2: 5,
+    WeightFormat.Q3: 6,
 }
 _FAMILY_CODE = {KernelFamily.F32: 0, KernelFamily.I8: 1}
 _DATA_DTYPE = {
@@ -40,9 +43,12 @@ _DATA_DTYPE = {
     WeightFormat.Q8: np.int8,
     WeightFormat.Q4: np.uint8,
     WeightFormat.FP4: np.uint8,
+    WeightFormat.Q2: np.uint8,
+    WeightFormat.Q3: np.uint8,
 }
 # |sum q_w * q_x| <= 128 * 127 * I must fit in int32 for Q8 (8 * 127 * I for Q4, 12 * 127
-# * I for FP4's largest code).
+# * I for FP4's largest code). Q2/Q3 sum each group of 64 on its own (7 * 127 * 64 at most)
+# and carry groups in float, so they have no such limit.
 MAX_I = {
     WeightFormat.Q8: (2**31 - 1) // (128 * 127),
     WeightFormat.Q4: (2**31 - 1) // (8 * 127),
@@ -176,7 +182,13 @@ def membw_probe(nbytes: int = 1 << 30, threads: int | None = None, repeats: int 
 # ---- validation ------------------------------------------------------------------
 
 
-_DTYPES = {t: np.dtype(t) for t in (np.float32, np.uint16, np.int8, np.uint8, np.int32)}
+_DTYPES = {t: np.dtype(t) for t in (np.float32, np.float16, np.uint16, np.int8, np.uint8, np.int32)}
+_SCALE_DTYPE = {
+    WeightFormat.FP4: np.uint8,
+    WeightFormat.Q2: np.float16,
+    WeightFormat.Q3: np.float16,
+}
+"""Scales that are not float32: FP4's e8m0 bytes, Q2/Q3's float16 (s, m) pairs."""
 
 
 def _check_array(name: str, a: np.ndarray, dtype: type, shape: tuple[int, ...]) -> None:
@@ -195,6 +207,8 @@ def _scale_shape(w: QuantWeight) -> tuple[int, ...] | None:
     o, i = w.shape
     if w.fmt in (WeightFormat.F32, WeightFormat.BF16):
         return None
+    if w.fmt in AFFINE_FORMATS:
+        return (o, 2 * affine_groups(i))
     if w.fmt == WeightFormat.Q8 or w.group_size == 0:
         return (o,)
     return (o, -(-i // w.group_size))
@@ -208,14 +222,19 @@ def _check_weight(w: QuantWeight, family: KernelFamily, name: str = "w") -> None
     o, i = w.shape
     if o < 1 or i < 1:
         raise ValueError(f"{name}: shape {w.shape} must be positive")
-    cols = -(-i // 2) if w.fmt in NIBBLE_FORMATS else i
+    if w.fmt in AFFINE_FORMATS:
+        cols = affine_row_bytes(w.fmt, i)
+    else:
+        cols = -(-i // 2) if w.fmt in NIBBLE_FORMATS else i
     _check_array(f"{name}.data", w.data, _DATA_DTYPE[w.fmt], (o, cols))
     if w.fmt == WeightFormat.Q4 and (w.group_size < 0 or w.group_size % 2):
         raise ValueError(f"{name}: Q4 group_size must be 0 or an even number >= 2")
     if w.fmt == WeightFormat.FP4 and (w.group_size < 2 or w.group_size % 2):
         raise ValueError(f"{name}: FP4 group_size must be an even number >= 2")
-    if w.fmt not in NIBBLE_FORMATS and w.group_size != 0:
-        raise ValueError(f"{name}: group_size is only meaningful for Q4 and FP4")
+    if w.fmt in AFFINE_FORMATS and w.group_size != AFFINE_GROUP:
+        raise ValueError(f"{name}: {w.fmt.value} group_size must be {AFFINE_GROUP}")
+    if w.fmt not in NIBBLE_FORMATS and w.fmt not in AFFINE_FORMATS and w.group_size != 0:
+        raise ValueError(f"{name}: group_size is only meaningful for Q4, FP4, Q2 and Q3")
     sshape = _scale_shape(w)
     if sshape is None:
         if w.scales is not None:
@@ -225,7 +244,7 @@ def _check_weight(w: QuantWeight, family: KernelFamily, name: str = "w") -> None
             raise ValueError(f"{name}: {w.fmt.value} weights need scales {sshape}")
         if sshape == (o,) and w.scales.shape == (o, 1):
             sshape = (o, 1)
-        scale_dtype = np.uint8 if w.fmt == WeightFormat.FP4 else np.float32  # e8m0 bytes
+        scale_dtype = _SCALE_DTYPE.get(w.fmt, np.float32)
         _check_array(f"{name}.scales", w.scales, scale_dtype, sshape)
     if family == KernelFamily.I8:
         limit = MAX_I.get(w.fmt, i)
@@ -296,7 +315,7 @@ def _weight_struct(w: QuantWeight) -> object:
     cw.O, cw.I = w.shape
     cw.gs = w.group_size
     cw.data = ffi.cast("const void *", w.data.ctypes.data)
-    # FP4's scales are bytes the kernels read as such (colibri_weight.scales)
+    # FP4's scales are bytes, Q2/Q3's float16 pairs: the kernels read them as such
     cw.scales = ffi.NULL if w.scales is None else ffi.cast("const float *", w.scales.ctypes.data)
     return cw
 

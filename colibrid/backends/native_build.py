@@ -11,6 +11,12 @@ checkout rebuilds automatically when a .c/.h file changes:
 Two processes starting together serialise on an fcntl lock; the build happens in a
 temporary directory that is atomically renamed into place, so a crash never leaves a
 half-written module that a later run would load.
+
+A build takes a while (figures in docs/performance.md) and used to pass in silence, so
+it says what it is doing in one line on stderr (never stdout, which may be a pipe into a
+program): finished on the same line with its time when stderr is a terminal. A detached
+daemon's stderr is its log, so it asks `needs_build` first and tells the waiting
+`colibrid start` through its readiness pipe (control.py), which prints the same line.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -40,6 +47,8 @@ INSTALL_HINT = (
     "(Debian/Ubuntu: 'sudo apt install build-essential'; Fedora: 'sudo dnf install gcc'; "
     "macOS: 'xcode-select --install') or point CC at it"
 )
+
+BUILD_NOTE = "compiling the native kernels for this machine (once per version of colibri)"
 
 _loaded: ModuleType | None = None
 
@@ -157,6 +166,26 @@ def _compile(root: Path, out_dir: Path) -> None:
         ) from exc
 
 
+def needs_build(root: Path | None = None) -> bool:
+    """Whether loading the kernels will compile them first (this version's first run)."""
+    final = cache_base() / build_hash(root or source_root())
+    return not (final.is_dir() and _find_module(final))
+
+
+def _announce() -> float:
+    """The build's one line on stderr, left open on a terminal for `_finished`."""
+    terminal = sys.stderr.isatty()
+    print(f"colibri: {BUILD_NOTE}...", end="" if terminal else "\n", file=sys.stderr, flush=True)
+    return time.monotonic()
+
+
+def _finished(started: float, built: bool) -> None:
+    """End the terminal's open line: the time taken, or nothing (the error follows)."""
+    if sys.stderr.isatty():
+        done = f" done in {time.monotonic() - started:.0f} s" if built else ""
+        print(done, file=sys.stderr, flush=True)
+
+
 def build(root: Path | None = None) -> Path:
     """Return the path of the built extension module, compiling it if needed."""
     root = root or source_root()
@@ -170,6 +199,7 @@ def build(root: Path | None = None) -> Path:
         if found:
             return found
         tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp", dir=base))
+        started, built = _announce(), False
         try:
             _compile(root, tmp)
             if _find_module(tmp) is None:
@@ -177,7 +207,9 @@ def build(root: Path | None = None) -> Path:
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
+            built = True
         finally:
+            _finished(started, built)
             shutil.rmtree(tmp, ignore_errors=True)
     found = _find_module(final)
     assert found is not None

@@ -60,7 +60,7 @@ from colibrid.backends.webgpu_device import (
     upload_probe,
 )
 from colibrid.backends.webgpu_weights import GpuWeight, upload
-from colibrid.formats.weights import QuantWeight
+from colibrid.formats.weights import AFFINE_FORMATS, QuantWeight
 
 log = logging.getLogger("colibri.backend")
 
@@ -82,11 +82,13 @@ F4 = 4  # bytes of a float32
 
 def exact_on_device(w: QuantWeight) -> bool:
     """Whether the device computes ``w`` in the I8 family with the CPU kernels' bits
-    (whichever kernel layout the adapter runs: at most GMAX scale groups a row)."""
+    (whichever kernel layout the adapter runs: at most GMAX scale groups a row, GMAX / 2
+    for Q2/Q3, whose sums of the activation codes take a second run of mm_i8_rows' slots)."""
     if not exact_integer(w, CHUNK):
         return False
     group = w.group_size
-    return group <= 0 or group >= w.shape[1] or -(-w.shape[1] // group) <= GMAX
+    most = GMAX // 2 if w.fmt in AFFINE_FORMATS else GMAX
+    return group <= 0 or group >= w.shape[1] or -(-w.shape[1] // group) <= most
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from colibrid.backends.webgpu_device import GpuDevice
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.weights import AFFINE_FORMATS, NIBBLE_FORMATS, QuantWeight, WeightFormat
 
 FORMAT_CODES = {
     WeightFormat.F32: 0,
@@ -21,6 +21,8 @@ FORMAT_CODES = {
     WeightFormat.Q8: 2,
     WeightFormat.Q4: 3,
     WeightFormat.FP4: 4,
+    WeightFormat.Q2: 5,
+    WeightFormat.Q3: 6,
 }
 """Each format's number in native/webgpu/kernels.wgsl (FMT_*)."""
 
@@ -62,7 +64,9 @@ def upload(device: GpuDevice, w: QuantWeight) -> GpuWeight:
     row_bytes = data.shape[1]
     scales = None if w.scales is None else np.ascontiguousarray(w.scales).reshape(o, -1)
     group, groups = i, 1
-    if w.fmt in (WeightFormat.Q4, WeightFormat.FP4) and 0 < w.group_size < i:
+    if w.fmt in NIBBLE_FORMATS and 0 < w.group_size < i:
+        group, groups = w.group_size, -(-i // w.group_size)
+    if w.fmt in AFFINE_FORMATS:  # a word of float16 (s, m) a group, even for one group
         group, groups = w.group_size, -(-i // w.group_size)
     scale_row = 0 if scales is None else scales.nbytes // max(o, 1)
     per_piece = max(1, (device.max_binding - 8) // max(row_bytes, scale_row, 1))

@@ -22,11 +22,14 @@ def fewest_read_bytes(store: TieredStore, trace: list) -> int:
     """The fewest expert bytes any cache of the store's size could have read for the
     passes of `trace` (`take_pass` per pass; Belady per layer from the best starting
     content, the pinned experts free). The size is the largest the cache may reach in the
-    run: with `--pilot auto`, PILOT's slots lent."""
+    run: with `--pilot auto`, PILOT's slots lent. With experts of several sizes (a precision
+    plan) it stays a floor, counted loosely: as many experts as the smallest fit in the
+    cache's bytes, each read at the smallest read's size."""
     plan = store.plan
     capacity = plan.cache_per_layer
     if store.pilot_switch is not None:
         capacity += plan.pilot // max(1, store.n_layers)
+    capacity = store.reader.sizes.most_per_layer(capacity, store.layout.n_experts)
     pinned: dict[int, set[int]] = {}
     for layer, expert in store.pinned_keys():
         pinned.setdefault(layer, set()).add(expert)

@@ -34,13 +34,12 @@ from typing import Any
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
+from colibrid.backends.kernel_speed import hot_seconds_per_byte
 from colibrid.config import add_backend_flag
 from colibrid.errors import ConfigError
 from colibrid.formats.weights import QuantWeight
 
 COUNTED_STEPS = 4  # decode steps whose weight bytes are counted (after the timed ones)
-HOT_SET_BYTES = 1 << 20  # copies of a matrix timed together: stays in a core's L2
-HOT_ROUNDS = 7
 
 Shape = tuple[str, int, int, int]  # (format, Q4 group size, O, I): one kind of matrix
 
@@ -173,24 +172,6 @@ def _greedy(session: Any, logits: np.ndarray, steps: int) -> np.ndarray:
     for _ in range(steps):
         logits = session.decode(int(np.argmax(logits)))
     return logits
-
-
-def hot_seconds_per_byte(w: QuantWeight, family: KernelFamily) -> float:
-    """Seconds per weight byte of an S = 1 product with ``w``'s layout and shape, its
-    weights hot in cache: copies of it (about ``HOT_SET_BYTES`` in all) in one
-    ``matmul_many`` call, so a small matrix is timed without a call's fixed cost; the
-    best of ``HOT_ROUNDS`` after a warm-up."""
-    from colibrid.backends import native
-
-    copies = [w] * max(1, HOT_SET_BYTES // max(1, w.nbytes))
-    x = np.random.default_rng(1).standard_normal((1, w.shape[1]), dtype=np.float32)
-    native.matmul_many(copies, x, family)
-    best = float("inf")
-    for _ in range(HOT_ROUNDS):
-        t0 = time.perf_counter()
-        native.matmul_many(copies, x, family)
-        best = min(best, time.perf_counter() - t0)
-    return best / (len(copies) * w.nbytes)
 
 
 def kernel_floor_s(ops: CountingOps, steps: int, family: KernelFamily) -> float:

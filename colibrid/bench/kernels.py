@@ -23,13 +23,16 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from colibrid.backends.base import KernelFamily
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.affine import affine_sample
+from colibrid.formats.weights import AFFINE_FORMATS, QuantWeight, WeightFormat
 
 SHAPES = [(6144, 2048), (2048, 6144)]
 FORMATS = {
     "q4g64": (WeightFormat.Q4, 64),
     "q8": (WeightFormat.Q8, 0),
     "fp4": (WeightFormat.FP4, 32),  # MXFP4 as stored (gpt-oss experts)
+    "q3": (WeightFormat.Q3, 64),  # low-bit affine codes for cold experts
+    "q2": (WeightFormat.Q2, 64),
 }
 
 
@@ -48,6 +51,8 @@ class Row:
 
 
 def _weight(fmt: WeightFormat, o: int, i: int, gs: int, rng: np.random.Generator) -> QuantWeight:
+    if fmt in AFFINE_FORMATS:
+        return affine_sample(fmt, o, i, rng)
     if fmt == WeightFormat.Q8:
         data = rng.integers(-127, 128, (o, i), dtype=np.int8)
         return QuantWeight(fmt, (o, i), data, rng.uniform(0.001, 0.01, o).astype(np.float32))

@@ -5,8 +5,10 @@ experts of this model (their real aligned extents, with the store's own reader t
 into a slab arena and gives the drive's GB/s for expert-sized reads; then the model
 decodes with the given budget. Printed: decode tok/s, expert GB/s achieved while reading
 (and its ratio to the probe), the roofline tok/s = probe GB/s / (expert GB read per
-token) and tok/s as a fraction of it, and beside the bytes read the fewest any cache of
-the same size could have read for the routing of the run (Belady: the policy's limit).
+token) and tok/s as a fraction of it, the strict roofline (only the bytes of the experts
+the router chose that were not resident: with a precision plan, mostly the small cold
+ones), and beside the bytes read the fewest any cache of the same size could have read for
+the routing of the run (Belady: the policy's limit).
 Works on any model directory.
 """
 
@@ -23,45 +25,9 @@ import numpy as np
 from colibrid.backends.base import DeviceLimits, DeviceTierStats, KernelFamily
 from colibrid.bench.cache_bound import fewest_read_bytes
 from colibrid.bench.replay import add_store_flags, engine_ops, store_options, take_pass
+from colibrid.store.read_probe import probe
 
-
-def probe(store, n_reads: int, threads: int, seed: int = 0) -> tuple[float, int]:  # noqa: ANN001
-    """GB/s of direct reads of random experts (expert-sized, aligned, queue = threads)."""
-    from colibrid.store.io_pool import IOPool
-    from colibrid.store.slabs import SlabArena
-
-    rng = np.random.default_rng(seed)
-    layers = list(store.extents)
-    keys = [
-        (layers[rng.integers(len(layers))], int(rng.integers(store.layout.n_experts)))
-        for _ in range(n_reads)
-    ]
-    slots = max(1, threads)
-    arena = SlabArena(store.slot_bytes, slots)
-    pool = IOPool(store.files, threads)
-    try:
-        t0 = time.perf_counter()
-        total, inflight, free = 0, 0, list(range(slots))
-        for la, e in keys:
-            if not free:
-                tag, n, err = pool.done.get()
-                if err:
-                    raise err
-                total += n
-                inflight -= 1
-                free.append(tag)
-            slot = free.pop()
-            pool.submit(slot, store.extents[la][e].reads, arena.memview(slot))
-            inflight += 1
-        while inflight:
-            tag, n, err = pool.done.get()
-            if err:
-                raise err
-            total += n
-            inflight -= 1
-        return total / (time.perf_counter() - t0) / 1e9, total
-    finally:
-        pool.close()
+__all__ = ["probe"]  # the disk probe, where the other benches import it from
 
 
 def tier_line(now: DeviceTierStats, before: DeviceTierStats, tokens: int) -> str:
@@ -193,13 +159,13 @@ def main(argv: list[str]) -> int:
         )
         # The stricter limit: only the experts a token needed that were not resident when
         # the router chose them (demand misses + prefetched hits), so PILOT's mispredicted
-        # reads are not forgiven.
-        expert_gb = store.payload_bytes() / 1e9 / (store.n_layers * store.layout.n_experts)
-        needed = (st.misses + st.hits_prefetched) * expert_gb / args.tokens
+        # reads are not forgiven; their own read bytes, so a mixed-precision container's
+        # misses (mostly its small cold experts) count what they are, not a mean size.
+        needed = st.needed_bytes / 1e9 / args.tokens
         if needed > 0:
             strict = gbs / needed
             print(
-                f"roofline (needed experts only): {strict:.3f} tok/s ({needed:.3f} GB of "
+                f"roofline (needed experts only): {strict:.3f} tok/s ({needed:.4g} GB of "
                 f"non-resident experts per token); achieved {100 * tok_s / strict:.0f}%"
             )
     else:

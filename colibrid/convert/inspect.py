@@ -41,7 +41,10 @@ class Report:
     shared: int
     expert_ffn: int
     formats: dict[str, Counter] = field(default_factory=dict)
-    expert_bytes: int = 0
+    expert_bytes: int = 0  # the largest routed expert (a streaming slot's size)
+    # (formats of its matrices, stored bytes) -> routed experts: one entry unless a
+    # precision plan (`colibri requant --by-heat`) mixes them
+    expert_kinds: Counter = field(default_factory=Counter)
     expert_contiguous: bool = False
     resident_bytes: int = 0
     routed_bytes: int = 0
@@ -51,8 +54,31 @@ class Report:
     context: int = 0
 
     @property
+    def mean_expert_bytes(self) -> float:
+        n = sum(self.expert_kinds.values())
+        if not n:
+            return float(self.expert_bytes)
+        return sum(size * k for (_, size), k in self.expert_kinds.items()) / n
+
+    @property
     def expert_bytes_per_token(self) -> int:
-        return self.top_k * self.expert_bytes * self.moe_layers
+        return round(self.top_k * self.mean_expert_bytes * self.moe_layers)
+
+    def size_lines(self) -> list[str]:
+        """One line for one expert size; a line per format and size when a plan mixes them."""
+        where = "adjacent" if self.expert_contiguous else "NOT adjacent"
+        if len(self.expert_kinds) <= 1:
+            return [
+                f"expert size    {self.expert_bytes / 1e6:.2f} MB (gate+up+down with scales), "
+                f"matrices {where}"
+            ]
+        out = [
+            f"expert sizes   {len(self.expert_kinds)} kinds (gate+up+down with scales), "
+            f"matrices {where}"
+        ]
+        for (fmts, size), n in sorted(self.expert_kinds.items(), key=lambda x: -x[0][1]):
+            out.append(f"  {n:>6} x {size / 1e6:8.2f} MB  {fmts}")
+        return out
 
     def lines(self) -> list[str]:
         gb = 1e9
@@ -69,13 +95,13 @@ class Report:
             if cls in self.formats:
                 fmts = ", ".join(f"{f} x{n}" for f, n in sorted(self.formats[cls].items()))
                 out.append(f"  {cls:<12} {fmts}")
+        mean = ", mean expert" if len(self.expert_kinds) > 1 else ""
+        out += self.size_lines()
         out += [
-            f"expert size    {self.expert_bytes / 1e6:.2f} MB (gate+up+down with scales), "
-            f"matrices {'adjacent' if self.expert_contiguous else 'NOT adjacent'}",
             f"resident       {self.resident_bytes / gb:.3f} GB (all but routed experts)",
             f"routed         {self.routed_bytes / gb:.3f} GB on disk",
             f"per token      {self.expert_bytes_per_token / gb:.3f} GB of experts when cold "
-            f"({self.top_k} x {self.moe_layers} layers)",
+            f"({self.top_k} x {self.moe_layers} layers{mean})",
             f"total          {self.total_bytes / gb:.3f} GB in {self.files} files",
         ]
         if self.moe_layers and self.expert_bytes:
@@ -118,6 +144,7 @@ def inspect(path: str | Path) -> Report:
             moe.moe_intermediate_size,
         )
         first_expert: list[str] = []
+        experts: dict[tuple[int, int], tuple[set[str], int]] = {}
         for name, exp in expected.items():
             cls = classify(name, exp.shape, t.num_hidden_layers)
             r.formats.setdefault(cls, Counter())[formats[name]] += 1
@@ -125,13 +152,16 @@ def inspect(path: str | Path) -> Report:
             ex = expert_of(name)
             if ex is not None and ex[0] < t.num_hidden_layers:
                 r.routed_bytes += size
+                fmts, nbytes = experts.get((ex[0], ex[1]), (set(), 0))
+                experts[ex[0], ex[1]] = (fmts | {formats[name]}, nbytes + size)
                 if not first_expert or (ex[0], ex[1]) == first_expert[0]:
                     first_expert = first_expert or [(ex[0], ex[1])]  # type: ignore[list-item]
                     first_expert.append(name)
             else:
                 r.resident_bytes += size
         names = [n for n in first_expert[1:]]
-        r.expert_bytes = sum(stored_bytes(ckpt, n) for n in names)
+        r.expert_kinds = Counter(("+".join(sorted(f)), b) for f, b in experts.values())
+        r.expert_bytes = max((b for _, b in experts.values()), default=0)
         r.expert_contiguous = bool(names) and _adjacent(ckpt, names)
         r.total_bytes = sum(f.size for f in ckpt.files)
         r.files = len(ckpt.files)

@@ -15,7 +15,10 @@ What it can install, all on this machine except the demo's one download:
   re-expressed as an all-dense ``glm4_moe`` container.
 
 A name it cannot fetch is refused with one line saying what it can do: colibri fetches no
-model registry over the network.
+model registry over the network; a path that does not exist is "no such file or folder".
+A folder without ``tokenizer.json`` is refused before anything is converted or linked
+(the daemon takes text prompts through that file, so such a model would fail at its
+first question) unless ``--no-tokenizer`` installs it for token-id prompts only.
 """
 
 from __future__ import annotations
@@ -46,6 +49,39 @@ OFFLINE_HELP = (
     "folder (`colibri pull ./folder --name NAME`, converted here), a colibri container "
     "folder (linked) or a dense Llama .gguf file"
 )
+
+
+TOKENIZER_FILE = "tokenizer.json"
+# what a checkpoint may hold instead; transformers writes tokenizer.json from any of them
+OTHER_TOKENIZERS = ("tokenizer.model", "vocab.json")
+
+
+def looks_like_path(target: str) -> bool:
+    """A target the user meant as a file or folder (`./x`, `~/x`, `/x`, `a/b`, `x.gguf`),
+    not a name a registry would know: one that does not exist is a missing path."""
+    separators = ("/", os.altsep) if os.altsep else ("/",)
+    return (
+        any(sep in target for sep in separators)
+        or target.startswith((".", "~"))
+        or target.lower().endswith(".gguf")
+    )
+
+
+def require_tokenizer(source: Path) -> None:
+    """Refuse, in one line, a folder the daemon could not take a text prompt for."""
+    if (source / TOKENIZER_FILE).is_file():
+        return
+    has = [name for name in OTHER_TOKENIZERS if (source / name).is_file()]
+    fix = (
+        f"it has {', '.join(has)}: transformers writes tokenizer.json from it "
+        f"(`AutoTokenizer.from_pretrained(folder).save_pretrained(folder)`)"
+        if has
+        else "copy the model's tokenizer.json into it"
+    )
+    raise ConvertError(
+        f"{source}: no {TOKENIZER_FILE}, so the model could not read a text prompt; {fix}, "
+        "or pull with --no-tokenizer for token-id prompts only (`colibrid generate --ids`)"
+    )
 
 
 def check_name(name: str) -> str:
@@ -175,6 +211,8 @@ def pull(target: str, args: argparse.Namespace, paths: Paths) -> Path:
     if not source.exists():
         if (paths.models / target).is_dir():
             raise ConvertError(f"{target!r} is already installed (`colibri list` shows it)")
+        if looks_like_path(target):
+            raise ConvertError(f"{target}: no such file or folder")
         raise ConvertError(f"cannot fetch {target!r}: {OFFLINE_HELP}")
     dst = paths.models / check_name(args.name or default_name(source))
     if source.is_file():
@@ -183,6 +221,8 @@ def pull(target: str, args: argparse.Namespace, paths: Paths) -> Path:
         return convert_gguf(source, dst, args)
     if not (source / "config.json").is_file():
         raise ConvertError(f"{source}: no config.json; not a checkpoint or container folder")
+    if not args.no_tokenizer:
+        require_tokenizer(source)
     if (source / MANIFEST_NAME).is_file():
         linked = link_container(source, dst, force=args.force)
         note_digests(source, _say(args.quiet))
@@ -220,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--force",
         action="store_true",
         help="rebuild the demo, or replace a model already installed under the name",
+    )
+    p.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="install a folder without tokenizer.json (refused by default: it takes "
+        "token-id prompts only, `colibrid generate --ids`; the daemon refuses its text "
+        "requests)",
     )
     p.add_argument(
         "--allow-int4-mtp",

@@ -29,6 +29,7 @@ from colibrid.models.transformer import planned_cache_layouts
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.options import StoreOptions, open_store
 from colibrid.store.pins import hottest
+from colibrid.store.precision_plan import PrecisionPlan, plan_of
 from colibrid.store.protocol import ExpertStore
 
 log = logging.getLogger("colibri.engine")
@@ -44,6 +45,9 @@ class LoadInfo:
     model_type: str
     n_layers: int
     load_s: float
+    # The per-expert formats the container computes with (store/precision_plan.py): part
+    # of the model's identity (ps, DONE STAT, /metrics, the prompt cache's identity).
+    plan: PrecisionPlan
 
 
 class Engine:
@@ -133,7 +137,10 @@ class Engine:
 
             attach(model, experts)
         info = LoadInfo(
-            str(model_type), args.trunk.num_hidden_layers, time.perf_counter() - started
+            str(model_type),
+            args.trunk.num_hidden_layers,
+            time.perf_counter() - started,
+            plan_of(checkpoint, experts.layout),
         )
         engine = cls(
             checkpoint, model, args, experts, family, context, info, ops,
@@ -282,9 +289,15 @@ class Session:
         self._prompt_logits = {n: v for n, v in self._prompt_logits.items() if n <= length}
 
     def fork(self, length: int) -> Session:
-        """A new session holding a copy of this one's first `length` tokens (their KV);
-        this one is left as it is."""
-        return Session(self.engine, self.cache.copy_prefix(length), self.tokens[:length])
+        """A new session holding a copy of this one's first `length` tokens: their KV, the
+        MTP layer's rows and hidden states for them, and the logits remembered after any
+        of them (a prompt answered here is answered from the same numbers there, so it
+        repeats exactly); this one is left as it is."""
+        copy = Session(self.engine, self.cache.copy_prefix(length), self.tokens[:length])
+        if self.mtp is not None:
+            copy.mtp = self.mtp.copy_prefix(length)
+        copy._prompt_logits = {n: v for n, v in self._prompt_logits.items() if n <= length}
+        return copy
 
     def kv_bytes(self) -> int:
         return self.cache.nbytes()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colibrid.engine.constraint import ConstraintStats
+from colibrid.engine.logprobs import TokenLogprobs
 from colibrid.engine.speculate import SpecStats
 
 
@@ -59,10 +60,12 @@ class GenStats:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token and the text it releases ("" while text is held back)."""
+    """One generated token and the text it releases ("" while text is held back), and
+    its logprobs when the request asked for them."""
 
     token_id: int
     text: str
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)

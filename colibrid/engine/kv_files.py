@@ -8,7 +8,8 @@ One ``.npz`` per session under ``$COLIBRI_HOME/kv/<model>/`` (numpy's zip of arr
 with pickling off): its tokens, the KV rows of every layer, the remembered prompt-end
 logits, the identity of what computed them, and a SHA-256 digest of all of it. A file is
 used only when its identity matches this engine's exactly (model config, weight files'
-names, sizes and modification times, kernel family, backend, cache layout), so a
+names, sizes and modification times, kernel family, backend, cache layout, precision
+plan), so a
 re-converted model, another kernel family or another backend (whose f32 sums differ in
 their last bits) never inherits stale KV, and when its digest matches its
 contents, so a damaged or edited file is never read as KV; anything else (a damaged or
@@ -53,6 +54,9 @@ def identity(engine: Engine) -> str:
         "family": engine.family.name,
         "backend": engine.backend,
         "layouts": engine.model.cache_layouts(),
+        # the precision plan (store/precision_plan.py): KV computed under one per-expert
+        # precision plan is never reused under another, even if the files looked alike
+        "plan": engine.info.plan.id,
     }
     text = json.dumps(facts, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()

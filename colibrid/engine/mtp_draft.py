@@ -22,7 +22,7 @@ ones are skipped, and the MTP layer then attends over a shorter history).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -38,8 +38,13 @@ class MTPState:
     """A session's MTP side: the MTP layer's KV cache (rows for consecutive positions
     from `first`) and the main model's hidden states waiting to be fed to it."""
 
-    def __init__(self, layout: dict[str, tuple[int, ...]], max_tokens: int) -> None:
-        self.cache = KVCache([layout], max_tokens)
+    def __init__(
+        self,
+        layout: Mapping[str, tuple[int, ...]],
+        max_tokens: int,
+        cache: KVCache | None = None,
+    ) -> None:
+        self.cache = cache if cache is not None else KVCache([layout], max_tokens)
         self.first = 0  # the position of the cache's row 0
         self.hidden_start = 0  # the position of hidden[0]
         self.hidden: list[np.ndarray] = []
@@ -65,6 +70,19 @@ class MTPState:
         keep_rows = max(0, min(self.cache.length, length - 1 - self.first))
         self.cache.truncate(keep_rows)
         del self.hidden[max(0, length - self.hidden_start) :]
+
+    def copy_prefix(self, length: int) -> MTPState:
+        """What a session of this one's first `length` tokens holds (engine.Session.fork):
+        its MTP rows and its waiting hidden states, copied, so a fork drafts over the
+        whole shared history instead of starting over (the arrays themselves are never
+        written in place: the hidden states are shared)."""
+        keep_rows = max(0, min(self.cache.length, length - 1 - self.first))
+        layout = self.cache.layouts[0]
+        copy = MTPState(layout, self.cache.max_tokens, self.cache.copy_prefix(keep_rows))
+        copy.first = self.first
+        copy.hidden_start = self.hidden_start
+        copy.hidden = self.hidden[: max(0, length - self.hidden_start)]
+        return copy
 
     def consumed(self, upto: int) -> None:
         """Hidden states before position `upto` have their MTP rows now."""

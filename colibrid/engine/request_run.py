@@ -129,7 +129,7 @@ class RequestRun:
         self.engine = engine
         self.budget = min(params.max_tokens, engine.max_context - len(self.ids))
         self.costs = costs or PassCosts()
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, self.ids)  # the prompt starts the penalties' history
         self.text = TextOut(detokenizer, params.stop)
         self.stops = stop_token_ids
         self.cancel_flag = cancel
@@ -240,7 +240,8 @@ class RequestRun:
         ends there or the next row (which assumed ``drafts[k]``) still holds."""
         check_logits(row, self.generated)  # the model's own output: NaN/inf fail it
         constraint = self.constraint
-        token = self.sampler.sample(row if constraint is None else constraint.apply(row))
+        draw = self.sampler.draw(row if constraint is None else constraint.apply(row))
+        token = draw.token
         self.generated += 1
         is_stop = token in self.stops
         complete = False  # the grammar is done: only a stop token could follow
@@ -253,7 +254,7 @@ class RequestRun:
             self.spec.feed([token])
         finish = "stop" if hit or is_stop or complete else "length" if last else None
         going_on = k < len(drafts) and drafts[k] == token and not (hit or last)
-        return _Sampled(TokenEvent(token, text), finish, going_on)
+        return _Sampled(TokenEvent(token, text, draw.logprobs), finish, going_on)
 
     def _plan(self, token: int) -> None:
         """The next pass: the last token, and the drafts a verify checks after it."""

@@ -7,6 +7,8 @@ of finished requests is kept and the next request prefills only what is new.
 
 - A named conversation (the SERVE `conv` field) gets its own session back; its first turn
   starts from the prompt cache like an anonymous request.
+- The choices of one request (OpenAI's `n`) start from a copy of the first choice's
+  prompt KV once it is computed (`checkout_fork`): the prompt is prefilled once.
 - A request without one takes the idle anonymous session that shares the longest prefix
   with its prompt. When the prompt continues that session (it shares all but at most
   `TAKEOVER_SLACK` of its tokens: the next turn of a chat), the request takes it over;
@@ -102,6 +104,15 @@ class SessionPool:
             key = (None, next(self._serial))
             session = self._from_prompt_cache(ids)
         self._busy[key] = session
+        return key, session
+
+    def checkout_fork(self, source: SessionKey, length: int) -> tuple[SessionKey, PooledSession]:
+        """A new anonymous session (busy until `checkin`) holding a copy of the first
+        `length` tokens of the busy session `source`: the other choices of one request
+        start from the first choice's prompt while it still runs (serve.host). A session
+        like any other: counted in `max_sessions`, its KV kept within the budget once idle."""
+        key: SessionKey = (None, next(self._serial))
+        session = self._busy[key] = self._busy[source].fork(length)
         return key, session
 
     def _from_prompt_cache(self, ids: Sequence[int]) -> PooledSession | None:

@@ -207,21 +207,31 @@ class SpecStats:
             f"({100 * self.accept_rate:.0f}%), {gain}{self.predicted_gain:.2f}x predicted"
         )
 
-    def extras(self) -> dict[str, str]:
-        out = {"spec": self.mode}
+    def as_json(self) -> dict[str, str | int | float]:
+        """What speculation did, typed as JSON readers want it (STATUS's `speculation`,
+        `colibri ps --json`): counts as integers, the mean depth and the gains as numbers
+        of two decimals; the mode a word."""
+        out: dict[str, str | int | float] = {"spec": self.mode}
         if self.mode == "off":
             return out
         out.update(
-            drafted=str(self.drafted),
-            accepted=str(self.accepted),
-            verifies=str(self.verifies),
-            depth=f"{self.mean_depth:.2f}",
-            gain_predicted=f"{self.predicted_gain:.2f}",
+            drafted=self.drafted,
+            accepted=self.accepted,
+            verifies=self.verifies,
+            depth=round(self.mean_depth, 2),
+            gain_predicted=round(self.predicted_gain, 2),
         )
         achieved = self.achieved_gain()
         if achieved is not None:
-            out["gain"] = f"{achieved:.2f}"
+            out["gain"] = round(achieved, 2)
         return out
+
+    def extras(self) -> dict[str, str]:
+        """The same values as DONE's `key=value` extras (text on the line protocol)."""
+        return {
+            key: f"{value:.2f}" if isinstance(value, float) else str(value)
+            for key, value in self.as_json().items()
+        }
 
 
 @dataclass

@@ -15,6 +15,7 @@ one-line `CheckpointError` or `RequestError`, never a traceback.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,8 @@ class TextCodec:
         self._tok = tokenizer
         self._templates = chat_template
         self._compiled: dict[str, ChatTemplate] = {}
+        self._bytes_of: Any = None  # llguidance's view of the tokenizer (token_bytes)
+        self._bytes_lock = threading.Lock()
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self.stop_token_ids = frozenset(stop_token_ids)
         self.origin = origin
@@ -256,6 +259,23 @@ class TextCodec:
         """Text of `ids`; keeps special tokens by default, as transformers' `decode` does."""
         with contain_panics("the model's tokenizer"):
             return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a UTF-8 character, possibly: what
+        `decode` of the token alone would show as U+FFFD). llguidance knows them for every
+        tokenizer kind (byte-level BPE, SentencePiece byte fallback); its view is built on
+        the first call (a fraction of a second), which `serve.prepare` makes off the engine
+        thread for a request asking for logprobs."""
+        with self._bytes_lock:
+            if self._bytes_of is None:
+                from colibrid.engine.grammar import llg_tokenizer
+
+                self._bytes_of = llg_tokenizer(
+                    self.tokenizer_json(), self.vocab_size, self.stop_token_ids
+                )
+        if not 0 <= token_id < self._bytes_of.vocab_size:
+            return b""
+        return bytes(self._bytes_of.decode_bytes([token_id]))
 
     def special_token_names(self) -> frozenset[str]:
         """The tokenizer's special tokens (what a grammar may name as tokens)."""

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.affine import dequantize_affine_rows, quantize_affine
+from colibrid.formats.weights import AFFINE_FORMATS, QuantWeight, WeightFormat
 
 SCALE_FLOOR = np.float32(1e-8)
 BLOCK_ELEMENTS = 1 << 22
@@ -87,16 +88,20 @@ def nibble_codes(packed: np.ndarray, cols: int) -> np.ndarray:
 
 
 def quantize(w: np.ndarray, fmt: WeightFormat, group_size: int = 64) -> QuantWeight:
-    """Quantise a 2-D weight [O, I] to Q8 (per row) or Q4 (per row or grouped).
+    """Quantise a 2-D weight [O, I] to Q8 (per row), Q4 (per row or grouped) or the
+    low-bit affine Q2/Q3 (groups of 64, colibrid.formats.affine).
 
     ``group_size`` applies to Q4 only: 0 means one scale per row, otherwise one scale
-    per ``group_size`` inputs. Q8 is always per row (upstream groups only at <= 4 bits).
+    per ``group_size`` inputs. Q8 is always per row (upstream groups only at <= 4 bits);
+    Q2 and Q3 always group 64 inputs (their block layout is defined for 64).
     """
+    if fmt in AFFINE_FORMATS:
+        return quantize_affine(w, fmt)
     w = np.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a 2-D weight, got shape {w.shape}")
     if fmt not in (WeightFormat.Q8, WeightFormat.Q4):
-        raise ValueError(f"quantize supports Q8 and Q4, not {fmt}")
+        raise ValueError(f"quantize supports Q8, Q4, Q2 and Q3, not {fmt}")
     if group_size < 0:
         raise ValueError(f"group_size must be >= 0, got {group_size}")
     rows, cols = w.shape
@@ -194,6 +199,8 @@ def _dequantize_rows_of(w: QuantWeight, data: np.ndarray, scales: np.ndarray | N
     if w.fmt is WeightFormat.BF16:
         return bf16_to_f32(data)
     assert scales is not None
+    if w.fmt in AFFINE_FORMATS:
+        return dequantize_affine_rows(w.fmt, w.in_features, data, scales)
     if w.fmt is WeightFormat.Q8:
         q = data.astype(np.float32)
     elif w.fmt is WeightFormat.Q4:
@@ -295,12 +302,17 @@ def dequantize_fp8_blocks(
 def container_tensors(name: str, w: QuantWeight) -> dict[str, np.ndarray]:
     """The tensors a colibri container stores for ``w``: ``{name: U8 data, name.qs: F32}``.
 
-    U8 data is [O, I] (Q8, int8 bytes reinterpreted) or [O, ceil(I/2)] (Q4, FP4); scales
-    are [O] (per row) or [O, ceil(I/gs)] (grouped), float32, or FP4's e8m0 bytes [O, I/32]
-    (stored as F8_E8M0). An F32 weight is stored as itself.
+    U8 data is [O, I] (Q8, int8 bytes reinterpreted), [O, ceil(I/2)] (Q4, FP4) or the
+    affine blocks [O, 16|24 * ceil(I/64)] (Q2, Q3); scales are [O] (per row) or
+    [O, ceil(I/gs)] (grouped), float32, FP4's e8m0 bytes [O, I/32] (stored as F8_E8M0), or
+    Q2/Q3's float16 scale and minimum pairs [O, 2 * ceil(I/64)] (stored as F16). An F32
+    weight is stored as itself.
     """
     if w.fmt is WeightFormat.F32:
         return {name: np.ascontiguousarray(w.data, dtype=np.float32)}
+    if w.fmt in AFFINE_FORMATS and w.scales is not None:
+        data = np.ascontiguousarray(w.data, dtype=np.uint8)
+        return {name: data, name + ".qs": np.ascontiguousarray(w.scales, dtype=np.float16)}
     if w.fmt not in (WeightFormat.Q8, WeightFormat.Q4, WeightFormat.FP4) or w.scales is None:
         raise ValueError(f"no container encoding for {w.fmt} weight {name!r}")
     data = np.ascontiguousarray(w.data).view(np.uint8)

@@ -24,6 +24,10 @@ class WeightFormat(enum.Enum):
     # MXFP4 kept as stored: e2m1 codes packed as Q4's nibbles, each standing for an integer
     # of the doubled e2m1 grid (quant.FP4_VALUES), and MXFP4's e8m0 scale byte per 32 inputs
     FP4 = "fp4"
+    # Low-bit affine codes for cold experts (formats.affine): unsigned 2- or 3-bit codes
+    # per input, a float16 scale and minimum per group of 64 inputs, w = s * q + m
+    Q2 = "q2"
+    Q3 = "q3"
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,13 @@ class QuantWeight:
       Q4   -> uint8   [O, ceil(I/2)]: nibble = q + 8, even element in the low nibble
       FP4  -> uint8   [O, ceil(I/2)]: nibble = an e2m1 code (value FP4_VALUES[code]),
               even element in the low nibble
+      Q2   -> uint8   [O, 16 * ceil(I/64)]: a 16-byte block per group of 64 (formats.affine)
+      Q3   -> uint8   [O, 24 * ceil(I/64)]: the same 16 bytes plus an 8-byte high-bit plane
     scales: float32, None for F32/BF16; [O] for Q8 and per-row Q4; [O, ceil(I/gs)] for
-      grouped Q4; uint8 e8m0 bytes [O, ceil(I/gs)] for FP4 (a group's factor 2^(e - 128)).
-    group_size: 0 means per-row scales (only meaningful for Q4; FP4 is always grouped).
+      grouped Q4; uint8 e8m0 bytes [O, ceil(I/gs)] for FP4 (a group's factor 2^(e - 128));
+      float16 [O, 2 * ceil(I/64)] for Q2/Q3, each group's scale then its minimum.
+    group_size: 0 means per-row scales (only meaningful for Q4; FP4 is always grouped;
+      Q2/Q3 always 64).
 
     Arrays must be C-contiguous. They may be views into an mmap or a slab.
     """
@@ -69,8 +77,8 @@ class QuantWeight:
 
 
 class WeightLayout(NamedTuple):
-    """What a kernel's speed depends on beyond the row count: the format, the Q4 group
-    (I when one scale covers the row, 0 for other formats) and I."""
+    """What a kernel's speed depends on beyond the row count: the format, the group of a
+    grouped format (I when one scale covers the row, 0 for other formats) and I."""
 
     fmt: WeightFormat
     group: int
@@ -79,10 +87,17 @@ class WeightLayout(NamedTuple):
     @classmethod
     def of(cls, fmt: WeightFormat, group_size: int, in_features: int) -> WeightLayout:
         group = 0
-        if fmt in NIBBLE_FORMATS:
+        if fmt in GROUPED_FORMATS:
             group = group_size if 0 < group_size < in_features else in_features
         return cls(fmt, group, in_features)
 
 
 NIBBLE_FORMATS = frozenset({WeightFormat.Q4, WeightFormat.FP4})
 """Formats of two codes a byte and one scale per group (Q4's layout)."""
+
+AFFINE_FORMATS = frozenset({WeightFormat.Q2, WeightFormat.Q3})
+"""Low-bit formats of unsigned codes with a scale and a minimum per group of 64
+(colibrid.formats.affine): what cold experts may be stored in."""
+
+GROUPED_FORMATS = NIBBLE_FORMATS | AFFINE_FORMATS
+"""Formats whose scales are per group of inputs."""

@@ -12,6 +12,8 @@ from dataclasses import replace
 from typing import Any
 
 from colibrid.http.errors import bad_request
+from colibrid.http.fields import ANTHROPIC as ANTHROPIC_REFUSED
+from colibrid.http.fields import refuse_unsupported
 from colibrid.http.openai import (
     Plan,
     _int,
@@ -22,12 +24,12 @@ from colibrid.http.openai import (
     keep_alive,
     new_id,
     sampling,
-    shaped,
     whole,
 )
 from colibrid.http.parsing import Features, ToolCall
 from colibrid.http.splitter import make_splitter
 from colibrid.http.structured import ToolChoice
+from colibrid.http.tools import function_tool, plan_tools, template_call, tool_message
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest
 
@@ -53,21 +55,12 @@ def _convert(role: str, content: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "thinking" and role == "assistant":
             reasoning.append(str(block.get("thinking", "")))
         elif kind == "tool_use" and role == "assistant" and isinstance(block.get("name"), str):
-            calls.append(
-                {
-                    "type": "function",
-                    "id": block.get("id"),
-                    "function": {"name": block["name"], "arguments": block.get("input") or {}},
-                }
-            )
+            calls.append(template_call(block["name"], block.get("input") or {}, block.get("id")))
         elif kind == "tool_result" and role == "user":
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": block.get("tool_use_id"),
-                    "content": _text(block.get("content"), where),
-                }
-            )
+            result = _text(block.get("content"), where)
+            if block.get("is_error"):  # the tool failed: the model reads that it did
+                result = f"Error: {result}"
+            out.append(tool_message(result, block.get("tool_use_id")))
         else:
             raise bad_request(
                 f"{where}: unsupported content block {kind!r} (text, "
@@ -102,11 +95,45 @@ def tool_choice(value: Any) -> ToolChoice:
     )
 
 
+def one_call(choice: Any) -> bool:
+    """`tool_choice.disable_parallel_tool_use`: at most one call (the first)."""
+    value = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(
+            "`tool_choice.disable_parallel_tool_use` must be a boolean", "tool_choice"
+        )
+    return bool(value)
+
+
+def anthropic_tools(value: Any) -> tuple[dict[str, Any], ...] | None:
+    """Anthropic's `tools` (`{name, description, input_schema}`) as template tools; None
+    for none. Server tools (a `type` other than custom) run on Anthropic's side: refused."""
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and t["name"]
+        and t.get("type", "custom") == "custom"
+        and isinstance(t.get("input_schema", {}), dict)
+        for t in value
+    ):
+        raise bad_request(
+            "`tools` must be a list of {name, description, input_schema} (custom tools; "
+            "Anthropic's server tools are not available here)",
+            "tools",
+        )
+    return tuple(
+        function_tool(t["name"], t.get("description", ""), t.get("input_schema", {})) for t in value
+    )
+
+
 def messages_plan(
     body: Any, *, served: str, client: int, max_context: int, features: Features
 ) -> Plan:
     body = _obj(body)
     model = check_model(body, served)
+    refuse_unsupported(body, ANTHROPIC_REFUSED)
     max_tokens = _int(body, "max_tokens")
     if max_tokens is None:
         raise bad_request("`max_tokens` is required", "max_tokens")
@@ -125,43 +152,21 @@ def messages_plan(
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise bad_request(f"{where}: role must be user or assistant", where)
         messages += _convert(message["role"], message.get("content"), where)
-    tools = body.get("tools")
     choice = tool_choice(body.get("tool_choice"))
-    template_tools = None
-    if choice.forced and not tools:
-        raise bad_request("`tool_choice` names tools but `tools` is empty", "tool_choice")
-    if tools and choice.mode != "none":
-        if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("name"), str) for t in tools
-        ):
-            raise bad_request(
-                "`tools` must be a list of {name, description, input_schema}", "tools"
-            )
-        if not features.tools and not choice.forced:
-            raise bad_request(
-                "this model's chat template does not support tools (a forced call, "
-                "`tool_choice` any or a named tool, works without)",
-                "tools",
-            )
-        template_tools = tuple(
-            {
-                "type": "function",
-                "function": {
-                    "name": t["name"],
-                    "description": t.get("description", ""),
-                    "parameters": t.get("input_schema", {}),
-                },
-            }
-            for t in tools
-        )
-    chat, shown_tools, grammar, checks = shaped(
-        tuple(messages), template_tools, choice, None, features, param="tools"
+    template_tools = anthropic_tools(body.get("tools")) if choice.mode != "none" else None
+    tool_plan = plan_tools(messages, template_tools, choice, features)
+    chat, shown_tools, grammar, checks = (
+        tool_plan.messages,
+        tool_plan.tools,
+        tool_plan.grammar,
+        tool_plan.checks,
     )
     params = sampling(
         body,
         max_tokens=max_tokens,
         max_context=max_context,
         stop=_stop(body.get("stop_sequences"), "stop_sequences"),
+        extensions=False,  # Anthropic has no penalties or min_p: a 400 names the field
     )
     request = GenerateRequest(
         id=new_id("msg"),
@@ -180,6 +185,26 @@ def messages_plan(
         max_tokens,
         replace(features, tools=template_tools is not None),
         checks,
+        one_call=one_call(body.get("tool_choice")),
+    )
+
+
+def count_plan(
+    body: Any, *, served: str, client: int, max_context: int, features: Features
+) -> Plan:
+    """`POST /v1/messages/count_tokens`: the body of a message request without
+    `max_tokens`, planned as one (the same template, system note and tools), to count
+    its prompt's tokens."""
+    body = _obj(body)
+    if "max_tokens" in body or "stream" in body:
+        field = "max_tokens" if "max_tokens" in body else "stream"
+        raise bad_request(f"`{field}` is not a field of count_tokens", field)
+    return messages_plan(
+        {**body, "max_tokens": 1},
+        served=served,
+        client=client,
+        max_context=max_context,
+        features=features,
     )
 
 
@@ -189,6 +214,18 @@ def stop_reason(done: Done, calls: list[ToolCall]) -> str:
     if done.stop_string is not None:
         return "stop_sequence"
     return "max_tokens" if done.finish == "length" else "end_turn"
+
+
+def input_usage(prompt_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's input counts: the prompt's tokens the conversation's KV cache already
+    held are `cache_read_input_tokens` (not in `input_tokens`: the three add up to the
+    prompt). colibri keeps every conversation's KV on its own, at no extra cost, so
+    nothing is ever a paid cache write: `cache_creation_input_tokens` is 0."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+    }
 
 
 def _tool_block(call: ToolCall) -> dict[str, Any]:
@@ -204,7 +241,7 @@ class MessageStream:
         self.splitter = make_splitter(plan.features)
         self.blocks: list[dict[str, Any]] = []
         self.open: str | None = None  # type of the open content block
-        self.prompt_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0
 
     def _message(self, done: Done | None, calls: list[ToolCall]) -> dict[str, Any]:
         return {
@@ -216,13 +253,16 @@ class MessageStream:
             "stop_reason": stop_reason(done, calls) if done else None,
             "stop_sequence": done.stop_string if done else None,
             "usage": {
-                "input_tokens": done.prompt_tokens if done else self.prompt_tokens,
+                **input_usage(
+                    done.prompt_tokens if done else self.prompt_tokens,
+                    done.cached_tokens if done else self.cached_tokens,
+                ),
                 "output_tokens": done.generated_tokens if done else 0,
             },
         }
 
-    def start(self, prompt_tokens: int) -> list[tuple[str, dict[str, Any]]]:
-        self.prompt_tokens = prompt_tokens
+    def start(self, prompt_tokens: int, cached_tokens: int = 0) -> list[tuple[str, dict[str, Any]]]:
+        self.prompt_tokens, self.cached_tokens = prompt_tokens, cached_tokens
         return [("message_start", {"message": {**self._message(None, []), "content": []}})]
 
     def _close(self) -> list[tuple[str, dict[str, Any]]]:
@@ -263,6 +303,7 @@ class MessageStream:
 
     def finish(self, done: Done) -> list[tuple[str, dict[str, Any]]]:
         pieces, self.calls = self.splitter.finish(whole=whole(self.plan, done))
+        self.calls = self.calls[:1] if self.plan.one_call else self.calls
         out = self._pieces(pieces) + self._close()
         for call in self.calls:
             block = _tool_block(call)

@@ -18,24 +18,32 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
 import socket
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import replace
 from typing import Any
 
 import trio
 
 from colibrid.errors import ColibriError, ConfigError, RequestError, contain_panics
-from colibrid.http import anthropic, errors, openai, sse
+from colibrid.http import anthropic, dashboard, errors, openai, sse
 from colibrid.http.body import Decoder, decode_json, read_body
+from colibrid.http.choices import Choices, choice_request
 from colibrid.http.errors import ApiError, bad_request
 from colibrid.http.gate import Gate, is_loopback_host, require_json
 from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
+from colibrid.http.ollama_api import OllamaApi
 from colibrid.http.openapi import describe
 from colibrid.http.parsing import Features
+from colibrid.http.response_events import ResponseStream
+from colibrid.http.response_store import ResponseStore
+from colibrid.http.responses import response_plan
 from colibrid.installed import names as installed_names
 from colibrid.serve.events import Accepted, Done, Failed, Progress, Token
-from colibrid.serve.prepare import GrammarRefused
+from colibrid.serve.prepare import GrammarRefused, tokenize
+from colibrid.serve.requests import GenerateRequest
 
 log = logging.getLogger("colibrid.http")
 JSON = (b"content-type", b"application/json")
@@ -47,10 +55,16 @@ ROUTES = {
     "/v1/chat/completions": "POST",
     "/v1/completions": "POST",
     "/v1/messages": "POST",
+    **OllamaApi.ROUTES,
+    "/v1/responses": "POST",
+    "/v1/messages/count_tokens": "POST",
+    **dashboard.ROUTES,  # the page at / and its JSON endpoints
 }
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+# frames one request's events as its dialect streams them: (plan, translator, events, responder)
+Pump = Callable[[Any, Any, Any, Any], Awaitable[None]]
 
 
 class Responder:
@@ -99,6 +113,8 @@ class HttpApp:
             keyed=bool(settings.http_api_key), cors=origins, bound=bound_host(settings.http)
         )
         self.decoder = Decoder()
+        self.responses = ResponseStore()  # `store` / `previous_response_id` (/v1/responses)
+        self.ollama = OllamaApi(self)  # Ollama's native API (/api/...)
         self._clients = itertools.count(1 << 40)  # never collides with SERVE connection ids
 
     @property
@@ -149,7 +165,7 @@ class HttpApp:
                     204,
                     b"",
                     headers=(
-                        ("access-control-allow-methods", "GET, POST, OPTIONS"),
+                        ("access-control-allow-methods", "GET, POST, DELETE, OPTIONS"),
                         (
                             "access-control-allow-headers",
                             "authorization, content-type, x-api-key, anthropic-version",
@@ -168,10 +184,11 @@ class HttpApp:
                     code="method_not_allowed",
                     headers=(("allow", f"{want}, OPTIONS" if self.cors else want),),
                 )
-            if path != "/health":
+            # the page's files hold no data, and a browser cannot send a key to load them
+            if path != "/health" and path not in dashboard.ASSETS:
                 self._authorize(scope)
             data = None
-            if want == "POST":
+            if want in ("POST", "DELETE"):  # Ollama's /api/delete has a JSON body
                 require_json(headers)
                 data = await read_body(
                     receive,
@@ -182,17 +199,21 @@ class HttpApp:
             with contain_panics("a native library"):
                 await self._route(path, data, receive, responder)
         except ApiError as exc:
-            await self._fail(responder, exc, anthropic=path == "/v1/messages")
+            await self._fail(responder, exc, anthropic=path.startswith("/v1/messages"), path=path)
         except ColibriError as exc:  # a native panic, contained
             log.error("HTTP %s %s failed: %s", method, path, exc)
             await self._fail(
-                responder, errors.from_code(exc.code, str(exc)), anthropic=path == "/v1/messages"
+                responder,
+                errors.from_code(exc.code, str(exc)),
+                anthropic=path.startswith("/v1/messages"),
+                path=path,
             )
         except Exception as exc:  # a bug costs this request only
             log.exception("HTTP %s %s failed", method, path)
             await self._fail(
                 responder,
                 ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error"),
+                path=path,
             )
         finally:
             self.metrics.requests.labels(
@@ -200,13 +221,18 @@ class HttpApp:
                 str(responder.status or 499),
             ).inc()
 
-    async def _fail(self, responder: Responder, exc: ApiError, *, anthropic: bool = False) -> None:
+    async def _fail(
+        self, responder: Responder, exc: ApiError, *, anthropic: bool = False, path: str = ""
+    ) -> None:
         if responder.status:  # headers are out: the stream can only end
             return
+        data = (
+            exc.ollama_bytes()
+            if path.startswith(OllamaApi.PREFIX)
+            else exc.json_bytes(anthropic=anthropic)
+        )
         try:
-            await responder.full(
-                exc.status, exc.json_bytes(anthropic=anthropic), headers=exc.headers
-            )
+            await responder.full(exc.status, data, headers=exc.headers)
         except Exception:  # the client is gone
             pass
 
@@ -253,6 +279,17 @@ class HttpApp:
             name = path[len("/v1/models/") :]
             openai.known_model(name, self._installed())
             await responder.json(200, openai.model_card(name, int(state.started)))
+        elif path in dashboard.ASSETS:
+            page, content_type = dashboard.asset(path)
+            await responder.full(200, page, content_type.encode(), dashboard.ASSET_HEADERS)
+        elif path == dashboard.STATUS_PATH:
+            await responder.json(200, dashboard.snapshot(state))
+        elif path == dashboard.PROFILE_PATH:
+            assert data is not None
+            body = await self.decoder.run(len(data), lambda: decode_json(data))
+            await responder.json(200, await dashboard.use_profile(state, body))
+        elif path.startswith(OllamaApi.PREFIX):
+            await self.ollama.route(path, data, receive, responder)
         else:
             assert data is not None
             client = next(self._clients)
@@ -262,8 +299,26 @@ class HttpApp:
             plan, translator = await self.decoder.run(
                 len(data), lambda: self._plan(path, body, client, model)
             )
+            if path == "/v1/messages/count_tokens":
+                await responder.json(200, {"input_tokens": await self._count(plan)})
+                return
             plan = await self._prepare(plan)
-            await self._generate(plan, translator, receive, responder)
+            if plan.n > 1:
+                await self._generate_many(plan, translator, receive, responder)
+            else:
+                await self._generate(plan, translator, receive, responder)
+
+    async def _count(self, plan: openai.Plan) -> int:
+        """The tokens of the plan's prompt, rendered and tokenised as a generation's is
+        (serve.prepare.tokenize), in a worker thread; nothing is generated."""
+        codec = self.state.host.codec
+        if codec is None:
+            raise bad_request("this model has no tokenizer.json; it cannot count text")
+        try:
+            ids = await trio.to_thread.run_sync(tokenize, codec, plan.request)
+        except ColibriError as exc:
+            raise errors.from_code(exc.code, str(exc), max_context=self.max_context) from None
+        return len(ids)
 
     async def _ensure(self, model: str) -> None:
         """The model a request names is loaded (in place of another when idle)."""
@@ -285,10 +340,16 @@ class HttpApp:
         common = {"served": model, "client": client, "max_context": self.max_context}
         if path == "/v1/chat/completions":
             plan = openai.chat_plan(body, features=self.features, **common)
-            return plan, openai.ChatStream(plan)
+            return plan, _translator(plan, openai.ChatStream)
         if path == "/v1/completions":
             plan = openai.completion_plan(body, **common)
-            return plan, openai.CompletionStream(plan)
+            return plan, _translator(plan, openai.CompletionStream)
+        if path == "/v1/responses":
+            plan, spec = response_plan(body, features=self.features, store=self.responses, **common)
+            return plan, ResponseStream(plan, spec, self.responses)
+        if path == "/v1/messages/count_tokens":
+            plan = anthropic.count_plan(body, features=self.features, **common)
+            return plan, None
         plan = anthropic.messages_plan(body, features=self.features, **common)
         return plan, anthropic.MessageStream(plan)
 
@@ -318,8 +379,15 @@ class HttpApp:
 
     # ---- generation -----------------------------------------------------------------------
     async def _generate(
-        self, plan: openai.Plan, translator: Any, receive: Receive, responder: Responder
+        self,
+        plan: openai.Plan,
+        translator: Any,
+        receive: Receive,
+        responder: Responder,
+        pump: Pump | None = None,
     ) -> None:
+        """Submit and track one request; `pump` frames its events (default: SSE)."""
+        pump = pump or self._pump
         scheduler = self.state.scheduler
         try:
             handle = scheduler.submit_nowait(plan.request)
@@ -332,7 +400,7 @@ class HttpApp:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
             try:
                 async with scheduler.track(handle):
-                    await self._pump(plan, translator, handle.events, responder)
+                    await pump(plan, translator, handle.events, responder)
             except ApiError as exc:
                 failure.append(exc)
             nursery.cancel_scope.cancel()
@@ -350,10 +418,15 @@ class HttpApp:
         # SERVE protocol do (the answer then ends with finish_reason "length"): many clients
         # send a large max_tokens by default. A prompt that leaves no room fails (above).
         anthropic_api = isinstance(translator, anthropic.MessageStream)
-        encode = _encoder(anthropic_api)
+        responses_api = isinstance(translator, ResponseStream)  # named events, no [DONE]
+        encode = _encoder(anthropic_api or responses_api)
         if plan.stream:
             await responder.start(200, sse.HEADERS)
-            head = translator.start(first.prompt_tokens) if anthropic_api else translator.start()
+            head = (
+                translator.start(first.prompt_tokens, first.cached_tokens)
+                if anthropic_api
+                else translator.start()
+            )
             if head:
                 await responder.body(encode(head))
         async for event in events:
@@ -365,29 +438,153 @@ class HttpApp:
                         else sse.comment(f"prefill {event.done}/{event.total}")
                     )
             elif isinstance(event, Token):
-                items = translator.token(event.text)
+                items = (
+                    translator.token(event.text)
+                    if event.logprobs is None
+                    else translator.token(event.text, event.logprobs)
+                )
                 if plan.stream and items:
                     await responder.body(encode(items))
             elif isinstance(event, Done):
-                self.metrics.prompt_tokens.inc(event.prompt_tokens)
-                self.metrics.generated_tokens.inc(event.generated_tokens)
+                self.metrics.finished(event)
                 if not plan.stream:
                     await responder.json(200, translator.response(event))
                     return
                 tail = encode(translator.finish(event))
-                await responder.body(tail if anthropic_api else tail + sse.DONE, more=False)
+                named = anthropic_api or responses_api
+                await responder.body(tail if named else tail + sse.DONE, more=False)
                 return
             elif isinstance(event, Failed):
                 error = errors.from_code(event.code, event.message, max_context=self.max_context)
                 if not plan.stream:
                     raise error
                 payload = error.body(anthropic=anthropic_api)
-                data = (
-                    sse.named("error", {"error": payload["error"]})
-                    if anthropic_api
-                    else sse.data(payload)
-                )
+                if responses_api:  # response.failed, carrying the error
+                    data = encode(translator.failed(payload["error"]))
+                elif anthropic_api:
+                    data = sse.named("error", {"error": payload["error"]})
+                else:
+                    data = sse.data(payload)
                 await responder.body(data, more=False)
+                return
+
+    # ---- n > 1 (http.choices) ----------------------------------------------------------------
+    async def _choice(self, plan: openai.Plan, i: int) -> GenerateRequest:
+        """Choice i's request, ready for the engine: the prompt's ids are shared; a grammar's
+        matcher holds one answer's state, so a constrained choice gets its own."""
+        request = choice_request(plan.request, i)
+        if i == 0 or request.constraint is None:
+            return request
+        try:
+            return await self.state.prepare(replace(request, prompt_ids=None, constraint=None))
+        except ColibriError as exc:
+            raise errors.from_code(exc.code, str(exc), max_context=self.max_context) from None
+
+    async def _generate_many(
+        self, plan: openai.Plan, choices: Choices, receive: Receive, responder: Responder
+    ) -> None:
+        """`n` requests, submitted and tracked together; a refusal of any ends them all.
+        The first computes the prompt; the others start from a copy of its KV
+        (`same_prompt_as`: the prompt is prefilled once)."""
+        requests = [await self._choice(plan, i) for i in range(plan.n)]
+        scheduler = self.state.scheduler
+        failure: list[ApiError] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+            try:
+                async with AsyncExitStack() as stack:
+                    handles = []
+                    for request in requests:
+                        try:
+                            handle = scheduler.submit_nowait(
+                                request, same_prompt_as=handles[0] if handles else None
+                            )
+                        except ColibriError as exc:
+                            raise errors.from_code(
+                                exc.code, str(exc), retry_after_s=self.settings.http_retry_after_s
+                            ) from None
+                        handles.append(await stack.enter_async_context(scheduler.track(handle)))
+                    error = await self._pump_many(plan, choices, handles, responder)
+                    if error is not None:
+                        raise error
+            except ApiError as exc:
+                failure.append(exc)
+            nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+
+    async def _pump_many(
+        self, plan: openai.Plan, choices: Choices, handles: list[Any], responder: Responder
+    ) -> ApiError | None:
+        """The choices' events, merged as they come; an error before the response started
+        is returned (the caller raises it), one after ends the stream. The response starts
+        once the first choice is accepted: the others are accepted only when its prompt is
+        in (they start from it), and a long prefill streams its progress meanwhile."""
+        first = await handles[0].events.receive()
+        if isinstance(first, Failed):
+            return errors.from_code(first.code, first.message, max_context=self.max_context)
+        encode = _encoder(False)
+        if plan.stream:
+            await responder.start(200, sse.HEADERS)
+            await responder.body(encode(choices.start()))
+        dones: list[Done | None] = [None] * len(handles)
+        failed: Failed | None = None
+        send, merged = trio.open_memory_channel[tuple[int, Any]](math.inf)
+        async with trio.open_nursery() as nursery:
+            for i, handle in enumerate(handles):
+                nursery.start_soon(_forward, i, handle.events, send.clone())
+            send.close()
+            async for i, event in merged:
+                if isinstance(event, Progress) and plan.stream:
+                    await responder.body(sse.comment(f"prefill {event.done}/{event.total}"))
+                elif isinstance(event, Token):
+                    items = choices.token(i, event.text, event.logprobs)
+                    if plan.stream and items:
+                        await responder.body(encode(items))
+                elif isinstance(event, Done):
+                    self.metrics.finished(event)
+                    dones[i] = event
+                    if plan.stream:
+                        await responder.body(encode(choices.finish(i, event)))
+                    if all(d is not None for d in dones):
+                        break
+                elif isinstance(event, Failed):
+                    failed = event
+                    break
+            nursery.cancel_scope.cancel()
+        if failed is not None:
+            error = errors.from_code(failed.code, failed.message, max_context=self.max_context)
+            if plan.stream:
+                await responder.body(sse.data(error.body(anthropic=False)), more=False)
+            return None if plan.stream else error
+        await self._answer_many(plan, choices, [d for d in dones if d is not None], responder)
+        return None
+
+    async def _answer_many(
+        self, plan: openai.Plan, choices: Choices, dones: list[Done], responder: Responder
+    ) -> None:
+        """Every choice ended: the response, or the stream's last chunk."""
+        if not plan.stream:
+            await responder.json(200, choices.response(dones))
+        else:
+            await responder.body(_encoder(False)(choices.usage_chunk(dones)) + sse.DONE, more=False)
+
+
+def _translator(plan: openai.Plan, kind: Callable[[openai.Plan], Any]) -> Any:
+    """The plan's translator: one choice's, or `Choices` over n of them (the usage comes
+    once, after every choice)."""
+    if plan.n == 1:
+        return kind(plan)
+    one = replace(plan, include_usage=False)
+    return Choices([kind(one) for _ in range(plan.n)], plan.include_usage)
+
+
+async def _forward(i: int, events: Any, send: trio.MemorySendChannel[tuple[int, Any]]) -> None:
+    """Choice i's events into the merged channel, up to its end."""
+    async with send:
+        async for event in events:
+            await send.send((i, event))
+            if isinstance(event, (Done, Failed)):
                 return
 
 
@@ -442,14 +639,19 @@ def _loopback(host: str) -> bool:
 
 
 async def serve_http(
-    state: Any, settings: Any, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    state: Any,
+    settings: Any,
+    binds: list[str],
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the API until cancelled; `task_status` gets the bound URLs."""
+    """Serve the API on `binds` (the sockets the daemon bound before loading the model:
+    http/listen.py) until cancelled; `task_status` gets the bound URLs."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
     config = Config()
-    config.bind = [parse_bind(settings.http, settings.http_api_key)]
+    config.bind = binds
     config.accesslog = None
     config.errorlog = logging.getLogger("colibrid.http.server")
     config.graceful_timeout = 2.0

@@ -36,12 +36,19 @@ def parameters_of(tool: dict[str, Any]) -> Any:
     return ANY_OBJECT if params is None or params == {} else params
 
 
-def _call_rule(index: int, tool: dict[str, Any]) -> str:
-    """`call_<i>: "<tool_call>{"name": NAME, "arguments": " args_<i> "}</tool_call>"`."""
-    head = f'{TOOL_OPEN}{{"name": {json.dumps(function_of(tool)["name"], ensure_ascii=False)}, '
-    head += '"arguments": '
+def _call_rule(index: int, tool: dict[str, Any], opened: bool = False) -> str:
+    """`call_<i>: "<tool_call>{"name": NAME, "arguments": " args_<i> "}</tool_call>"`;
+    `opened`: `body_<i>`, the same after its opener (the newlines Hermes-style templates
+    put around the JSON allowed)."""
+    name = json.dumps(function_of(tool)["name"], ensure_ascii=False)
+    head = f'{{"name": {name}, "arguments": '
+    if opened:
+        return (
+            f'body_{index}: "\\n"? {json.dumps(head, ensure_ascii=False)} args_{index} "}}" '
+            f'"\\n"? {json.dumps(TOOL_CLOSE)}\n' + _args_rule(index, tool)
+        )
     return (
-        f"call_{index}: {json.dumps(head, ensure_ascii=False)} args_{index} "
+        f"call_{index}: {json.dumps(TOOL_OPEN + head, ensure_ascii=False)} args_{index} "
         f"{json.dumps('}' + TOOL_CLOSE)}\n" + _args_rule(index, tool)
     )
 
@@ -96,7 +103,7 @@ def _dsml_parameter(rule: str, name: str | None, schema: Any) -> str:
     )
 
 
-def _dsml_call_rule(index: int, tool: dict[str, Any]) -> str | None:
+def _dsml_call_rule(index: int, tool: dict[str, Any], opened: bool = False) -> str | None:
     """`call_<i>` as DeepSeek-V3.2 writes a call: the DSML block with one invoke, the
     declared parameters in order (the optional ones optional), or any named parameters
     for a schema of any object; None where the schema needs the JSON form."""
@@ -105,7 +112,7 @@ def _dsml_call_rule(index: int, tool: dict[str, Any]) -> str | None:
     name = function_of(tool)["name"]
     if properties is None or not _DSML_SAFE.fullmatch(name):
         return None
-    head = f'{DSML_OPEN}\n<{DSML}invoke name="{name}">\n'
+    head = f'{"" if opened else DSML_OPEN}\n<{DSML}invoke name="{name}">\n'
     rules, parts = "", []
     if not properties:
         rules += _dsml_parameter(f"dsml_{index}_any", None, ANY_OBJECT)
@@ -115,7 +122,8 @@ def _dsml_call_rule(index: int, tool: dict[str, Any]) -> str | None:
         rules += _dsml_parameter(f"dsml_{index}_{j}", key, sub)
         parts.append(f"dsml_{index}_{j}" + ("" if key in required else "?"))
     tail = f"</{DSML}invoke>\n{DSML_CLOSE}"
-    return f"call_{index}: {_lit(head)} {' '.join(parts)} {_lit(tail)}\n{rules}"
+    rule = f"body_{index}" if opened else f"call_{index}"
+    return f"{rule}: {_lit(head)} {' '.join(parts)} {_lit(tail)}\n{rules}"
 
 
 _TOKEN_SAFE = re.compile(r"[^\s\"<>]+")  # a name that reads back between special tokens
@@ -173,3 +181,25 @@ def call_rules(tools: Sequence[dict[str, Any]], features: Features) -> str:
         own = _own_call_rule(i, tool, features.call_syntax)
         rules.append(own if own is not None else _call_rule(i, tool))
     return "".join(rules)
+
+
+def opened_call_rules(
+    tools: Sequence[dict[str, Any]], features: Features
+) -> tuple[str, list[str | None]]:
+    """For tools on ``auto`` (http.tools): per tool, `call_<i>` as `call_rules` writes it
+    and the text that opens it (None where a special token does), and for a text opener
+    also `body_<i>`, the call after its opener. A free answer ends at its first opener,
+    so the grammar needs the rest of a call as its own rule."""
+    rules, openers = [], []
+    for i, tool in enumerate(tools):
+        own = _own_call_rule(i, tool, features.call_syntax)
+        if own is not None and features.call_syntax != "dsml":  # opened by a special token
+            rules.append(own)
+            openers.append(None)
+            continue
+        opener = DSML_OPEN if own is not None else TOOL_OPEN
+        body = _dsml_call_rule(i, tool, opened=True) if own is not None else None
+        rules.append(body or _call_rule(i, tool, opened=True))
+        rules.append(f"call_{i}: {_lit(opener)} body_{i}\n")
+        openers.append(opener)
+    return "".join(rules), openers

@@ -51,6 +51,10 @@ class ApiError(Exception):
     def json_bytes(self, *, anthropic: bool = False) -> bytes:
         return json.dumps(self.body(anthropic=anthropic)).encode()
 
+    def ollama_bytes(self) -> bytes:
+        """Ollama's shape, ``{"error": "<message>"}`` (its clients raise the message)."""
+        return json.dumps({"error": self.message}, ensure_ascii=False).encode()
+
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)

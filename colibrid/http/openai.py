@@ -13,21 +13,25 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from colibri_protocol.messages import Logprobs
+
 from colibrid.engine.grammar import Grammar
+from colibrid.engine.logprobs import MAX_TOP_LOGPROBS
 from colibrid.engine.sampling import SamplingParams
 from colibrid.errors import ColibriError, RequestError
+from colibrid.http import fields
 from colibrid.http.errors import ApiError, bad_request
+from colibrid.http.fields import refuse_unsupported
+from colibrid.http.logprobs import ChatLogprobs, CompletionLogprobs
 from colibrid.http.parsing import Features, ToolCall
 from colibrid.http.splitter import make_splitter
 from colibrid.http.structured import (
     SchemaCheck,
     ToolChoice,
-    callable_tools,
-    describe_tools,
-    output_grammar,
     response_schema,
     schema_checks,
 )
+from colibrid.http.tools import checked_tools, plan_tools
 from colibrid.serve.events import Done
 from colibrid.serve.requests import GenerateRequest
 
@@ -44,6 +48,9 @@ class Plan:
     features: Features = field(default_factory=Features)
     # the client's schemas, compiled one by one before the request's grammar (a 400 names one)
     checks: tuple[SchemaCheck, ...] = ()
+    n: int = 1  # choices: n requests sharing the prompt (http.choices)
+    # `parallel_tool_calls: false` (Anthropic: `disable_parallel_tool_use`): the first call only
+    one_call: bool = False
 
 
 def new_id(prefix: str) -> str:
@@ -122,13 +129,40 @@ def _stop(value: Any, name: str = "stop") -> tuple[str, ...]:
     return tuple(items)
 
 
-def sampling(
-    body: dict[str, Any], *, max_tokens: int | None, max_context: int, stop: tuple[str, ...]
-) -> SamplingParams:
-    """OpenAI defaults: temperature 1, top_p 1; no max_tokens means up to the context.
+# llama-server's extensions of the OpenAI body (and Ollama's option names): honoured, not
+# dropped; `top_k` was accepted before them. Anthropic's Messages API has none of them.
+PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repeat_penalty", "repeat_last_n")
+EXTENSION_FIELDS = (*PENALTY_FIELDS, "min_p")
+MAX_CHOICES = 8  # `n`: choices decode together; more would crowd out other clients
 
-    `seed` is passed as given: `SamplingParams` is the one check of its range ([0, 2**64),
-    an int, not a bool) for HTTP and SERVE alike, so the two cannot drift apart."""
+
+def _given(body: dict[str, Any], name: str, default: Any) -> Any:
+    """The body's value (checked by `SamplingParams`, the one check of its range for HTTP
+    and SERVE alike), or the default when absent or null."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+def sampling(
+    body: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    max_context: int,
+    stop: tuple[str, ...],
+    logprobs: int | None = None,
+    extensions: bool = True,
+) -> SamplingParams:
+    """OpenAI defaults: temperature 1, top_p 1, penalties 0; no max_tokens means up to
+    the context. `extensions`: the body may carry llama-server's `repeat_penalty`,
+    `repeat_last_n` and `min_p` beside OpenAI's penalties (False for Anthropic, which
+    refuses every one of them by name).
+
+    `seed` and the penalties are passed as given: `SamplingParams` is the one check of
+    their range for HTTP and SERVE alike, so the two cannot drift apart."""
+    if not extensions:
+        extra = next((f for f in EXTENSION_FIELDS if body.get(f) is not None), None)
+        if extra is not None:
+            raise bad_request(f"`{extra}` is not a field of this API", extra)
     try:
         return SamplingParams(
             max_tokens=max_tokens or max_context,
@@ -137,6 +171,12 @@ def sampling(
             top_k=_int(body, "top_k", low=0) or 0,
             seed=body.get("seed"),
             stop=stop,
+            frequency_penalty=_given(body, "frequency_penalty", 0.0),
+            presence_penalty=_given(body, "presence_penalty", 0.0),
+            repeat_penalty=_given(body, "repeat_penalty", 1.0),
+            repeat_last_n=_given(body, "repeat_last_n", 64),
+            min_p=_given(body, "min_p", 0.0),
+            logprobs=logprobs,
         )
     except RequestError as exc:
         name = str(exc).split(" ", 1)[0]  # SamplingParams' messages start with the field
@@ -144,11 +184,6 @@ def sampling(
 
 
 def _common(body: dict[str, Any]) -> tuple[bool, bool]:
-    n = body.get("n", 1)
-    if type(n) is not int or n != 1:  # `true == 1` in Python; not in JSON
-        raise bad_request("only `n` = 1 is supported (one choice per request)", "n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad_request("`logprobs` is not supported", "logprobs")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("`stream` must be a boolean", "stream")
@@ -158,6 +193,45 @@ def _common(body: dict[str, Any]) -> tuple[bool, bool]:
             "`stream_options` needs `stream: true` and must be an object", "stream_options"
         )
     return stream, bool((options or {}).get("include_usage"))
+
+
+def choices(body: dict[str, Any]) -> int:
+    """`n`: how many choices (1 to MAX_CHOICES), each a request of its own sharing the
+    prompt and decoded in the same passes."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if type(n) is not int or not 1 <= n <= MAX_CHOICES:  # `true == 1` in Python; not in JSON
+        raise bad_request(f"`n` must be an integer in [1, {MAX_CHOICES}]", "n")
+    return n
+
+
+def chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (0-20, needs `logprobs: true`) as
+    the alternatives reported per token (None: no logprobs)."""
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad_request("`logprobs` must be a boolean", "logprobs")
+    top = body.get("top_logprobs")
+    if top is None:
+        return 0 if on else None
+    if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"`top_logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
+        )
+    if not on:
+        raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    return top
+
+
+def completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs`: the alternatives per token, 0-20 (OpenAI stops at 5)."""
+    k = body.get("logprobs")
+    if k is None:
+        return None
+    if type(k) is not int or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"`logprobs` must be an integer in [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+    return k
 
 
 def _text(content: Any, where: str) -> str:
@@ -230,6 +304,16 @@ def chat_messages(messages: Any) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean field (absent or null: `default`); a 400 naming it otherwise."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"`{name}` must be a boolean", name)
+    return value
+
+
 def tool_choice(value: Any) -> ToolChoice:
     """OpenAI's `tool_choice` checked for shape: "none" | "auto" | "required" or
     ``{"type": "function", "function": {"name": str}}`` (a call of that one, required)."""
@@ -251,31 +335,14 @@ def tool_choice(value: Any) -> ToolChoice:
 def chat_tools(
     body: dict[str, Any], features: Features
 ) -> tuple[tuple[dict[str, Any], ...] | None, ToolChoice]:
-    """The request's tools (None when there are none or they are off) and its choice. A
-    forced call works on any chat template (structured.describe_tools); "auto" needs a
-    template that shows tools, so that the model knows their syntax."""
-    tools, choice = body.get("tools"), tool_choice(body.get("tool_choice"))
-    if tools is None or tools == [] or choice.mode == "none":
+    """The request's tools (None when there are none or they are off) and its choice;
+    every choice works on every chat template (http.tools)."""
+    tools, choice = checked_tools(body.get("tools")), tool_choice(body.get("tool_choice"))
+    if tools is None or choice.mode == "none":
         if choice.forced:
             raise bad_request("`tool_choice` names tools but `tools` is empty", "tool_choice")
         return None, choice
-    if not isinstance(tools, list) or not all(
-        isinstance(t, dict)
-        and t.get("type") == "function"
-        and isinstance(t.get("function"), dict)
-        and isinstance(t["function"].get("name"), str)
-        for t in tools
-    ):
-        raise bad_request(
-            "`tools` must be a list of {type: function, function: {name, ...}}", "tools"
-        )
-    if not features.tools and not choice.forced:
-        raise bad_request(
-            "this model's chat template does not support tools (a forced call, "
-            '`tool_choice` "required" or a named function, works without)',
-            "tools",
-        )
-    return tuple(tools), choice
+    return tools, choice
 
 
 def shaped(
@@ -293,24 +360,16 @@ def shaped(
     tuple[SchemaCheck, ...],
 ]:
     """The messages, the tools for the chat template, the grammar of a request with
-    tools and/or a JSON answer (structured.py) and the client's schemas in it: a
-    template that cannot show tools gets them in a system note when a call is forced."""
-    if tools is None:
-        checks = schema_checks(answer, (), (), param)  # first: a 400 naming the field
-        return messages, None, output_grammar(answer, (), choice), checks
-    if not choice.forced and answer is None:  # the model decides, unconstrained
-        return messages, tools, None, ()
-    callable_ = callable_tools(tools, choice, param)
-    checks = schema_checks(answer, tools, callable_, param)  # first: a 400 naming the field
-    grammar = output_grammar(answer, callable_, choice, features)
-    if features.tools:
-        return messages, tools, grammar, checks
-    return describe_tools(messages, callable_), None, grammar, checks
+    tools and/or a JSON answer and the client's schemas in it (`tools.plan_tools`,
+    returned as a tuple)."""
+    plan = plan_tools(messages, tools, choice, features, answer=answer, param=param)
+    return plan.messages, plan.tools, plan.grammar, plan.checks
 
 
 def chat_plan(body: Any, *, served: str, client: int, max_context: int, features: Features) -> Plan:
     body = _obj(body)
     model = check_model(body, served)
+    refuse_unsupported(body, fields.CHAT)
     stream, include_usage = _common(body)
     messages = chat_messages(body.get("messages"))
     tools, choice = chat_tools(body, features)
@@ -319,7 +378,11 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
     max_tokens = _int(body, "max_completion_tokens")
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens")
     params = sampling(
-        body, max_tokens=max_tokens, max_context=max_context, stop=_stop(body.get("stop"))
+        body,
+        max_tokens=max_tokens,
+        max_context=max_context,
+        stop=_stop(body.get("stop")),
+        logprobs=chat_logprobs(body),
     )
     request = GenerateRequest(
         id=new_id("chatcmpl"),
@@ -338,12 +401,15 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         max_tokens,
         replace(features, tools=tools is not None),
         checks,
+        choices(body),
+        one_call=not flag(body, "parallel_tool_calls", True),
     )
 
 
 def completion_plan(body: Any, *, served: str, client: int, max_context: int) -> Plan:
     body = _obj(body)
     model = check_model(body, served)
+    refuse_unsupported(body, fields.COMPLETIONS)
     stream, include_usage = _common(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -362,6 +428,7 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
         max_tokens=max_tokens if max_tokens is not None else 16,
         max_context=max_context,
         stop=_stop(body.get("stop")),
+        logprobs=completion_logprobs(body),
     )
     answer = response_schema(body.get("response_format"))
     checks = schema_checks(answer, (), (), "response_format")  # first: a 400 naming the field
@@ -373,7 +440,7 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
         keep_alive=keep_alive(body),
         grammar=None if answer is None else Grammar.json_schema(answer),
     )
-    return Plan(request, model, stream, include_usage, max_tokens, checks=checks)
+    return Plan(request, model, stream, include_usage, max_tokens, checks=checks, n=choices(body))
 
 
 def finish_reason(done: Done, calls: list[ToolCall]) -> str:
@@ -420,15 +487,21 @@ class ChatStream:
         self.splitter = make_splitter(plan.features)
         self.reasoning: list[str] = []
         self.content: list[str] = []
+        self.index = 0  # the choice's (http.choices sets it for `n` > 1)
+        on = plan.request.params.logprobs is not None
+        self.logprobs = ChatLogprobs() if on else None
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        lp = None if self.logprobs is None else self.logprobs.pending()
         chunk = {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.plan.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [
+                {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            ],
         }
         if self.plan.include_usage:
             chunk["usage"] = None
@@ -445,14 +518,25 @@ class ChatStream:
             out.append(self._chunk({key: text}))
         return out
 
-    def token(self, text: str) -> list[dict[str, Any]]:
-        return self._pieces(self.splitter.feed(text))
+    def token(self, text: str, logprobs: Logprobs | None = None) -> list[dict[str, Any]]:
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.add(logprobs)
+        return self._pieces(self.splitter.feed(text)) if text else []
+
+    def _call_deltas(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """One call as OpenAI streams it: index, id, type and name with empty arguments
+        first, then the arguments (what the SDKs' accumulators expect)."""
+        fn = call["function"]
+        head = {**call, "function": {"name": fn["name"], "arguments": ""}}
+        rest = {"index": call["index"], "function": {"arguments": fn["arguments"]}}
+        return [self._chunk({"tool_calls": [head]}), self._chunk({"tool_calls": [rest]})]
 
     def finish(self, done: Done) -> list[dict[str, Any]]:
         pieces, self.calls = self.splitter.finish(whole=whole(self.plan, done))
+        self.calls = self.calls[:1] if self.plan.one_call else self.calls
         out = self._pieces(pieces)
-        if self.calls:
-            out.append(self._chunk({"tool_calls": tool_calls_json(self.calls, stream=True)}))
+        for call in tool_calls_json(self.calls, stream=True):
+            out += self._call_deltas(call)
         out.append(self._chunk({}, finish_reason(done, self.calls)))
         if self.plan.include_usage:
             out.append({**self._chunk({}), "choices": [], "usage": usage(done)})
@@ -476,9 +560,9 @@ class ChatStream:
             "system_fingerprint": None,
             "choices": [
                 {
-                    "index": 0,
+                    "index": self.index,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": None if self.logprobs is None else self.logprobs.whole(),
                     "finish_reason": finish_reason(done, self.calls),
                 }
             ],
@@ -494,23 +578,32 @@ class CompletionStream:
         self.id = plan.request.id
         self.created = int(time.time())
         self.text: list[str] = []
+        self.index = 0  # the choice's (http.choices sets it for `n` > 1)
+        on = plan.request.params.logprobs is not None
+        self.logprobs = CompletionLogprobs() if on else None
 
-    def _chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
+    def _chunk(
+        self, text: str, finish: str | None = None, lp: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": self.index, "text": text, "logprobs": lp, "finish_reason": finish}
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.plan.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [choice],
         }
 
     def start(self) -> list[dict[str, Any]]:
         return []
 
-    def token(self, text: str) -> list[dict[str, Any]]:
+    def token(self, text: str, logprobs: Logprobs | None = None) -> list[dict[str, Any]]:
         self.text.append(text)
-        return [self._chunk(text)]
+        if logprobs is None or self.logprobs is None:
+            return [self._chunk(text)]
+        self.logprobs.add(logprobs)
+        return [self._chunk(text, lp=self.logprobs.pending())]
 
     def finish(self, done: Done) -> list[dict[str, Any]]:
         out = [self._chunk("", finish_reason(done, []))]
@@ -519,7 +612,8 @@ class CompletionStream:
         return out
 
     def response(self, done: Done) -> dict[str, Any]:
-        body = self._chunk("".join(self.text), finish_reason(done, []))
+        lp = None if self.logprobs is None else self.logprobs.whole()
+        body = self._chunk("".join(self.text), finish_reason(done, []), lp)
         return {**body, "usage": usage(done)}
 
 

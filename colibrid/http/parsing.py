@@ -59,6 +59,9 @@ class Features:
     # "dsml" (DeepSeek-V3.2), "harmony" (gpt-oss), "deepseek_v3" or "deepseek_v31"; the
     # last three only where the tokenizer has their markers as special tokens
     call_syntax: str = "json"
+    # the template's own calls are `<tool_call>` + JSON (Hermes, Qwen): "json" is then its
+    # own syntax, not only the form a forced call falls back to (http.tools on auto)
+    json_calls: bool = False
 
     @classmethod
     def of_template(
@@ -78,6 +81,7 @@ class Features:
             think_open=opens,
             harmony=harmony,
             call_syntax=_call_syntax(text, harmony, specials),
+            json_calls=TOOL_OPEN in text and "<arg_key>" not in text,  # GLM's: arg_key tags
         )
 
 

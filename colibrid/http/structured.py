@@ -11,9 +11,9 @@ answer parses by construction:
   `parameters` schema (`call_grammar`);
 * with tools on ``auto`` and a JSON answer asked for, either one is allowed.
 
-A model whose chat template cannot show tools is told about them in a system note when a
-call is forced (the grammar does the rest); on ``auto`` it is still refused, since its
-unforced output would not follow any call syntax. Every schema is checked for shape and
+A model whose chat template cannot show tools is told about them in a system note
+(`http.tools`, which also holds tools on ``auto`` to a grammar of free text or a
+well-formed call). Every schema is checked for shape and
 size here, and `schema_checks` lists each one the client gave with the field it came in,
 so that the grammar service compiles it by itself first and a bad one is a 400 naming its
 field before any token is generated.
@@ -30,13 +30,12 @@ from colibrid.engine.grammar import Grammar, styled_schema
 from colibrid.errors import RequestError
 from colibrid.http.call_grammar import (
     ANY_OBJECT,
-    TOOL_CLOSE,
     call_rules,
     function_of,
     parameters_of,
 )
 from colibrid.http.errors import bad_request
-from colibrid.http.parsing import TOOL_OPEN, Features
+from colibrid.http.parsing import Features
 
 PLAIN = Features()  # a template whose call syntax is not known: the JSON form
 
@@ -155,29 +154,3 @@ def output_grammar(
     calls = " | ".join(f"call_{i}" for i in range(len(tools)))
     answer_rule = f"answer: %json {json.dumps(styled_schema(answer))}\n"
     return Grammar.lark(f"start: answer | {calls}\n{answer_rule}{rules}", kind="json_schema")
-
-
-def describe_tools(
-    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]
-) -> tuple[dict[str, Any], ...]:
-    """`messages` with the tools described in the system message, for a chat template
-    that cannot show them itself (the call's syntax is the grammar's business)."""
-    listed = [
-        {
-            "name": function_of(t)["name"],
-            "description": function_of(t).get("description", ""),
-            "parameters": parameters_of(t),
-        }
-        for t in tools
-    ]
-    note = (
-        "You can call these tools:\n"
-        + "\n".join(json.dumps(t, ensure_ascii=False) for t in listed)
-        + f'\nCall one by answering {TOOL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CLOSE}.'
-    )
-    out = [dict(m) for m in messages]
-    if out and out[0].get("role") == "system":
-        out[0]["content"] = f"{out[0].get('content') or ''}\n\n{note}".lstrip()
-    else:
-        out.insert(0, {"role": "system", "content": note})
-    return tuple(out)

@@ -4,7 +4,9 @@ every front end (SERVE and HTTP)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from colibri_protocol.messages import Logprobs
 
 from colibrid.engine.events import DoneEvent
 
@@ -28,9 +30,12 @@ class Progress:
 
 @dataclass(frozen=True)
 class Token:
-    """The text one generated token releases (never empty: held-back pieces are skipped)."""
+    """The text one generated token releases (never empty: held-back pieces are skipped),
+    or, for a request asking for logprobs, every generated token with its logprobs
+    (`text` may then be empty)."""
 
     text: str
+    logprobs: Logprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,21 @@ class Done:
     stop_string: str | None = None  # the stop string that ended the answer, if one did
     speculation: dict[str, str] | None = None  # what speculative decoding did, when on
     constraint: dict[str, str] | None = None  # the grammar and its mask cost, when one ran
+    plan: str | None = None  # the id of the precision plan that computed it
+    # its share of the machine's ceilings (serve.roofline; empty before they are measured)
+    roofline: dict[str, float | str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, event: DoneEvent, cached_tokens: int) -> Done:
+    def of(
+        cls,
+        event: DoneEvent,
+        cached_tokens: int,
+        plan: str | None = None,
+        roofline: dict[str, float | str] | None = None,
+    ) -> Done:
         """The engine's end of a request as the front ends report it (a cancel that was
-        a STOP request finishes "stopped")."""
+        a STOP request finishes "stopped"); `plan` is the engine's precision plan id,
+        `roofline` the request's roofline figures."""
         stats = event.stats
         return cls(
             "stopped" if event.finish_reason == "cancelled" else event.finish_reason,
@@ -66,6 +81,8 @@ class Done:
             event.stop_string,
             None if event.spec is None else event.spec.extras(),
             None if event.constraint is None else event.constraint.extras(),
+            plan,
+            roofline or {},
         )
 
 
@@ -81,6 +98,20 @@ Event = Accepted | Progress | Token | Done | Failed
 TERMINAL = (Done, Failed)
 
 
+def roofline_words(figures: dict[str, float | str]) -> str:
+    """The roofline figures as the log line says them (empty without them)."""
+    if not figures:
+        return ""
+    disk = figures.get("disk_share")
+    on_disk = "" if disk is None else f"disk {100 * float(disk):.0f}% of probe, "
+    kernels = figures.get("kernel_share")
+    on_cpu = "" if kernels is None else f"kernels {100 * float(kernels):.0f}%, "
+    return (
+        f" ({on_disk}memory {100 * float(figures['memory_share']):.0f}% of probe, {on_cpu}"
+        f"roofline {100 * float(figures['roofline_share']):.0f}% ({figures['bound']}-bound))"
+    )
+
+
 def summary(event: Event) -> str:
     """A finished request as the log's one line about it (`colibri logs`)."""
     if isinstance(event, Done):
@@ -92,7 +123,8 @@ def summary(event: Event) -> str:
         return (
             f"{event.prompt_tokens} prompt ({event.cached_tokens} cached) + "
             f"{event.generated_tokens} tokens, prefill {event.prefill_tok_s:.1f} tok/s, "
-            f"decode {event.decode_tok_s:.1f} tok/s, finish={event.finish}{drafts}"
+            f"decode {event.decode_tok_s:.1f} tok/s{roofline_words(event.roofline)}, "
+            f"finish={event.finish}{drafts}"
         )
     if isinstance(event, Failed):
         return f"failed {event.code}: {event.message}"

@@ -9,7 +9,8 @@ leaves within a step (within one layer when it runs alone). Events go back onto 
 job's channel through the loop's `run_sync_soon` queue, without waiting: a blocking
 hand-off made the engine thread wait for the loop (and the GIL it then holds) after
 every token. The loop runs them in order; a closed channel (the client left) cancels
-that job.
+that job. The choices of one OpenAI `n` request prefill their prompt once: the others
+wait (parked, not in the batch) until the first holds the prompt, then start from a copy.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from colibri_protocol.messages import Alternative, Logprobs
 
 from colibrid.backends.base import DeviceTierStats
 from colibrid.engine import kv_files
-from colibrid.engine.batcher import Batcher, Member
+from colibrid.engine.batcher import PREFILL_CHUNK, Batcher, Member
 from colibrid.engine.engine import Engine
 from colibrid.engine.events import DoneEvent, TokenEvent
+from colibrid.engine.logprobs import TokenLogprobs
 from colibrid.engine.request_run import RequestRun, reusable_prefix
 from colibrid.engine.sessions import SessionKey, SessionPool
 from colibrid.engine.speculate import OFF, SpecSettings
@@ -38,6 +41,8 @@ from colibrid.errors import ColibriError, RequestError, contain_panics
 from colibrid.serve.events import Accepted, Done, Event, Failed, Progress, Token, summary
 from colibrid.serve.faults import FaultPlan
 from colibrid.serve.requests import GenerateRequest
+from colibrid.serve.roofline import Ceilings, PassMeter, RequestShare
+from colibrid.serve.roofline import measure as measure_ceilings
 from colibrid.store.protocol import UsageDelta
 from colibrid.store.telemetry import StoreStats
 
@@ -92,6 +97,11 @@ class Job:
     cached: int = 0
     # what a cancel that is not a STOP answers: the client's CANCEL, or the daemon stopping
     cancel_code: str = "CANCELLED"
+    # another choice of the same prompt (OpenAI's `n`): this one starts from a copy of its
+    # prompt KV once computed (Scheduler.submit_nowait's `same_prompt_as`)
+    leader: Job | None = None
+    # its part of the decode passes it ran in (serve.roofline: DONE's roofline figures)
+    share: RequestShare = field(default_factory=RequestShare)
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,10 @@ class HostStatistics:
     last_tok_s: float
     last_batch_rows: int = 0  # rows of the last decode pass (requests and their drafts)
     shared_passes: int = 0  # passes that carried several requests
-    speculation: dict[str, str] | None = None  # the last finished request's, when on
+    # the last finished request's, when on: SpecStats.as_json (numbers as numbers)
+    speculation: dict[str, str | int | float] | None = None
+    # the last finished request's roofline figures (serve.roofline.RequestShare.figures)
+    roofline: dict[str, float | str] | None = None
 
 
 class UsageSink:
@@ -146,7 +159,7 @@ class EngineHost:
         self._max_conversations = max_conversations
         self._prompt_cache = prompt_cache
         self._faults = faults or FaultPlan()
-        self._last_spec: dict[str, str] | None = None
+        self._last_spec: dict[str, str | int | float] | None = None
         self._done = 0
         self._last_tok_s = 0.0
         self.engine: Engine | None = None
@@ -156,6 +169,13 @@ class EngineHost:
         self._usage: UsageSink = UsageSink()
         self.store_view: StoreView | None = None
         self._loop: trio.lowlevel.TrioToken | None = None  # the event loop `serve` runs in
+        self._parked: list[Job] = []  # choices waiting for their leader's prompt (`_begin`)
+        # the machine's limits for the loaded model (serve.roofline), measured by the
+        # daemon after a load (`measure_ceilings`) and when idle; None until then
+        self.ceilings: Ceilings | None = None
+        self._probes = 0
+        self._meter: PassMeter | None = None
+        self._last_roofline: dict[str, float | str] | None = None
         if engine is not None:
             self.install(engine, codec, usage)
 
@@ -173,6 +193,32 @@ class EngineHost:
         )
         self._usage = usage or UsageSink()
         self.store_view = self._store_view()
+        self.ceilings = None  # the last model's limits are not this one's
+        self._meter = PassMeter(engine.experts.stats)
+
+    def measure_ceilings(self) -> Ceilings | None:
+        """Engine thread (or before it starts): probe the disk and memory for the loaded
+        model, unless a request runs or waits for its prompt's leader (serve.roofline:
+        a probe beside a request would skew both). Returns the ceilings now held."""
+        if self.engine is None or self._running() or self._parked:
+            return self.ceilings
+        self._probes += 1
+        try:
+            self.ceilings = measure_ceilings(self.engine, self._probes)
+        except (OSError, MemoryError, ColibriError) as exc:  # costs the figures, not the model
+            log.warning("the roofline's probes failed (%s); keeping the last ceilings", exc)
+            return self.ceilings
+        return self.ceilings
+
+    def _rebase_meter(self) -> None:
+        """Work between passes (a probe, re-pinning's reads) is no request's: the next
+        pass is measured from here."""
+        if self._meter is not None and self.engine is not None:
+            self._meter = PassMeter(self.engine.experts.stats)
+
+    def refresh_ceilings(self) -> None:
+        """`measure_ceilings` for the idle refresh (serve.roofline.refresh_when_idle)."""
+        self.measure_ceilings()
 
     def uninstall(self) -> Engine | None:
         """Serve nothing (no request may run); returns the engine, for the caller to close
@@ -180,6 +226,7 @@ class EngineHost:
         assert self._batch is None or not self._batch.members, "requests still run"
         engine = self.engine
         self.engine = self.codec = self._batch = self._sessions = self.store_view = None
+        self.ceilings = self._meter = None
         self._usage = UsageSink()
         return engine
 
@@ -248,6 +295,7 @@ class EngineHost:
             batch.stats.last_rows if batch else 0,
             batch.stats.shared if batch else 0,
             self._last_spec,
+            self._last_roofline,
         )
 
     # ---- engine thread ------------------------------------------------------------------
@@ -257,6 +305,8 @@ class EngineHost:
             closing = self._handle_inbox(block=not self._running() and not closing) or closing
             if self._running():
                 self._batch.step()
+                if self._parked:
+                    self._unpark()
 
     def _handle_inbox(self, *, block: bool) -> bool:
         """Handle what the inbox holds; True once it asked the thread to close. Its own
@@ -283,9 +333,10 @@ class EngineHost:
         return items
 
     def _cancel_all(self, code: str) -> None:
-        for member in self._batch.members if self._batch else ():
-            member.tag.cancel_code = code
-            member.tag.cancel.set()
+        jobs = [m.tag for m in self._batch.members] if self._batch else []
+        for job in [*jobs, *self._parked]:
+            job.cancel_code = code
+            job.cancel.set()
 
     def _running(self) -> bool:
         return self._batch is not None and bool(self._batch.members)
@@ -304,6 +355,7 @@ class EngineHost:
                     item.fn()
             except Exception:
                 log.exception("engine-thread command failed")
+            self._rebase_meter()
             self.publish_store()
 
     def _invoke(self, call: Invoke) -> None:
@@ -311,6 +363,7 @@ class EngineHost:
             call.value = call.fn()
         except BaseException as exc:  # handed to the caller
             call.error = exc
+        self._rebase_meter()
         self.publish_store()
         try:
             trio.from_thread.run_sync(call.done.set)
@@ -341,6 +394,9 @@ class EngineHost:
 
     # ---- a request's boundaries -----------------------------------------------------------
     def _begin(self, job: Job) -> None:
+        if self._waits_for_prompt(job):
+            self._parked.append(job)  # started by `_unpark` once the prompt is in
+            return
         try:
             with contain_panics("a native library"):  # the detokenizer, a grammar
                 self._start(job)
@@ -368,7 +424,11 @@ class EngineHost:
                 code="MODEL_BUSY",
             )
         ids = list(request.prompt_ids)
-        job.session_key, session = sessions.checkout(request.client, request.conv, ids)
+        source = self._prompt_source(job)
+        if source is not None:  # another choice computed this prompt: a copy of its KV
+            job.session_key, session = sessions.checkout_fork(source, len(ids))
+        else:
+            job.session_key, session = sessions.checkout(request.client, request.conv, ids)
         job.cached = reusable_prefix(session, ids)
         codec = self.codec
         run = RequestRun(
@@ -384,6 +444,55 @@ class EngineHost:
             constraint=request.constraint,
         )
         job.member = Member(run, job.cancel, self._progress_reporter(job), job, label=request.id)
+
+    # ---- the choices of one prompt (OpenAI's `n`) ----------------------------------------------
+    def _prompt_source(self, job: Job) -> SessionKey | None:
+        """The session of the choice `job` shares its prompt with, once that one holds the
+        whole prompt and the logits after it: `job` then starts from a copy and prefills
+        nothing (its first token is sampled from the very logits its leader's was, so it
+        computes exactly what it would alone)."""
+        leader = job.leader
+        if leader is None or leader.member is None or leader.session_key is None:
+            return None
+        session, ids = leader.member.run.session, job.request.prompt_ids
+        if session is None or ids is None or session.common_prefix(ids) < len(ids):
+            return None
+        return leader.session_key if session.logits_at(len(ids)) is not None else None
+
+    def _waits_for_prompt(self, job: Job) -> bool:
+        """A choice whose leader is still computing their prompt waits for it (a leader
+        that has ended leaves it to start as any request: the prompt cache then holds
+        the prompt)."""
+        leader = job.leader
+        return leader is not None and leader.member is not None and self._prompt_source(job) is None
+
+    def _unpark(self) -> None:
+        """After a step: the waiting choices whose prompt is in start from it; a cancelled
+        one ends now; the others wait on."""
+        parked, self._parked = self._parked, []
+        for job in parked:
+            try:
+                cancelled = job.cancel.is_set()
+            except Exception as exc:  # an injected fault in the check itself
+                self._finish(job, Failed("INTERNAL", f"{type(exc).__name__}: {exc}"))
+                continue
+            if cancelled:
+                self._finish(job, Failed(job.cancel_code, "cancelled before it started"))
+            else:
+                self._begin(job)
+
+    def _release_followers(self, leader: Job) -> None:
+        """`leader` ended: the choices waiting for it elect the first of them to lead the
+        rest (it starts from the prompt cache, or computes the prompt once more)."""
+        followers = [p for p in self._parked if p.leader is leader]
+        if not followers:
+            return
+        self._parked = [p for p in self._parked if p.leader is not leader]
+        for follower in followers:
+            follower.leader = followers[0]
+        followers[0].leader = None
+        self._parked.extend(followers)
+        self._unpark()
 
     def _finish(self, job: Job, event: Event) -> None:
         """The request leaves: bookkeeping first, so a client that sees the end also sees
@@ -406,6 +515,7 @@ class EngineHost:
         # holds a session and so the engine, must not, or an unloaded model stays mapped.
         job.member = None
         self.publish_store()
+        self._release_followers(job)
         self._done += 1
         try:
             trio.from_thread.run_sync(job.on_finish)
@@ -432,8 +542,21 @@ class EngineHost:
 
     # ---- the batch's listener ------------------------------------------------------------
     def token(self, member: Member, event: TokenEvent) -> None:
-        if event.text:
+        if event.logprobs is not None and self.codec is not None:
+            self._emit(member.tag, Token(event.text, self._logprobs(member.tag, event.logprobs)))
+        elif event.text:
             self._emit(member.tag, Token(event.text))
+
+    def _logprobs(self, job: Job, lp: TokenLogprobs) -> Logprobs:
+        """The engine's logprobs with each token's bytes (the codec knows them)."""
+        codec = self.codec
+        assert codec is not None
+
+        def alt(token: int, logprob: float) -> Alternative:
+            return Alternative(token, codec.token_bytes(token), logprob)
+
+        top = tuple(alt(t, v) for t, v in lp.top)
+        return Logprobs(job.request.id, alt(lp.token_id, lp.logprob), top)
 
     def failed(self, member: Member, code: str, message: str) -> None:
         self._finish(member.tag, Failed(code, message))
@@ -446,13 +569,17 @@ class EngineHost:
         delta = store.take_usage()
         for profile in dict.fromkeys(m.tag.request.profile for m in members):
             self._usage.add(profile, delta)
+        if self._meter is not None and self.ceilings is not None:
+            self._meter.charge(store.stats, _pass_rows(members), self.ceilings)
         self.store_view = replace(self.store_view, stats=store.statistics(), vram=self._vram())
 
     def done(self, member: Member, event: DoneEvent) -> None:
         job: Job = member.tag
         stats = event.stats
         self._last_tok_s = stats.decode_tok_s
-        self._last_spec = None if event.spec is None else event.spec.extras()
+        self._last_spec = None if event.spec is None else event.spec.as_json()
+        roofline = job.share.figures(stats, self.ceilings)
+        self._last_roofline = roofline or self._last_roofline
         if event.finish_reason == "cancelled" and not job.stop.is_set():
             why = "the daemon stopped" if job.cancel_code == "SHUTTING_DOWN" else "cancelled"
             self._finish(
@@ -460,7 +587,26 @@ class EngineHost:
                 Failed(job.cancel_code, f"{why} after {stats.generated_tokens} generated tokens"),
             )
             return
-        self._finish(job, Done.of(event, job.cached))
+        plan = None if self.engine is None else self.engine.info.plan.id
+        self._finish(job, Done.of(event, job.cached, plan, roofline))
+
+
+def _pass_rows(members: Sequence[Member]) -> list[tuple[RequestShare | None, int]]:
+    """Each member's share and rows in the pass that just ran (its forward is still
+    set): a decode or verify all its rows, a prompt the chunk it took (batcher._compose:
+    whole when alone, else up to PREFILL_CHUNK) with no share, since no decode figure
+    counts a prefill."""
+    rows: list[tuple[RequestShare | None, int]] = []
+    for m in members:
+        fwd = m.forward
+        if fwd is None:  # cancelled before the pass ended: it took no part
+            continue
+        if fwd.is_prompt:
+            left = len(fwd.tokens) - m.done_rows
+            rows.append((None, left if len(members) == 1 else min(left, PREFILL_CHUNK)))
+        else:
+            rows.append((m.tag.share, len(fwd.tokens)))
+    return rows
 
 
 def _deliver(job: Job, event: Event) -> None:

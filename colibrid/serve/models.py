@@ -181,7 +181,12 @@ class ModelSlot:
     def request_done(self, job: Job) -> None:
         """A request ended: its keep_alive, or the configured one when it names none (as
         Ollama: one request's keep_alive does not outlive the next request), rules now."""
-        keep = job.request.keep_alive
+        self.hold(job.request.keep_alive)
+
+    def hold(self, keep: float | None) -> None:
+        """`keep` (seconds; None: the configured keep_alive) rules from now: an idle model
+        is unloaded that long after. A request's end sets it, and so does Ollama's load
+        request (a body with nothing to answer, only a model and its keep_alive)."""
         self.keep_alive_s = self.configured_keep_alive_s if keep is None else keep
         if self.idle():
             self.unload_at = (
@@ -242,6 +247,7 @@ class ModelSlot:
             engine.apply_profile(book.counts(book.active))
             log.info("pins from profile %r: %s", book.active, engine.experts.pins.note)
             self.host.install(engine, codec, book)
+            self.host.measure_ceilings()  # before any request can run (serve.roofline)
             kv_dir = self.paths.kv / path.name
             restored = self.host.restore_prompt_cache(kv_dir)
             if restored:

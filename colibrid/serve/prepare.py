@@ -67,6 +67,8 @@ class Preparer:
                 f"{len(ids)} {limit}: the prompt leaves no room for a generated token",
                 code="CONTEXT_EXCEEDED",
             )
+        if request.params.logprobs is not None:  # each token's bytes, known before it runs
+            await trio.to_thread.run_sync(loaded.codec.token_bytes, 0, limiter=self._threads)
         constraint = None
         if request.grammar is not None:
             try:

@@ -54,6 +54,12 @@ class GenerateRequest:
             top_k=submit.top_k,
             seed=submit.seed,
             stop=submit.stop,
+            repeat_penalty=submit.repeat_penalty,
+            repeat_last_n=submit.repeat_last_n,
+            frequency_penalty=submit.frequency_penalty,
+            presence_penalty=submit.presence_penalty,
+            min_p=submit.min_p,
+            logprobs=submit.logprobs,
         )
         request = cls(
             id=submit.id,

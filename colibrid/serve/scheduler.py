@@ -84,9 +84,22 @@ class Scheduler:
             job.on_finish = lambda job=job: self._finished(job)
             self.host.start(job)
 
-    def submit_nowait(self, request: GenerateRequest) -> Handle:
+    def submit_nowait(
+        self, request: GenerateRequest, *, same_prompt_as: Handle | None = None
+    ) -> Handle:
         """Queue `request` now (so one connection's requests keep their order) or raise
-        ServeError (BUSY, SHUTTING_DOWN). The caller must then enter `track(handle)`."""
+        ServeError (BUSY, SHUTTING_DOWN). The caller must then enter `track(handle)`.
+
+        `same_prompt_as`: a request submitted before with the same prompt ids (another
+        choice of one OpenAI `n` request); this one then starts from a copy of that one's
+        prompt KV once it is computed, instead of prefilling the prompt again (serve.host).
+        """
+        if same_prompt_as is not None:
+            first = same_prompt_as.job.request
+            if request.prompt_ids is None or request.prompt_ids != first.prompt_ids:
+                raise ValueError("a request shares the prompt of one with the same prompt ids")
+            if request.conv is not None:
+                raise ValueError("a request of a conversation starts from that conversation")
         if self.closing:
             raise ServeError("the daemon is stopping", code="SHUTTING_DOWN")
         if self._queued >= self.max_queue:
@@ -94,7 +107,8 @@ class Scheduler:
                 f"the queue is full ({self._queued} requests waiting); try again later", code="BUSY"
             )
         send, receive = trio.open_memory_channel[Event](math.inf)
-        job = Job(request, send, self.host.new_cancel_flag(request))
+        leader = None if same_prompt_as is None else same_prompt_as.job
+        job = Job(request, send, self.host.new_cancel_flag(request), leader=leader)
         self._pending.setdefault(request.client, deque()).append(job)
         self._queued += 1
         self._open += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 from colibri_protocol.codec import (
@@ -41,6 +41,7 @@ from colibri_protocol.messages import (
     encode_data,
     encode_done,
     encode_error,
+    encode_logprobs,
     encode_progress,
     encode_reply,
     parse_request,
@@ -49,6 +50,7 @@ from colibri_protocol.messages import (
 from colibrid.errors import ColibriError, contain_panics
 from colibrid.serve import events
 from colibrid.serve.requests import GenerateRequest
+from colibrid.serve.roofline import as_extras
 from colibrid.serve.scheduler import Handle
 from colibrid.serve.state import DaemonState, rss_gb
 
@@ -280,7 +282,10 @@ def _code(exc: ColibriError) -> str:
 
 def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
     if isinstance(event, events.Token):
-        return encode_data(rid, event.text)
+        data = encode_data(rid, event.text) if event.text else b""
+        if event.logprobs is None:
+            return data
+        return encode_logprobs(replace(event.logprobs, id=rid)) + data
     if isinstance(event, events.Accepted):
         return encode_accept(rid, event.prompt_tokens)
     if isinstance(event, events.Progress):
@@ -304,6 +309,8 @@ def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
             "prefill_tok_s": f"{event.prefill_tok_s:.1f}",
             **(event.speculation or {}),
             **(event.constraint or {}),
+            **({} if event.plan is None else {"plan": event.plan}),
+            **as_extras(event.roofline),
         },
     )
     return encode_done(done)

@@ -70,6 +70,11 @@ class DaemonState:
             raise NoModel("no model is loaded (`colibri run NAME` or a request loads one)")
         return self.models.current.book
 
+    @property
+    def version(self) -> str:
+        """The daemon's version (HTTP's /api/version)."""
+        return __version__
+
     def hello(self) -> list[str]:
         return ["1", f"colibrid/{__version__}", f"model={self.model_name or '-'}"]
 
@@ -131,6 +136,9 @@ class DaemonState:
             "kernel_family": self.models.current.engine.family.value
             if self.models.current
             else None,
+            # the loaded container's precision plan (store/precision_plan.py): its id and
+            # what it holds, e.g. {"id": "3fa2c1d90b7e", "uniform": true, ...}
+            "plan": self.models.current.engine.info.plan.as_json() if self.models.current else None,
             "keep_alive_s": self.models.keep_alive_s,
             "unload_in_s": self.models.unload_in(),
             "uptime_s": round(time.time() - self.started, 1),
@@ -144,6 +152,7 @@ class DaemonState:
             "shared_passes": host.shared_passes,
             "speculate": self.host.speculate.mode,
             "speculation": host.speculation,
+            "roofline": self.roofline(host.roofline),
             "requests_done": host.requests_done,
             "conversations": host.conversations,
             "rss_gb": round(rss_gb(), 3),
@@ -151,6 +160,17 @@ class DaemonState:
             "hit_rate": tiers.get("hit_rate"),
             "pinned": sorted(self.pinned()),
             "stopping": self.scheduler.closing,
+        }
+
+    def roofline(self, last: dict[str, float | str] | None) -> dict[str, Any]:
+        """The ceilings measured for the loaded model (null before the first probe) and
+        the last finished request's shares of them (serve.roofline; null before one)."""
+        ceilings = self.host.ceilings
+        return {
+            "ceilings": None if ceilings is None else ceilings.as_json(),
+            "last": None
+            if last is None
+            else {k: v if isinstance(v, str) else float(f"{v:.4g}") for k, v in last.items()},
         }
 
     def model_info(self) -> dict[str, Any]:
@@ -170,6 +190,7 @@ class DaemonState:
             "max_context": engine.max_context,
             "vocab_size": engine.vocab_size,
             "load_s": round(engine.info.load_s, 3),
+            "plan": engine.info.plan.as_json(),
         }
 
     def telemetry(self) -> dict[str, Any]:
@@ -200,7 +221,7 @@ class DaemonState:
                 raise ProfileError(
                     f"no profile {name!r} for {self.model_name} (it has: "
                     f"{', '.join(book.names())}); `colibri profile warm {name}` learns a "
-                    "built-in domain, and requests with `profile={name}` count into it"
+                    f"built-in domain, and requests with `--profile {name}` count into it"
                 )
             counts = book.counts(name)
             layers = list(self.engine.experts.layers)

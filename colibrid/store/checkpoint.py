@@ -59,6 +59,7 @@ class Checkpoint(TypedWeights):
                     )
         self._stamps = _collect_stamps(files)
         self.matrix_layouts: dict[WeightLayout, int] = {}
+        self.matrix_kinds: dict[str, tuple[WeightLayout, int]] = {}  # TypedWeights.weight's
         self._views: dict[tuple, ViewSpec | None] = {}  # TypedWeights.weight's memo
         self._formats: dict[tuple, ContainerFormat] = {}  # TypedWeights.container_format's
 
@@ -126,6 +127,11 @@ class Checkpoint(TypedWeights):
             return self._where[name]
         except KeyError:
             raise CheckpointError(f"{self.dir}: tensor {describe(name)} not found") from None
+
+    def stamp(self, name: str) -> str | None:
+        """The ``colibri.fmt`` stamp of tensor ``name``, if its container has one (what a
+        rewrite must carry over: colibrid/convert/requant.py)."""
+        return self._stamps.get(name)
 
     def info(self, name: str) -> TensorInfo:
         return self._file(name).tensors[name]

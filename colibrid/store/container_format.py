@@ -2,7 +2,7 @@
 
 Why this module exists: upstream colibri containers carry no format ordinal. A quantised
 weight is a U8 tensor ``name`` plus a scales tensor ``name.qs`` (F32; FP4's F8_E8M0 scale
-bytes), and its format follows
+bytes; the low-bit affine formats' F16 pairs), and its format follows
 from byte arithmetic against the logical [O, I] (docs/formats.md), with
 an optional container-wide ``colibri.fmt`` stamp map and ``colibri.group_size`` hint in
 ``__metadata__``. The checkpoint reader, the validator and the converter (which must
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from colibrid.errors import CheckpointError
 from colibrid.formats import quant
+from colibrid.formats.affine import AFFINE_GROUP, affine_groups, affine_row_bytes
+from colibrid.formats.weights import WeightFormat
 from colibrid.store.safetensors_file import SafetensorsFile
 from colibrid.store.strict_json import describe, load_json_object
 
@@ -32,7 +34,13 @@ FP8_B128 = "fp8-e4m3-b128"
 # MXFP4 as stored: e2m1 codes two a byte and one e8m0 byte per 32 inputs (F8_E8M0 scales,
 # which no other format has at these sizes). Not upstream's "mxfp4" (fmt 7, Vulkan only).
 FP4_E2M1 = "fp4-e2m1-g32"
-SUPPORTED_FORMATS = (INT8_ROW, INT4_ROW, INT4_GROUPED, FP8_B128, FP4_E2M1)
+# Low-bit affine codes for cold experts (formats.affine): a block of 16 (2-bit) or 24
+# (3-bit) bytes per 64 inputs and a float16 (scale, minimum) pair per group (F16 scales,
+# which no other format has).
+INT2_AFFINE = "int2-affine-g64"
+INT3_AFFINE = "int3-affine-g64"
+AFFINE_CONTAINER = {INT2_AFFINE: WeightFormat.Q2, INT3_AFFINE: WeightFormat.Q3}
+SUPPORTED_FORMATS = (INT8_ROW, INT4_ROW, INT4_GROUPED, FP8_B128, FP4_E2M1, INT2_AFFINE, INT3_AFFINE)
 KNOWN_UNSUPPORTED = ("f32", "int2-row", "int3-g64", "e8-iq3-lattice", "mxfp4", "int4-rans256-g0")
 
 
@@ -91,6 +99,10 @@ def container_candidates(
         and n_scales == out_f * _ceil_div(in_f, quant.FP4_GROUP)
     ):
         found.append(ContainerFormat(FP4_E2M1, quant.FP4_GROUP))
+    if scale_dtype == "F16" and n_scales == out_f * 2 * affine_groups(in_f):
+        for name, wf in AFFINE_CONTAINER.items():
+            if nbytes == out_f * affine_row_bytes(wf, in_f):
+                found.append(ContainerFormat(name, AFFINE_GROUP))
     fp8_scales = _ceil_div(out_f, quant.FP8_BLOCK) * _ceil_div(in_f, quant.FP8_BLOCK)
     if scale_dtype in ("F32", "F8_E8M0") and nbytes == out_f * in_f and n_scales == fp8_scales:
         found.append(ContainerFormat(FP8_B128))
@@ -133,7 +145,8 @@ def resolve_container_format(
     raise CheckpointError(
         f"tensor {describe(tensor)}: {nbytes} bytes + {n_scales} {scale_dtype} scales match no "
         f"format for [{out_f}, {in_f}] (int8-row {out_f * in_f}+{out_f}, int4-row {q4}+{out_f}, "
-        f"int4-grouped {q4}+{out_f}*ceil({in_f}/gs), fp4 {q4}+{out_f}*ceil({in_f}/32) e8m0)"
+        f"int4-grouped {q4}+{out_f}*ceil({in_f}/gs), fp4 {q4}+{out_f}*ceil({in_f}/32) e8m0, "
+        f"int2/int3-affine-g64 {out_f}*16|24*ceil({in_f}/64)+{out_f}*2*ceil({in_f}/64) f16)"
     )
 
 

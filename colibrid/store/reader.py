@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 
 from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, ExpertWeights
-from colibrid.store.extents import ExpertExtents, ExtentPlanner
+from colibrid.store.extents import ALIGN, ExpertExtents, ExtentPlanner
 from colibrid.store.integrity import Digests
 from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
-from colibrid.store.slabs import SlabArena
+from colibrid.store.slabs import PAGE, SlabArena
+from colibrid.store.slot_sizes import SlotSizes
 from colibrid.store.telemetry import Counters, now
 from colibrid.store.weight_checks import ExpertChecks
 
@@ -45,6 +46,11 @@ class ExpertReader:
         }
         self.slot_bytes = max(x.slab_bytes for row in self.extents.values() for x in row)
         self.expert_bytes = max(x.payload_bytes for row in self.extents.values() for x in row)
+        # what each expert keeps of a slot in a tier (mixed precisions: less than a slot)
+        self.sizes = SlotSizes.of_slabs(
+            {la: [x.slab_bytes for x in row] for la, row in self.extents.items()},
+            max(ALIGN, PAGE),
+        )
         self.files = ReadFiles(planner.files, direct=direct)
         self.pool = IOPool(self.files, io_threads)
         self.stats = stats
@@ -125,6 +131,10 @@ class ExpertReader:
     def fault_in_background(self, slots: Sequence[int], skip: Callable[[int], bool]) -> None:
         assert self.arena is not None
         self.arena.fault_in_background(slots, skip)
+
+    def trim(self, slot: int, keep: int) -> None:
+        assert self.arena is not None
+        self.arena.trim(slot, keep)
 
     def park(self, slot: int) -> None:
         assert self.arena is not None

@@ -52,6 +52,7 @@ class LayerServer:
         self.completions.poll()
         landed = self.completions.drain(layer, need)
         st, cache, policy = self.stats, pl.cache[layer], pl.policies[layer]
+        row = self.extents[layer]
         hits: list[tuple[int, int]] = []
         misses: list[int] = []
         waiting: dict[int, int] = {}  # slot -> expert (reads this layer waits for)
@@ -62,24 +63,28 @@ class LayerServer:
                 hits.append((e, slot))
             elif e in landed:  # PILOT's read landed: use it, keep it afterwards
                 st.hits_prefetched += 1
+                st.needed_bytes += row[e].read_bytes
                 policy.seen(e)
                 hits.append((e, landed[e]))
             elif e in cache:
                 if (layer, e) in pl.prefetched:
                     pl.prefetched.discard((layer, e))
                     st.hits_prefetched += 1
+                    st.needed_bytes += row[e].read_bytes
                 else:
                     st.hits_cache += 1
                 policy.touch(e)
                 hits.append((e, cache[e]))
             elif (layer, e) in pilot.inflight:  # PILOT or REPIN is reading it: wait for it
                 st.hits_prefetched += 1
+                st.needed_bytes += row[e].read_bytes
                 policy.seen(e)
                 slot = pilot.claim((layer, e))
                 pl.state[slot] = DEMAND
                 waiting[slot] = e
             else:
                 st.misses += 1
+                st.needed_bytes += row[e].read_bytes
                 policy.seen(e)
                 misses.append(e)
         pilot.withdraw_layer(layer)  # PILOT guessed wrong: don't spend the disk on it now

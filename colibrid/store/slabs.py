@@ -165,6 +165,18 @@ class SlabArena:
         with ThreadPoolExecutor(n, thread_name_prefix="colibri-fault") as pool:
             list(pool.map(self.fault_in, slots))
 
+    def trim(self, i: int, keep: int) -> None:
+        """Give back the pages of slot ``i`` past its first ``keep`` bytes (a smaller
+        expert held in a tier: :mod:`colibrid.store.slot_sizes`); a later read faults
+        them in again."""
+        keep = align_up(keep, PAGE)
+        if keep >= self.slot_bytes:
+            return
+        madvise = getattr(self._mm, "madvise", None)
+        dontneed = getattr(mmap, "MADV_DONTNEED", None)
+        if madvise is not None and dontneed is not None:
+            madvise(dontneed, i * self.slot_bytes + keep, self.slot_bytes - keep)
+
     def release(self, i: int) -> None:
         """Give slot ``i``'s pages back to the kernel (its contents become zeros)."""
         madvise = getattr(self._mm, "madvise", None)

@@ -12,6 +12,14 @@ slots are free or parked — a layer's misses always find their slots. Slots the
 does not need right now (pin room not yet used, cache MEMWATCH shrank) are *parked*:
 their pages are given back to the kernel until :meth:`Placement.rebalance` faults them
 in again.
+
+Mixed precisions (:mod:`colibrid.store.slot_sizes`): a slot holding a smaller expert in a
+tier keeps only that expert's bytes, so a layer's cache is bounded in bytes
+(``cache_per_layer`` whole slots' worth) and may hold more experts than
+``cache_per_layer``; the plan then has more slots (``cache_slots`` a layer), and
+:meth:`Placement.rebalance` keeps the memory faulted in, counted in those bytes, within
+what the uniform plan of the same budget would fault. With one size every count is the
+plain slot count.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 
 from colibrid.errors import ColibriError
 from colibrid.policy import Policy, make_policy
+from colibrid.store.slot_sizes import SlotSizes
 
 FREE, DEMAND, PREFETCH, LANDED, CACHED, PINNED, HELD = range(7)
 STATE_NAMES = ("free", "demand", "prefetch", "landed", "cached", "pinned", "held")
@@ -41,6 +50,7 @@ class SlotPlan:
     n_layers: int
     work: int
     pilot: int
+    cache_slots: int | None = None  # slots a layer's cache may fill (mixed sizes: more)
 
     def __post_init__(self) -> None:
         for name in ("pins", "cache_per_layer", "n_layers", "work", "pilot"):
@@ -50,20 +60,29 @@ class SlotPlan:
             raise StoreError("slot plan: a layer's misses need at least one work slot")
 
     @property
+    def cache_slots_per_layer(self) -> int:
+        return max(self.cache_per_layer, self.cache_slots or 0)
+
+    @property
     def total(self) -> int:
-        return self.pins + self.cache_per_layer * self.n_layers + self.work + self.pilot
+        return self.pins + self.cache_slots_per_layer * self.n_layers + self.work + self.pilot
 
     def describe(self) -> str:
-        return (
-            f"{self.total} slots = {self.pins} pins + {self.cache_per_layer} x "
-            f"{self.n_layers} cache + {self.work} work + {self.pilot} PILOT"
-        )
+        cache = f"{self.cache_per_layer} x {self.n_layers} cache"
+        if self.cache_slots_per_layer > self.cache_per_layer:  # mixed sizes: by bytes
+            cache = (
+                f"{self.cache_slots_per_layer} x {self.n_layers} cache (the bytes of "
+                f"{self.cache_per_layer} largest experts a layer)"
+            )
+        parts = f"{self.pins} pins + {cache} + {self.work} work + {self.pilot} PILOT"
+        return f"{self.total} slots = {parts}"
 
 
 class Placement:
     """Slot states, the free list, the pinned tier and one cache (with policy) per layer.
 
-    ``fault_in`` / ``park`` are the arena's page operations (the only side effects).
+    ``fault_in`` / ``park`` / ``trim`` are the arena's page operations (the only side
+    effects); ``sizes``: what each expert keeps of a slot (default: a whole one each).
     """
 
     def __init__(
@@ -74,19 +93,26 @@ class Placement:
         *,
         fault_in: Callable[[int], None] = lambda slot: None,
         park: Callable[[int], None] = lambda slot: None,
+        trim: Callable[[int, int], None] = lambda slot, keep: None,
+        sizes: SlotSizes | None = None,
     ) -> None:
         self.plan = plan
+        self.sizes = sizes if sizes is not None else SlotSizes()
         self.layers = tuple(layers)
         self.cache_max = plan.cache_per_layer
         self.cache_per_layer = plan.cache_per_layer
         self.lent = 0  # PILOT slots lent to every layer's cache while PILOT is off
-        self._fault_in, self._park = fault_in, park
+        self._fault_in, self._park, self._trim = fault_in, park, trim
         n = max(1, plan.total)
+        unit = self.sizes.unit
+        self.kept = [unit] * n  # bytes each slot may hold faulted (less once trimmed)
+        self.faulted = n * unit  # those bytes summed over the slots not parked
         self.state = [FREE] * n
         self.slot_key: list[Key | None] = [None] * n
         self.free: list[int] = list(range(n - 1, -1, -1))
         self.parked: list[int] = []
         self.cache: dict[int, dict[int, int]] = {layer: {} for layer in self.layers}
+        self.cache_used: dict[int, int] = dict.fromkeys(self.layers, 0)  # kept bytes
         self.policies: dict[int, Policy] = {layer: make_policy(policy) for layer in self.layers}
         self.pinned: dict[Key, int] = {}
         self.pin_on_land: set[Key] = set()  # REPIN reads in flight that become pins
@@ -106,7 +132,26 @@ class Placement:
     def release(self, slot: int) -> None:
         self.state[slot] = FREE
         self.slot_key[slot] = None
+        # counted whole again: the next read may fill all of it (its tail faults back in)
+        self.faulted += self.sizes.unit - self.kept[slot]
+        self.kept[slot] = self.sizes.unit
         self.free.append(slot)
+
+    def keep_only(self, slot: int, key: Key) -> None:
+        """A slot entering a tier with ``key`` gives back the pages past its bytes."""
+        keep = self.sizes.of(key)
+        if keep < self.kept[slot]:
+            self._trim(slot, keep)
+            self.faulted -= self.kept[slot] - keep
+            self.kept[slot] = keep
+
+    @property
+    def cache_capacity(self) -> int:
+        """A layer's cache bound in kept bytes: ``cache_per_layer`` whole slots."""
+        return self.cache_per_layer * self.sizes.unit
+
+    def cached_bytes(self) -> int:
+        return sum(self.cache_used.values())
 
     def fill(self, slot: int, key: Key, state: int) -> None:
         self.state[slot] = state
@@ -143,22 +188,27 @@ class Placement:
         return pins + cache + self.plan.work + self.pilot_room
 
     def rebalance(self) -> None:
-        """Park free slots the plan does not need now; fault parked ones in when it does."""
-        want = min(self.n_slots, self.wanted_faulted())
-        while self.n_slots - len(self.parked) > want and self.free:
+        """Park free slots the plan does not need now; fault parked ones in when it does.
+        Counted in kept bytes: a tier's trimmed slots leave room for more free ones."""
+        unit = self.sizes.unit
+        want = min(self.n_slots, self.wanted_faulted()) * unit
+        while self.faulted > want and self.free:
             slot = self.free.pop(0)
             self._park(slot)
             self.parked.append(slot)
-        while self.n_slots - len(self.parked) < want and self.parked:
+            self.faulted -= self.kept[slot]
+        while self.faulted + unit <= want and self.parked:
             slot = self.parked.pop()
             self._fault_in(slot)
             self.free.append(slot)
+            self.faulted += self.kept[slot]
 
     # ---- the cache ------------------------------------------------------------------
     def uncache(self, layer: int, expert: int) -> int | None:
         """Take ``expert`` out of its layer's cache; its slot, or None if not cached."""
         slot = self.cache[layer].pop(expert, None)
         if slot is not None:
+            self.cache_used[layer] -= self.sizes.of((layer, expert))
             self.policies[layer].remove(expert)
             self.prefetched.discard((layer, expert))
         return slot
@@ -178,20 +228,33 @@ class Placement:
         prefetched: bool = False,
         gate: bool = False,
     ) -> bool:
-        """Put a filled slot into the layer's cache, evicting victims; False = freed.
-        ``gate``: a demand read, which displaces a victim only when the policy admits it."""
+        """Put a filled slot into the layer's cache, evicting victims until its bytes fit;
+        False = freed. ``gate``: a demand read, which displaces victims only when the
+        policy admits it over each of them (else none is evicted)."""
         cache, policy = self.cache[layer], self.policies[layer]
-        while len(cache) >= self.cache_per_layer and cache:
-            victim = policy.victim(protected)
+        need = self.sizes.of((layer, expert))
+        room = self.cache_capacity - self.cache_used[layer]
+        victims: list[int] = []
+        skip = set(protected)
+        while room < need and len(victims) < len(cache):
+            victim = policy.victim(skip)
             if victim is None or (gate and not policy.admits(expert, victim)):
                 break
-            self.evict(layer, victim)
-        if len(cache) >= self.cache_per_layer:
+            victims.append(victim)
+            skip.add(victim)
+            room += self.sizes.of((layer, victim))
+        if room < need:
             self.release(slot)
             return False
+        for victim in victims:
+            self.evict(layer, victim)
         cache[expert] = slot
+        self.cache_used[layer] += need
         policy.admit(expert)
         self.fill(slot, (layer, expert), CACHED)
+        self.keep_only(slot, (layer, expert))
+        if self.sizes.mixed:  # victims and trims moved the bytes: park or unpark slots
+            self.rebalance()
         if prefetched:
             self.prefetched.add((layer, expert))
         return True
@@ -201,7 +264,7 @@ class Placement:
         n = max(0, min(int(n), self.cache_max))
         self.cache_per_layer = n
         for layer, cache in self.cache.items():
-            while len(cache) > n:
+            while self.cache_used[layer] > self.cache_capacity and cache:
                 victim = self.policies[layer].victim(())
                 if victim is None:
                     break
@@ -218,7 +281,10 @@ class Placement:
         if len(self.pinned) >= self.plan.pins:
             raise StoreError(f"pin budget of {self.plan.pins} exceeded: a sizing bug")
         self.fill(slot, key, PINNED)
+        self.keep_only(slot, key)
         self.pinned[key] = slot
+        if self.sizes.mixed:
+            self.rebalance()
 
     def unpin(self, key: Key) -> None:
         """Move a pinned expert into its layer's cache (or free it when there is no room)."""
@@ -247,13 +313,24 @@ class Placement:
             claim(slot, f"pinned {key}")
             assert self.state[slot] == PINNED and self.slot_key[slot] == key
         for layer, cache in self.cache.items():
-            assert len(cache) <= self.cache_per_layer, f"layer {layer} cache over its size"
+            used = sum(self.sizes.of((layer, e)) for e in cache)
+            assert used == self.cache_used[layer], f"layer {layer} cache bytes drift"
+            assert used <= self.cache_capacity, f"layer {layer} cache over its size"
+            assert len(cache) <= self.plan.cache_slots_per_layer + self.lent, (
+                f"layer {layer} cache holds more experts than it has slots"
+            )
             assert len(cache) == len(self.policies[layer]), f"layer {layer} policy drift"
             for expert, slot in cache.items():
                 claim(slot, f"cached {(layer, expert)}")
                 assert self.state[slot] == CACHED and self.slot_key[slot] == (layer, expert)
                 assert (layer, expert) not in self.pinned, f"{(layer, expert)} pinned and cached"
         assert len(self.pinned) + len(self.pin_on_land) <= self.plan.pins, "pins over budget"
+        parked = set(self.parked)
+        faulted = sum(k for s, k in enumerate(self.kept) if s not in parked)
+        assert faulted == self.faulted, f"faulted bytes drift: {faulted} != {self.faulted}"
+        for slot in range(self.n_slots):
+            if self.state[slot] not in (CACHED, PINNED):
+                assert self.kept[slot] == self.sizes.unit, f"slot {slot} trimmed out of a tier"
         if idle:
             background = (PREFETCH, LANDED)
             busy = [

@@ -20,6 +20,7 @@ class Counters:
     misses: int = 0
     bytes_read: int = 0  # demand + prefetch bytes from disk (aligned supersets)
     prefetch_bytes: int = 0
+    needed_bytes: int = 0  # read bytes of the experts a layer chose that were not resident
     io_active_s: float = 0.0  # wall time with at least one read running (the pool's clock)
     io_wait_s: float = 0.0  # engine thread blocked on a read
     compute_s: float = 0.0  # engine thread inside expert compute (between yields)
@@ -80,6 +81,7 @@ class StoreStats:
     pilot_note: str = "off"  # PILOT: off, on, or what --pilot auto measured and chose
     checked: int = 0  # expert reads checked against their digests
     check_s: float = 0.0
+    needed_bytes: int = 0  # read bytes of the chosen experts that were not resident
 
     @property
     def hit_rate(self) -> float:
@@ -147,6 +149,7 @@ def snapshot(
         memwatch=memwatch,
         checked=c.checked,
         check_s=c.check_s,
+        needed_bytes=c.needed_bytes,
     )
 
 

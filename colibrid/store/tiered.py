@@ -167,12 +167,17 @@ class TieredStore:
         pre-fault what it needs now, load ``pins``."""
         n_exp = self.layout.n_experts
         budget = pin_budget or PinBudget("all" if pins else "off", len(pins), len(pins))
+        cache = max(0, min(int(cache_per_layer), n_exp))
+        sizes = self.reader.sizes
+        lendable = pilot_slots // max(1, self.n_layers)  # PILOT's slots lent when off
         plan = SlotPlan(
             pins=budget.capacity,
-            cache_per_layer=max(0, min(int(cache_per_layer), n_exp)),
+            cache_per_layer=cache,
             n_layers=self.n_layers,
             work=work_slots if work_slots is not None else min(n_exp, 64),
             pilot=pilot_slots,
+            # mixed sizes: a cache of `cache` slots' bytes holds more of the small experts
+            cache_slots=sizes.most_per_layer(cache + lendable, n_exp) if sizes.mixed else None,
         )
         if len(pins) > plan.pins:
             raise StoreError(f"{len(pins)} pins asked for a pin capacity of {plan.pins}")
@@ -374,8 +379,7 @@ class TieredStore:
         self.placement.check(idle=True)
 
     def resident_bytes(self) -> int:
-        pl = self.placement
-        return (pl.n_slots - len(pl.parked)) * self.reader.arena.slot_bytes
+        return self.placement.faulted  # kept bytes of every slot not parked
 
     def statistics(self, since: Counters | None = None) -> StoreStats:
         self.stats.io_active_s = self.pool.busy_seconds()
@@ -385,7 +389,7 @@ class TieredStore:
         snap = snapshot(
             c,
             cache_per_layer=self.cache_per_layer,
-            cache_bytes=cached * self.slot_bytes,
+            cache_bytes=pl.cached_bytes() if pl is not None else 0,
             pinned=len(pl.pinned) if pl is not None else 0,
             io_mode=self.files.mode,
             policy=self.policy_name,

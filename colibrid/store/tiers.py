@@ -14,7 +14,7 @@ from colibrid.store.pin_moves import PinMoves
 from colibrid.store.prefetch import Prefetcher
 from colibrid.store.reader import ExpertReader
 from colibrid.store.serving import LayerServer
-from colibrid.store.slots import Placement, SlotPlan
+from colibrid.store.slots import CACHED, PINNED, Placement, SlotPlan
 from colibrid.store.telemetry import Counters
 
 
@@ -36,12 +36,23 @@ class Tiers:
     ) -> None:
         reader.allocate(plan.total)
         self.placement = placement = Placement(
-            plan, tuple(reader.extents), policy, fault_in=reader.fault_in, park=reader.park
+            plan,
+            tuple(reader.extents),
+            policy,
+            fault_in=reader.fault_in,
+            park=reader.park,
+            trim=reader.trim,
+            sizes=reader.sizes,
         )
         # Pre-fault: untouched RAM fills slowly later. In the background where the kernel
         # can populate without writing, the slots taken first (the free list's end) first;
-        # a slot parked meanwhile is passed over (one racing its park keeps its pages).
-        reader.fault_in_background(placement.free[::-1], skip=lambda slot: slot in placement.parked)
+        # a slot parked meanwhile, or already holding a smaller expert in a tier (its tail
+        # given back), is passed over (one racing its park keeps its pages).
+        held = (CACHED, PINNED)
+        reader.fault_in_background(
+            placement.free[::-1],
+            skip=lambda slot: slot in placement.parked or placement.state[slot] in held,
+        )
         self.prefetcher = Prefetcher(placement, reader, stats)
         self.completions = Completions(placement, reader, self.prefetcher)
         self.server = LayerServer(

@@ -17,8 +17,10 @@ import numpy as np
 
 from colibrid.errors import CheckpointError, ConfigError
 from colibrid.formats import quant
+from colibrid.formats.affine import affine_row_bytes
 from colibrid.formats.weights import QuantWeight, WeightFormat, WeightLayout
 from colibrid.store.container_format import (
+    AFFINE_CONTAINER,
     FP4_E2M1,
     FP8_B128,
     GROUP_SIZE_KEY,
@@ -43,6 +45,7 @@ class TypedWeights:
     if TYPE_CHECKING:
         _stamps: dict[str, str]
         matrix_layouts: dict[WeightLayout, int]
+        matrix_kinds: dict[str, tuple[WeightLayout, int]]
         _views: dict[tuple, ViewSpec | None]
         _formats: dict[tuple, ContainerFormat]
 
@@ -59,7 +62,9 @@ class TypedWeights:
         convention, 128x128 blocks) come back dequantised to F32; colibri containers
         (``name`` U8 + ``name.qs`` F32) come back as Q8/Q4 views. Each layout handed
         out is noted in ``matrix_layouts`` with its largest row count: what a backend
-        tunes its kernels for before the first token (``Ops.prepare``).
+        tunes its kernels for before the first token (``Ops.prepare``); each matrix's
+        layout and bytes are noted by name in ``matrix_kinds``, from which the live
+        roofline prices a token's products (serve.kernel_ceiling).
 
         The first matrix of each size signature goes through every check; later ones of
         the same signature are rebuilt from its :class:`ViewSpec` (their scales are still
@@ -69,12 +74,14 @@ class TypedWeights:
         info, qs, key = self._signature(name, (out_f, in_f))
         spec = self._views.get(key, False)
         if spec:  # its layout and row count are noted already: they are part of the key
-            return self._view(name, qs, spec)
-        w = self._matrix(name, (out_f, in_f))
-        if spec is False:
-            self._views[key] = _view_of(w, info, qs)
-        layouts = self.matrix_layouts
-        layouts[w.layout] = max(layouts.get(w.layout, 0), out_f)
+            w = self._view(name, qs, spec)
+        else:
+            w = self._matrix(name, (out_f, in_f))
+            if spec is False:
+                self._views[key] = _view_of(w, info, qs)
+            layouts = self.matrix_layouts
+            layouts[w.layout] = max(layouts.get(w.layout, 0), out_f)
+        self.matrix_kinds[name] = (w.layout, w.nbytes)
         return w
 
     def view_spec(self, name: str, shape: tuple[int, int]) -> ViewSpec | None:
@@ -238,6 +245,10 @@ class TypedWeights:
         problem = bad_scales(scales)
         if problem:
             raise self._fail(qs_name, problem)
+        if fmt.name in AFFINE_CONTAINER:  # blocks and float16 (s, m) pairs
+            wf = AFFINE_CONTAINER[fmt.name]
+            data = raw.reshape(out_f, affine_row_bytes(wf, in_f))
+            return QuantWeight(wf, shape, data, scales.reshape(out_f, -1), fmt.group_size)
         if fmt.name == FP4_E2M1:
             data = raw.reshape(out_f, quant.q4_row_bytes(in_f))
             codes = scales.reshape(out_f, -1)

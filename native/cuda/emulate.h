@@ -32,6 +32,12 @@ static inline float __int_as_float(int i) {
     return f;
 }
 
+static inline int __float_as_int(float f) {
+    int i;
+    memcpy(&i, &f, sizeof i);
+    return i;
+}
+
 /* The rounding intrinsics: one IEEE operation each (the emulation is built with
  * -ffp-contract=off, so none is fused, as on the device). */
 static inline float __fadd_rn(float a, float b) { return a + b; }

@@ -20,6 +20,8 @@
 #define FMT_Q8 2
 #define FMT_Q4 3
 #define FMT_FP4 4
+#define FMT_Q2 5
+#define FMT_Q3 6
 
 /* Inputs one thread reads from a weight row at a time: 16 bytes of nibbles. */
 #define CHUNK 32
@@ -41,6 +43,57 @@ __constant__ int FP4_CODES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6
 
 __device__ __forceinline__ int nibble_code(int fmt, unsigned nib) {
     return fmt == FMT_FP4 ? FP4_CODES[nib] : (int)nib - 8;
+}
+
+/* ---- Q2 / Q3, the low-bit affine formats (colibrid/formats/affine.py, docs/formats.md):
+ * a block of AFFINE_BLOCK(fmt) bytes per group of 64 inputs, the last padded with code 0.
+ * Bytes 0..15, the low plane: bits 2k, 2k + 1 of byte j are the low two bits of the code
+ * of input 16k + j; Q3's bytes 16..23, the high plane: bit b of byte 16 + j is bit 2 of
+ * the code of input 8b + j. Scales are float16 pairs, group g's scale s then its minimum
+ * m, so a weight is (float)q * s + m. Blocks are 16 or 24 bytes and rows whole blocks, so
+ * every block starts 8-byte aligned: its planes are read as 32-bit words. */
+#define AFFINE_GROUP 64
+#define AFFINE_BLOCK(fmt) ((fmt) == FMT_Q3 ? 24 : 16)
+
+__device__ __forceinline__ bool is_affine(int fmt) { return fmt == FMT_Q2 || fmt == FMT_Q3; }
+
+/* float16 bits as a float32, exactly (subnormals, infinities and NaN included). */
+__device__ __forceinline__ float half_value(unsigned short h) {
+    const unsigned sign = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u;
+    if (e == 0u) { /* zero or subnormal: m * 2^-24, exact in float32 */
+        const float v = __fmul_rn(__int2float_rn((int)m), 5.9604644775390625e-8f);
+        return __int_as_float((int)(sign | (unsigned)__float_as_int(v)));
+    }
+    if (e == 31u) return __int_as_float((int)(sign | 0x7f800000u | (m << 13)));
+    return __int_as_float((int)(sign | ((e + 112u) << 23) | (m << 13)));
+}
+
+/* Group g of row o's scale s and minimum m (scales: float16 pairs, `groups` a row). */
+__device__ __forceinline__ void affine_sm(const void *scales, int o, int g, int groups, float *s,
+                                          float *m) {
+    const unsigned short *h = (const unsigned short *)scales + ((long long)o * groups + g) * 2;
+    *s = half_value(h[0]);
+    *m = half_value(h[1]);
+}
+
+/* The code (0..7) of input i of a Q2/Q3 row. */
+__device__ __forceinline__ int affine_code(const unsigned char *row, int fmt, int i) {
+    const unsigned char *block = row + (long long)(i / AFFINE_GROUP) * AFFINE_BLOCK(fmt);
+    const int k = i % AFFINE_GROUP;
+    int code = (block[k & 15] >> (2 * (k >> 4))) & 3;
+    if (fmt == FMT_Q3) code |= ((block[16 + (k & 7)] >> (k >> 3)) & 1) << 2;
+    return code;
+}
+
+/* The codes of inputs 16k + 4t .. 16k + 4t + 3 of the group whose block is at `block`, one a
+ * byte (t = 0..3): a shift and a mask of low-plane word t, and for Q3 bit 2k + t / 2 of
+ * high-plane word t % 2 moved up to bit 2. */
+__device__ __forceinline__ unsigned affine_word(const unsigned char *block, int fmt, int k,
+                                                int t) {
+    const unsigned *words = (const unsigned *)block;
+    unsigned codes = (words[t] >> (2 * k)) & 0x03030303u;
+    if (fmt == FMT_Q3) codes |= ((words[4 + (t & 1)] >> (2 * k + (t >> 1))) & 0x01010101u) << 2;
+    return codes;
 }
 
 /* The scale of input i of row o: the row's (Q8, per-row Q4: groups == 1) or its group's. */
@@ -87,6 +140,27 @@ __device__ void partial_sums(const unsigned char *w, const void *scales, int fmt
         float acc[ROW_TILE] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int c = lane; c < chunks; c += lanes) {
             const int i0 = c * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+            if (is_affine(fmt)) { /* half a group: its codes four a word, (float)q * s + m */
+                const int g = i0 / AFFINE_GROUP, half = (i0 % AFFINE_GROUP) / CHUNK;
+                const unsigned char *block = row + (long long)g * AFFINE_BLOCK(fmt);
+                float s, m;
+                affine_sm(scales, o, g, groups, &s, &m);
+                for (int kk = 0; kk < 2; kk++) {
+                    for (int t = 0; t < 4; t++) {
+                        const int at = i0 + 16 * kk + 4 * t, n_in = i1 - at < 4 ? i1 - at : 4;
+                        if (n_in <= 0) break;
+                        const unsigned codes = affine_word(block, fmt, 2 * half + kk, t);
+                        float wv[4];
+                        for (int n = 0; n < 4; n++)
+                            wv[n] = (float)((codes >> (8 * n)) & 0xffu) * s + m;
+                        for (int r = 0; r < rows; r++) {
+                            const float *xr = x + (long long)(s0 + r) * I + at;
+                            for (int n = 0; n < n_in; n++) acc[r] += wv[n] * xr[n];
+                        }
+                    }
+                }
+                continue;
+            }
             float sc = scale_at(scales, fmt, o, i0, gsz, groups);
             if (nibbles && one_scale && i1 - i0 == CHUNK) {
                 /* the chunk's 32 codes in one 16-byte load; word k holds inputs 8k..8k+7,
@@ -194,6 +268,8 @@ extern "C" __global__ void mm_reduce(const int *meta, const unsigned long long *
  * per output, per scale group in increasing order, isum = the exact int32 dot of the
  * weight codes and the row's int8 codes over the group, then
  *     acc = acc + (float)isum * (wscale[o, g] * xs[s]),   acc starting at 0.0f,
+ * (Q2/Q3, whose weights are q * s + m: with xsum the sum of the row's codes over the group,
+ *     acc = acc + ((float)isum * (s * xs[s]) + (float)xsum * (m * xs[s])) )
  * each operation rounded alone (the _rn intrinsics are never contracted into an FMA).
  * mm_i8_partial writes the integer sum of each 32-input chunk (a chunk never crosses a
  * scale group: the host sends only weights whose groups are whole chunks, or one group a
@@ -230,11 +306,64 @@ __device__ __forceinline__ int chunk_dot(const unsigned char *row, int fmt, cons
     return acc - 8 * sum_q;
 }
 
+/* Q2/Q3 (affine: w = q * s + m, so a group's share is s * sum(q x) + m * sum(x)): the exact
+ * integer dot of one whole chunk of codes with q's 32 codes there (8 ints) into *dot, and
+ * the sum of those 32 codes into *xsum. Chunk half (0 or 1) of a group covers its inputs
+ * 16k + 4t + n for k = 2 half, 2 half + 1: q's word 4 (k - 2 half) + t. */
+__device__ __forceinline__ void affine_chunk_dot(const unsigned char *row, int fmt, const int *q,
+                                                 int i0, int *dot, int *xsum) {
+    const unsigned char *block = row + (long long)(i0 / AFFINE_GROUP) * AFFINE_BLOCK(fmt);
+    const int half = (i0 % AFFINE_GROUP) / CHUNK;
+    int acc = 0, sum_q = 0;
+    for (int kk = 0; kk < 2; kk++) {
+        for (int t = 0; t < 4; t++) {
+            const int qw = q[4 * kk + t];
+            acc = __dp4a((int)affine_word(block, fmt, 2 * half + kk, t), qw, acc);
+            sum_q = __dp4a(0x01010101, qw, sum_q);
+        }
+    }
+    *dot = acc;
+    *xsum = sum_q;
+}
+
+/* int_partials for Q2/Q3: two integers a chunk, its dot at part[2 n] and the sum of q's
+ * codes over it at part[2 n + 1] (n = (s * O + o) * chunks + c). */
+__device__ void affine_partials(const unsigned char *w, int fmt, int O, int I, int row_bytes,
+                                const signed char *q, int S, int *part, int lanes, int o,
+                                int lane) {
+    const unsigned char *row = w + (long long)o * row_bytes;
+    const int chunks = (I + CHUNK - 1) / CHUNK;
+    /* whole chunks a word of codes at a time where q's rows start 4-byte aligned */
+    const bool words = (unsigned long long)q % 4 == 0 && I % 4 == 0;
+    for (int c = lane; c < chunks; c += lanes) {
+        const int i0 = c * CHUNK, i1 = i0 + CHUNK < I ? i0 + CHUNK : I;
+        for (int s = 0; s < S; s++) {
+            const signed char *qr = q + (long long)s * I;
+            int *out = part + (((long long)s * O + o) * chunks + c) * 2;
+            if (words && i1 - i0 == CHUNK) {
+                affine_chunk_dot(row, fmt, (const int *)(qr + i0), i0, out, out + 1);
+                continue;
+            }
+            int acc = 0, sum_q = 0;
+            for (int i = i0; i < i1; i++) {
+                acc += affine_code(row, fmt, i) * (int)qr[i];
+                sum_q += (int)qr[i];
+            }
+            out[0] = acc;
+            out[1] = sum_q;
+        }
+    }
+}
+
 /* Thread (o, lane): for each chunk c = lane, lane + lanes, ... and each activation row s,
  * the chunk's exact integer dot into part[(s * O + o) * chunks + c]. q: [S, I] int8. */
 __device__ void int_partials(const unsigned char *w, int fmt, int O, int I, int row_bytes,
                              const signed char *q, int S, int *part, int lanes, int o,
                              int lane) {
+    if (is_affine(fmt)) {
+        affine_partials(w, fmt, O, I, row_bytes, q, S, part, lanes, o, lane);
+        return;
+    }
     const unsigned char *row = w + (long long)o * row_bytes;
     const int chunks = (I + CHUNK - 1) / CHUNK;
     /* whole chunks four codes at a time (dp4a) where the weight rows and q's rows start
@@ -288,10 +417,25 @@ extern "C" __global__ void mm_i8_reduce(const int *meta, const unsigned long lon
     const int O = m[J_O], I = m[J_I], gsz = m[J_GSZ], groups = m[J_GROUPS];
     const long long n = job.local;
     const int s = (int)(n / O), o = (int)(n % O), chunks = (I + CHUNK - 1) / CHUNK;
-    const int *sums = part + m[J_PART] + n * chunks;
     const float xs = ((const float *)p[P_XS])[s];
     float acc = 0.0f;
     int c = 0;
+    if (is_affine(m[J_FMT])) { /* acc + ((float)isum * (s * xs) + (float)xsum * (m * xs)) */
+        const int *sums = part + m[J_PART] + n * chunks * 2;
+        for (int g = 0; g < groups; g++) {
+            const int end = g + 1 == groups ? I : (g + 1) * AFFINE_GROUP;
+            int isum = 0, xsum = 0;
+            for (; c < chunks && c * CHUNK < end; c++) isum += sums[2 * c], xsum += sums[2 * c + 1];
+            float sc, mn;
+            affine_sm((const void *)p[P_SCALES], o, g, groups, &sc, &mn);
+            const float scaled = __fmul_rn(__int2float_rn(isum), __fmul_rn(sc, xs));
+            const float offset = __fmul_rn(__int2float_rn(xsum), __fmul_rn(mn, xs));
+            acc = __fadd_rn(acc, __fadd_rn(scaled, offset));
+        }
+        ((float *)p[P_Y])[n] = acc;
+        return;
+    }
+    const int *sums = part + m[J_PART] + n * chunks;
     for (int g = 0; g < groups; g++) {
         const int end = g + 1 == groups ? I : (g + 1) * gsz;
         int isum = 0;

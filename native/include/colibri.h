@@ -17,13 +17,18 @@
 
 /* FP4: MXFP4's e2m1 codes packed as Q4's nibbles, each code standing for an integer of
  * the doubled e2m1 grid, and one e8m0 scale byte e per group of gs (32) inputs whose factor
- * is 2^(e - 128): `scales` then points at those bytes (uint8 [O, G]), not at floats. */
+ * is 2^(e - 128): `scales` then points at those bytes (uint8 [O, G]), not at floats.
+ * Q2/Q3: unsigned 2-/3-bit codes in blocks of 16/24 bytes per group of 64 inputs
+ * (docs/formats.md), w = q * s + m; `scales` points at float16 pairs (uint16 [O, 2G]:
+ * s then m per group) and gs is 64. */
 enum colibri_fmt {
     COLIBRI_FMT_F32 = 0,
     COLIBRI_FMT_BF16 = 1,
     COLIBRI_FMT_Q8 = 2,
     COLIBRI_FMT_Q4 = 3,
-    COLIBRI_FMT_FP4 = 4
+    COLIBRI_FMT_FP4 = 4,
+    COLIBRI_FMT_Q2 = 5,
+    COLIBRI_FMT_Q3 = 6
 };
 enum colibri_family { COLIBRI_FAM_F32 = 0, COLIBRI_FAM_I8 = 1 };
 enum colibri_isa {

@@ -106,7 +106,7 @@ static _Atomic int g_nchoices = 0;
 static pthread_mutex_t g_choice_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int layout_group(int fmt, int gs, int I) {
-    if (!colibri_is_nibble(fmt)) return 0;
+    if (!colibri_is_nibble(fmt) && !colibri_is_affine(fmt)) return 0;
     return gs > 0 && gs < I ? gs : I;
 }
 
@@ -123,7 +123,7 @@ static int find_choice(int fmt, int group, int I, int family) {
  * must keep computing what it computed, whatever a later load measures. */
 int colibri_set_choice(int fmt, int gs, int I, int family, int isa) {
     pthread_once(&g_once, init_once);
-    if (fmt < 0 || fmt > COLIBRI_FMT_FP4 || I < 1 || family < 0 || family > 1 || isa < 0 || isa > 3 ||
+    if (fmt < 0 || fmt > COLIBRI_FMT_Q3 || I < 1 || family < 0 || family > 1 || isa < 0 || isa > 3 ||
         !colibri_isa_available(isa))
         return -1;
     const int group = layout_group(fmt, gs, I);
@@ -184,13 +184,15 @@ void *colibri_arena(int k, size_t n) { return grow_slot(&tl_arena[k].p, &tl_aren
 /* ---- job preparation ---- */
 
 int colibri_is_integer(const colibri_weight *w, int family) {
-    return family == COLIBRI_FAM_I8 && (w->fmt == COLIBRI_FMT_Q8 || colibri_is_nibble(w->fmt));
+    return family == COLIBRI_FAM_I8 &&
+           (w->fmt == COLIBRI_FMT_Q8 || colibri_is_nibble(w->fmt) || colibri_is_affine(w->fmt));
 }
 
 int colibri_check_weight(const colibri_weight *w) {
-    if (w == NULL || w->data == NULL || w->O < 1 || w->I < 1 || w->fmt < 0 || w->fmt > COLIBRI_FMT_FP4)
+    if (w == NULL || w->data == NULL || w->O < 1 || w->I < 1 || w->fmt < 0 || w->fmt > COLIBRI_FMT_Q3)
         return -1;
-    if ((w->fmt == COLIBRI_FMT_Q8 || colibri_is_nibble(w->fmt)) && w->scales == NULL) return -1;
+    if (w->fmt >= COLIBRI_FMT_Q8 && w->scales == NULL) return -1;
+    if (colibri_is_affine(w->fmt) && w->gs != COLIBRI_AFFINE_GROUP) return -1;
     if (w->fmt == COLIBRI_FMT_Q4 && (w->gs < 0 || (w->gs & 1))) return -1;
     if (w->fmt == COLIBRI_FMT_FP4 && (w->gs < 2 || (w->gs & 1))) return -1;
     return 0;
@@ -205,9 +207,15 @@ void colibri_describe(mm_job *j, const colibri_weight *w, int family) {
     memset(j, 0, sizeof *j);
     j->w = w;
     j->ops = isa_table(colibri_choice(w->fmt, w->gs, w->I, family));
-    j->wrow = colibri_is_nibble(w->fmt) ? (size_t)(w->I + 1) / 2 : elem[w->fmt] * (size_t)w->I;
-    j->gsz = (colibri_is_nibble(w->fmt) && w->gs > 0 && w->gs < w->I) ? w->gs : w->I;
-    j->G = (w->I + j->gsz - 1) / j->gsz;
+    if (colibri_is_affine(w->fmt)) { /* whole blocks of 64, the last one padded */
+        j->gsz = COLIBRI_AFFINE_GROUP;
+        j->G = (w->I + COLIBRI_AFFINE_GROUP - 1) / COLIBRI_AFFINE_GROUP;
+        j->wrow = (size_t)colibri_affine_block(w->fmt) * (size_t)j->G;
+    } else {
+        j->wrow = colibri_is_nibble(w->fmt) ? (size_t)(w->I + 1) / 2 : elem[w->fmt] * (size_t)w->I;
+        j->gsz = (colibri_is_nibble(w->fmt) && w->gs > 0 && w->gs < w->I) ? w->gs : w->I;
+        j->G = (w->I + j->gsz - 1) / j->gsz;
+    }
     j->ldx = ((size_t)w->I + COLIBRI_XPAD - 1) / COLIBRI_XPAD * COLIBRI_XPAD;
 }
 
@@ -378,9 +386,10 @@ static void block_chunk(void *ctx, int b) {
     const size_t G = (size_t)j.G;
     sub.O = c->Ob;
     sub.data = (const uint8_t *)w->data + (size_t)b * c->Ob * j.wrow;
-    if (w->scales) /* FP4's scales are bytes */
-        sub.scales = w->fmt == COLIBRI_FMT_FP4
-                         ? (const float *)((const uint8_t *)w->scales + (size_t)b * c->Ob * G)
+    if (w->scales) /* FP4's scales are bytes, Q2/Q3's float16 pairs */
+        sub.scales = w->fmt == COLIBRI_FMT_FP4 ? (const float *)((const uint8_t *)w->scales + (size_t)b * c->Ob * G)
+                     : colibri_is_affine(w->fmt)
+                         ? (const float *)((const uint16_t *)w->scales + (size_t)b * c->Ob * G * 2)
                          : w->scales + (size_t)b * c->Ob * G;
     colibri_describe(&j, &sub, c->family);
     float *xb = scratch(SLOT_BX, (size_t)S * I * sizeof(float));

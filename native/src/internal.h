@@ -38,6 +38,51 @@ static inline float colibri_group_scale(const colibri_weight *w, size_t o, int G
 /* A nibble weight format (Q4 or FP4): packed two codes a byte, one scale per group. */
 static inline int colibri_is_nibble(int fmt) { return fmt == COLIBRI_FMT_Q4 || fmt == COLIBRI_FMT_FP4; }
 
+/* ---- low-bit affine formats (Q2, Q3; docs/formats.md) ----
+ * A row is one block per group of 64 inputs: 16 bytes of low plane (bits 2k..2k+1 of
+ * byte j: the low code bits of input 16k + j), and for Q3 8 bytes of high plane (bit b of
+ * byte 16 + j: bit 2 of input 8b + j); the scales are float16 (s, m) pairs per group. */
+#define COLIBRI_AFFINE_GROUP 64
+static inline int colibri_is_affine(int fmt) { return fmt == COLIBRI_FMT_Q2 || fmt == COLIBRI_FMT_Q3; }
+static inline int colibri_affine_block(int fmt) { return fmt == COLIBRI_FMT_Q3 ? 24 : 16; }
+
+/* The code of input i of a Q2/Q3 row: its block's low plane, plus Q3's high-plane bit. */
+static inline int colibri_affine_at(int fmt, const uint8_t *row, int i) {
+    const uint8_t *blk = row + (size_t)(i >> 6) * (size_t)colibri_affine_block(fmt);
+    const int k = i & 63;
+    int q = (blk[k & 15] >> (2 * (k >> 4))) & 3;
+    if (fmt == COLIBRI_FMT_Q3) q |= ((blk[16 + (k & 7)] >> (k >> 3)) & 1) << 2;
+    return q;
+}
+
+/* float16 bits to float32, exact (subnormals through one exact multiply by 2^112). */
+static inline float colibri_f16(uint16_t h) {
+    union { uint32_t u; float f; } v, scale;
+    const uint32_t mag = h & 0x7fffu, sign = (uint32_t)(h & 0x8000u) << 16;
+    if (mag >= 0x7c00u) { /* inf or NaN */
+        v.u = sign | 0x7f800000u | (uint32_t)(mag & 0x3ffu) << 13;
+        return v.f;
+    }
+    scale.u = 0x77800000u; /* 2^112 */
+    v.u = mag << 13;
+    v.f = v.f * scale.f;
+    v.u |= sign;
+    return v.f;
+}
+
+/* Group g's scale and minimum of row o (G groups a row). */
+static inline void colibri_affine_sm(const colibri_weight *w, size_t o, int G, int g, float *s, float *m) {
+    const uint16_t *p = (const uint16_t *)w->scales + (o * (size_t)G + (size_t)g) * 2;
+    *s = colibri_f16(p[0]);
+    *m = colibri_f16(p[1]);
+}
+
+/* The I8 family's float step for one group, the same expression on every ISA (built with
+ * -ffp-contract=off): both products, their sum, then the add to the running value. */
+static inline float colibri_affine_step(float acc, int32_t isum, int32_t xsum, float s, float m, float xs) {
+    return acc + ((float)isum * (s * xs) + (float)xsum * (m * xs));
+}
+
 /* Activation copies are zero padded to a multiple of this many elements so SIMD
  * kernels may read whole blocks of x; weights are never over-read. */
 #define COLIBRI_XPAD 128
@@ -118,6 +163,23 @@ int colibri_run_jobs(const mm_job *jobs, int n, int family);
  * warm decode allocates nothing. */
 #define COLIBRI_ARENAS 4
 void *colibri_arena(int k, size_t n);
+
+/* The ISA kernels of Q2/Q3 (x86/affine_*.c, arm/affine_neon.c): whole groups, x (and qx)
+ * read from the zero-padded copies, so the last, padded block needs no tail. */
+#if defined(__x86_64__) || defined(_M_X64)
+void colibri_affine_i8_rows_avx512(const mm_job *j, int o0, int o1);
+int colibri_affine_prep_i8_avx512(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *out);
+int colibri_affine_prep_f32_avx512(const colibri_weight *w, const float *x, int I, size_t n, float *out);
+void colibri_affine_f32_rows_avx512(const mm_job *j, int o0, int o1);
+void colibri_affine_i8_rows_avx2(const mm_job *j, int o0, int o1);
+int colibri_affine_prep_i8_avx2(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *out);
+int colibri_affine_prep_f32_avx2(const colibri_weight *w, const float *x, int I, size_t n, float *out);
+void colibri_affine_f32_rows_avx2(const mm_job *j, int o0, int o1);
+#endif
+#if defined(__aarch64__)
+void colibri_affine_i8_rows_neon(const mm_job *j, int o0, int o1);
+void colibri_affine_f32_rows_neon(const mm_job *j, int o0, int o1);
+#endif
 
 /* Reference single-output kernels: the bit-exact oracle for the integer paths and
  * the fallback every ISA uses for formats or group sizes it does not specialise. */

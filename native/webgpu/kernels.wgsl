@@ -16,7 +16,9 @@
 // of every ISA give its bits; so does this kernel. Per output, per scale group in
 // increasing order: isum = the exact int32 dot of the weight codes and the row's int8
 // codes over the group (`dot4`, four codes at a time), then
-// acc = acc + (float)isum * (wscale[o, g] * xs), acc starting at 0.0. Every product that
+// acc = acc + (float)isum * (wscale[o, g] * xs), acc starting at 0.0 (Q2/Q3, whose weights
+// are q * s + m: acc = acc + ((float)isum * (s * xs) + (float)xsum * (m * xs)), xsum the
+// sum of the row's codes over the group, `group_share`). Every product that
 // feeds an addition goes through `rounded`, which the compiler cannot see through, so no
 // driver contracts it into a fused multiply-add. The host sends only weights whose scale
 // groups are whole 32-input chunks, or one group a row.
@@ -45,6 +47,8 @@ const FMT_BF16: u32 = 1u;
 const FMT_Q8: u32 = 2u;
 const FMT_Q4: u32 = 3u;
 const FMT_FP4: u32 = 4u;
+const FMT_Q2: u32 = 5u;
+const FMT_Q3: u32 = 6u;
 
 const LANES: u32 = 64u;
 // Specialised per pipeline (backends/webgpu_device.py): the weight format, and the
@@ -54,7 +58,7 @@ override TILE: u32 = 4u;
 const CHUNK: u32 = 32u;
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;   // weight rows, as stored
-@group(0) @binding(1) var<storage, read> sc: array<u32>;  // f32 scale bits, or e8m0 bytes
+@group(0) @binding(1) var<storage, read> sc: array<u32>;  // f32 scale bits, e8m0 bytes, or f16 (s, m)
 @group(0) @binding(2) var<storage, read> x: array<u32>;   // f32 bits (F32), int8 codes x4 (I8)
 @group(0) @binding(3) var<storage, read> xs: array<f32>;  // I8: each row's scale
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
@@ -85,6 +89,67 @@ fn fp4_scale(e: u32) -> f32 {
         u = 0x00200000u << e;
     }
     return bitcast<f32>(u);
+}
+
+// ---- Q2 / Q3, the low-bit affine formats (colibrid/formats/affine.py, docs/formats.md): a
+// block of 16 (Q2) or 24 (Q3) bytes per group of 64 inputs, the last padded with code 0.
+// Bytes 0..15, the low plane: bits 2k, 2k + 1 of byte j are the low two bits of the code of
+// input 16k + j; Q3's bytes 16..23, the high plane: bit b of byte 16 + j is bit 2 of the
+// code of input 8b + j. Each group's scale s and minimum m are one word of float16s (s in
+// the low half), so a weight is f32(q) * s + m. Rows are whole blocks (multiples of 8
+// bytes), so every block starts on a word.
+
+const AFFINE_GROUP: u32 = 64u;
+
+fn affine() -> bool {
+    return FMT == FMT_Q2 || FMT == FMT_Q3;
+}
+
+fn block_bytes() -> u32 {
+    return select(16u, 24u, FMT == FMT_Q3);
+}
+
+// float16 bits as an f32, exactly (subnormals, infinities and NaN too), by integer steps:
+// no driver's half conversion (which may flush subnormals) decides a bit.
+fn half_value(h: u32) -> f32 {
+    let sign = (h & 0x8000u) << 16u;
+    let e = (h >> 10u) & 31u;
+    let m = h & 1023u;
+    if (e == 0u) {  // zero or subnormal: m * 2^-24, exact
+        return bitcast<f32>(sign | bitcast<u32>(f32(m) * 5.9604644775390625e-8));
+    }
+    if (e == 31u) {
+        return bitcast<f32>(sign | 0x7f800000u | (m << 13u));
+    }
+    return bitcast<f32>(sign | ((e + 112u) << 23u) | (m << 13u));
+}
+
+// Row o's scale and minimum of group g.
+fn affine_sm(o: u32, g: u32) -> vec2<f32> {
+    let pair = sc[o * p.groups + g];
+    return vec2<f32>(half_value(pair & 0xffffu), half_value(pair >> 16u));
+}
+
+// The codes of inputs 16k + 4t .. 16k + 4t + 3 of the group whose block starts at word bw,
+// one a byte (t = 0..3): a shift and a mask of low-plane word t, and for Q3 bit
+// 2k + t / 2 of high-plane word t % 2 moved up to bit 2.
+fn affine_word(bw: u32, k: u32, t: u32) -> u32 {
+    var codes = (w[bw + t] >> (2u * k)) & 0x03030303u;
+    if (FMT == FMT_Q3) {
+        codes |= ((w[bw + 4u + (t & 1u)] >> (2u * k + (t >> 1u))) & 0x01010101u) << 2u;
+    }
+    return codes;
+}
+
+// The code (0..7) of input i of the Q2/Q3 row starting at byte r.
+fn affine_code(r: u32, i: u32) -> i32 {
+    let b = r + (i / AFFINE_GROUP) * block_bytes();
+    let k = i % AFFINE_GROUP;
+    var code = (byte_at(b + (k & 15u)) >> (2u * (k >> 4u))) & 3u;
+    if (FMT == FMT_Q3) {
+        code |= ((byte_at(b + 16u + (k & 7u)) >> (k >> 3u)) & 1u) << 2u;
+    }
+    return i32(code);
 }
 
 // Row o's scale of group g (Q8 and per-row Q4: g = 0).
@@ -129,6 +194,10 @@ fn weight_at(o: u32, r: u32, i: u32) -> f32 {
         let b = r + 2u * i;
         return bitcast<f32>(((w[b >> 2u] >> ((b & 2u) * 8u)) & 0xffffu) << 16u);
     }
+    if (affine()) {
+        let sm = affine_sm(o, i / AFFINE_GROUP);
+        return f32(affine_code(r, i)) * sm.x + sm.y;
+    }
     return f32(code_at(r, i)) * scale_of(o, group_of(i));
 }
 
@@ -167,8 +236,23 @@ fn by_words() -> bool {
 // Inputs i0..i0+7 of the row at word rw times activation rows s0..s0+3 (the row read a
 // word at a time: `by_words`).
 fn eight(ow: u32, rw: u32, i0: u32, s0: u32) -> vec4<f32> {
-    let s = scale_of(ow, group_of(i0));
     var acc = vec4<f32>(0.0);
+    if (affine()) {  // inputs 16k + 4t.. of group g: codes words t0 and t0 + 1
+        let g = i0 / AFFINE_GROUP;
+        let sm = affine_sm(ow, g);
+        let bw = rw + g * block_bytes() / 4u;
+        let k = (i0 % AFFINE_GROUP) / 16u;
+        let t0 = (i0 % 16u) / 4u;
+        for (var h = 0u; h < 2u; h++) {
+            let codes = affine_word(bw, k, t0 + h);
+            for (var n = 0u; n < 4u; n++) {
+                let wv = f32((codes >> (8u * n)) & 0xffu) * sm.x + sm.y;
+                acc += wv * x4(s0, i0 + 4u * h + n);
+            }
+        }
+        return acc;
+    }
+    let s = scale_of(ow, group_of(i0));
     if (FMT == FMT_Q8) {
         let a = w[rw + i0 / 4u];
         let b = w[rw + i0 / 4u + 1u];
@@ -233,6 +317,17 @@ fn xq(s: u32, c: u32, k: u32) -> u32 {
 fn chunk_dot(r: u32, c: u32, s0: u32) -> vec4<i32> {
     let i0 = c * CHUNK;
     var acc = vec4<i32>(0);
+    if (affine()) {  // whole blocks, ragged ends too (codes and x's codes are 0 past i)
+        // chunk c is half c % 2 of group c / 2: x's word k is plane 2 (c % 2) + k / 4, word k % 4
+        let bw = (r + (c / 2u) * block_bytes()) / 4u;
+        for (var k = 0u; k < 8u; k++) {
+            let packed = affine_word(bw, 2u * (c & 1u) + k / 4u, k & 3u);
+            for (var t = 0u; t < TILE; t++) {
+                acc[t] += dot4(packed, xq(s0 + t, c, k));
+            }
+        }
+        return acc;
+    }
     if (i0 + CHUNK > p.i) {  // a row's ragged end, code by code (the codes are zero past i)
         for (var i = i0; i < p.i; i++) {
             let k = i - i0;
@@ -263,6 +358,31 @@ fn chunk_dot(r: u32, c: u32, s0: u32) -> vec4<i32> {
     return acc;
 }
 
+// The sums of activation rows s0..s0+3's codes over chunk c (Q2/Q3's minimum multiplies
+// them): exact integers.
+fn chunk_xsum(c: u32, s0: u32) -> vec4<i32> {
+    var acc = vec4<i32>(0);
+    for (var k = 0u; k < 8u; k++) {
+        for (var t = 0u; t < TILE; t++) {
+            acc[t] += dot4(0x01010101u, xq(s0 + t, c, k));
+        }
+    }
+    return acc;
+}
+
+// Group g's share of the outputs (isum, xsum: its integer sums; xsv: the rows' scales):
+// (float)isum * (s * xs) for Q8/Q4/FP4, and for Q2/Q3
+// (float)isum * (s * xs) + (float)xsum * (m * xs), every step rounded alone.
+fn group_share(ow: u32, g: u32, isum: vec4<i32>, xsum: vec4<i32>, xsv: vec4<f32>) -> vec4<f32> {
+    if (affine()) {
+        let sm = affine_sm(ow, g);
+        let scaled = rounded(vec4<f32>(isum) * rounded(sm.x * xsv));
+        let offset = rounded(vec4<f32>(xsum) * rounded(sm.y * xsv));
+        return rounded(scaled + offset);
+    }
+    return rounded(vec4<f32>(isum) * rounded(scale_of(ow, g) * xsv));
+}
+
 @compute @workgroup_size(64)
 fn mm_i8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
     let o = row_of(wid, lane);
@@ -281,12 +401,15 @@ fn mm_i8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
         var acc = vec4<f32>(0.0);
         for (var g = 0u; g < p.groups; g++) {
             var isum = vec4<i32>(0);
+            var xsum = vec4<i32>(0);
             let first = g * per_group;
             for (var c = first; c < min(first + per_group, chunks); c++) {
                 isum += chunk_dot(r, c, s0);
+                if (affine()) {
+                    xsum += chunk_xsum(c, s0);
+                }
             }
-            let f = rounded(scale_of(ow, g) * row_scales);
-            acc = acc + rounded(vec4<f32>(isum) * f);
+            acc = acc + group_share(ow, g, isum, xsum, row_scales);
         }
         store4(o, s0, acc);
     }
@@ -302,8 +425,9 @@ fn mm_i8(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
 // LANES invocations reading neighbouring words of the row, and put the row's result
 // together in a fixed order: mm_f32_rows adds the lanes' partial sums pairwise in
 // workgroup memory; mm_i8_rows adds each chunk's integer dot into its scale group's
-// workgroup atomic (integers: exact in any order), then one lane per activation row takes
-// the float steps in group order, as mm_i8 does. The host picks these for GPU adapters
+// workgroup atomic (integers: exact in any order; Q2/Q3's sums of x's codes in a second
+// run of atomics after the groups', so those formats hold at most GMAX / 2 groups a row),
+// then one lane per activation row takes the float steps in group order, as mm_i8 does. The host picks these for GPU adapters
 // (backends/webgpu_device.py `cooperative`); the tests run both on every adapter.
 
 const GMAX: u32 = 512u;  // scale groups a row mm_i8_rows holds (the host sends no more)
@@ -358,7 +482,8 @@ fn mm_i8_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let chunks = (p.i + CHUNK - 1u) / CHUNK;
     let per_group = select(p.gsz / CHUNK, chunks, p.groups == 1u);
     for (var s0 = 0u; s0 < p.rows; s0 += TILE) {
-        for (var k = lane; k < p.groups * 4u; k += LANES) {
+        let slots = select(1u, 2u, affine()) * p.groups * 4u;
+        for (var k = lane; k < slots; k += LANES) {
             atomicStore(&isums[k], 0);
         }
         workgroupBarrier();
@@ -368,14 +493,24 @@ fn mm_i8_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             for (var t = 0u; t < TILE; t++) {
                 atomicAdd(&isums[g * 4u + t], dots[t]);
             }
+            if (affine()) {
+                let sums = chunk_xsum(c, s0);
+                for (var t = 0u; t < TILE; t++) {
+                    atomicAdd(&isums[(p.groups + g) * 4u + t], sums[t]);
+                }
+            }
         }
         workgroupBarrier();
         if (lane < TILE && s0 + lane < p.rows) {
-            let xsv = xs[p.xs_base + s0 + lane];
+            let xsv = vec4<f32>(xs[p.xs_base + s0 + lane]);
             var acc = vec4<f32>(0.0);
             for (var g = 0u; g < p.groups; g++) {
-                let f = rounded(vec4<f32>(scale_of(ow, g) * xsv));
-                acc = acc + rounded(vec4<f32>(f32(atomicLoad(&isums[g * 4u + lane]))) * f);
+                let isum = vec4<i32>(atomicLoad(&isums[g * 4u + lane]));
+                var xsum = vec4<i32>(0);
+                if (affine()) {
+                    xsum = vec4<i32>(atomicLoad(&isums[(p.groups + g) * 4u + lane]));
+                }
+                acc = acc + group_share(ow, g, isum, xsum, xsv);
             }
             y[p.y_base + (s0 + lane) * p.o_total + p.o_base + o] = acc.x;
         }

@@ -102,10 +102,12 @@ def _weight(fmt: str, o: int, i: int, seed: int = 0) -> QuantWeight:
         codes = rng.integers(0, 256, (o, i // 2), dtype=np.uint8)
         scales = rng.integers(120, 124, (o, i // 32)).astype(np.uint8)
         return QuantWeight(WeightFormat.FP4, (o, i), codes, scales, 32)
+    if fmt in ("q2", "q3"):  # the low-bit affine formats of cold experts
+        return quantize(w, WeightFormat(fmt))
     return quantize(w, WeightFormat.Q4, 64)
 
 
-FORMATS = ["f32", "bf16", "int8", "int4-g64", "int4-row", "fp4"]
+FORMATS = ["f32", "bf16", "int8", "int4-g64", "int4-row", "fp4", "q2", "q3"]
 
 
 def _close(got: np.ndarray, want: np.ndarray) -> None:
@@ -126,7 +128,18 @@ def test_matmul(ops, fmt: str, rows: int) -> None:
     _close(ops.matmul(w, x, F32), NumpyOps().matmul(w, x, F32))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-g64"])
+@pytest.mark.parametrize("fmt", ["q2", "q3"])
+@pytest.mark.parametrize("width", [40, 100, 130])
+def test_low_bit_affine_rows_of_any_width(ops, fmt: str, width: int) -> None:
+    """Q2/Q3 rows shorter than a group, with a ragged last group, and of a width no 4 or 8
+    divides: every backend reads the padded blocks and computes q * s + m (MLX dequantises
+    what its groups cannot hold)."""
+    w = _weight(fmt, 24, width, seed=width)
+    x = _x(3, width)
+    _close(ops.matmul(w, x, F32), NumpyOps().matmul(w, x, F32))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-g64", "q3"])
 def test_matmul_many_and_blocks(ops, fmt: str) -> None:
     ws = [_weight(fmt, o, 128, seed=o) for o in (64, 32, 96)]
     x = _x(3, 128)
@@ -152,7 +165,7 @@ class _Expert:
         self.down = _weight(fmt, d, f, seed + 2)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4-g64", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "int4-g64", "bf16", "q2", "q3"])
 def test_expert_swiglu_and_apply_experts(ops, fmt: str) -> None:
     d, f = 128, 192
     experts = [_Expert(fmt, d, f, seed=10 * k) for k in range(3)]
@@ -378,3 +391,53 @@ def test_quantised_experts_match_dequantised_reference(
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
         engine.close()
+
+
+def _cold_format(name: str) -> WeightFormat:
+    """A mix of precisions by expert, as a plan by heat makes: Q2, Q3 and int4-g64 experts
+    side by side (so experts of one layer differ in byte size)."""
+    expert = int(name.split(".experts.")[1].split(".")[0])
+    return (WeightFormat.Q2, WeightFormat.Q3, WeightFormat.Q4)[expert % 3]
+
+
+@pytest.fixture(scope="module")
+def low_bit_checkpoint(oracle_checkpoint):  # noqa: ANN001, ANN201
+    """``low_bit_checkpoint(arch)``: the tiny checkpoint with its routed experts stored in
+    a mix of Q2, Q3 and int4-g64 container tensors and the reference on their dequantised
+    values; built once per architecture for every backend."""
+    built: dict[str, tiny_models.OracleReference] = {}
+
+    def roundtrip(name: str, w: np.ndarray) -> np.ndarray:
+        return dequantize(quantize(w, _cold_format(name), 64))
+
+    def as_container(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+        return container_tensors(name, quantize(w, _cold_format(name), 64))
+
+    def get(arch: str) -> tiny_models.OracleReference:
+        if arch not in built:
+            built[arch] = oracle_checkpoint(
+                arch, expert_transform=roundtrip, expert_container=as_container
+            )
+        return built[arch]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["glm4_moe", "qwen3_moe"])
+def test_low_bit_experts_match_dequantised_reference(
+    low_bit_checkpoint, backend: str, arch: str
+) -> None:
+    """Routed experts in Q2, Q3 and int4-g64 side by side, resident and streamed one at a
+    time: transformers' greedy tokens on the dequantised weights (MLX: its quantised
+    matmul at 2, 3 and 4 bits)."""
+    ref = low_bit_checkpoint(arch)
+    for store in (StoreOptions(mode="resident"), StoreOptions(mode="tiered", cache=1, pin="off")):
+        engine = _load(ref, backend, store)
+        try:
+            layer = engine.experts.layout.moe_layers[0]
+            formats = [engine.experts.get(layer, e).gate.fmt for e in range(3)]
+            assert formats == [WeightFormat.Q2, WeightFormat.Q3, WeightFormat.Q4]
+            assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+        finally:
+            engine.close()

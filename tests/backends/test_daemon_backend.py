@@ -218,3 +218,41 @@ def test_daemon_in_the_i8_family_gives_the_cpu_answer_on_webgpu(
     assert "; on the webgpu backend, i8 kernels" in shown[0], shown[0]
     vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
     assert int(vram.split()[1]) > 0, shown[0]  # integer experts computed on the device
+
+
+@pytest.fixture(scope="module")
+def low_bit_chat_model(oracle_checkpoint, tmp_path_factory) -> Path:  # noqa: ANN001
+    """The chat model with its routed experts in a mix of precisions by expert, as a plan
+    by heat stores them: Q2, Q3 and int4-g64 side by side (experts of one layer differ in
+    byte size)."""
+
+    def as_container(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+        expert = int(name.split(".experts.")[1].split(".")[0])
+        fmt = (WeightFormat.Q2, WeightFormat.Q3, WeightFormat.Q4)[expert % 3]
+        return container_tensors(name, quantize(w, fmt, 64))
+
+    ref = oracle_checkpoint("glm4_moe", expert_container=as_container)
+    model = tmp_path_factory.mktemp("low-bit-chat") / "model"
+    shutil.copytree(ref.out_dir, model)
+    install_chat_tokenizer(model)
+    return model
+
+
+@pytest.mark.skipif(NO_WEBGPU is not None, reason=str(NO_WEBGPU))
+def test_daemon_streams_low_bit_experts_on_webgpu_with_the_cpu_answer(
+    low_bit_chat_model: Path, tmp_path: Path
+) -> None:
+    """i8, experts stored in Q2, Q3 and int4-g64: the webgpu daemon streaming them (one
+    cached a layer) through a device tier smaller than the experts answers what the
+    resident CPU daemon answers, byte for byte."""
+    cpu_answer = _answer(Home(tmp_path / "cpu", low_bit_chat_model, kernel_family="i8"))
+    shown: list[str] = []
+    webgpu_answer = _answer(
+        Home(tmp_path / "webgpu", low_bit_chat_model, backend="webgpu"),
+        *("--kernel-family", "i8", "--cache", "1", "--pin", "off", "--vram-gb", "0.0025"),
+        backend="webgpu",
+        ps=shown,
+    )
+    assert cpu_answer.strip() and webgpu_answer == cpu_answer
+    vram = next(line for line in shown[0].splitlines() if line.startswith("vram "))
+    assert int(vram.split()[1]) > 0, shown[0]  # experts computed on the device

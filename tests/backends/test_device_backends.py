@@ -164,18 +164,22 @@ def _any_weight(fmt: str, o: int, i: int, seed: int) -> QuantWeight:
         return QuantWeight(WeightFormat.FP4, (o, i), codes, scales, 32)
     if fmt == "f32":
         return QuantWeight(WeightFormat.F32, (o, i), w)
+    if fmt in ("q2", "q3"):  # the low-bit affine formats of cold experts (groups of 64)
+        return quantize(w, WeightFormat(fmt))
     kind, _, group = fmt.partition("-g")
     return quantize(w, WeightFormat.Q8 if kind == "int8" else WeightFormat.Q4, int(group or 0))
 
 
 I8_CASES = [("int4-g64", 256), ("int4-g32", 96), ("int4", 130), ("int8", 200), ("fp4", 128),
+            ("q2", 192), ("q3", 256), ("q2", 100), ("q3", 130), ("q3", 40),
             ("int4-g16", 96), ("f32", 40)]  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt,width", I8_CASES, ids=[f for f, _ in I8_CASES])
+@pytest.mark.parametrize("fmt,width", I8_CASES, ids=[f"{f}-{n}" for f, n in I8_CASES])
 def test_i8_products_are_the_cpu_kernels_bits(device, fmt: str, width: int) -> None:  # noqa: ANN001
     """Every format, S = 1 and S = 5, alone and launched with others: bit for bit what the
-    CPU kernels give (the last two run there: groups of 16, f32 matrices)."""
+    CPU kernels give (the last two run there: groups of 16, f32 matrices). Q2/Q3 at whole
+    groups, a ragged last group (100: whole 4-code words; 130: neither) and under a group."""
     w = _any_weight(fmt, 40, width, seed=width)
     x = np.random.default_rng(1).standard_normal((5, width), dtype=np.float32) * 3
     ops, cpu = device.make(), CpuOps()
@@ -196,9 +200,8 @@ def _i8_experts(seed: int) -> list[SimpleNamespace]:
             down=_any_weight(fmt, 128, 64, s + 2),
         )  # fmt: skip
 
-    return [
-        expert(seed + 10 * k, fmt) for k, fmt in enumerate(("int4-g64", "int8", "fp4", "int4-g16"))
-    ]
+    formats = ("int4-g64", "int8", "fp4", "int4-g16", "q2", "q3")
+    return [expert(seed + 10 * k, fmt) for k, fmt in enumerate(formats)]
 
 
 @pytest.mark.parametrize("host_experts", [False, True], ids=["copied", "on-the-host"])
@@ -213,13 +216,14 @@ def test_i8_experts_give_the_cpu_bits_wherever_they_are_computed(
     second pass finds the tier warm)."""
     experts = _i8_experts(5)
     x = np.random.default_rng(2).standard_normal((3, 128), dtype=np.float32)
-    batch = ExpertBatch(experts, [0, 2, 3, 5, 6], [0, 2, 1, 0, 2, 1],
-                        [0.5, 0.25, 1.0, 0.75, 0.125, 2.0], [0, 1, 2, 3, 4, 5])  # fmt: skip
-    want = np.zeros((6, 128), np.float32)
+    batch = ExpertBatch(experts, [0, 2, 3, 5, 6, 8, 9], [0, 2, 1, 0, 2, 1, 0, 1, 2],
+                        [0.5, 0.25, 1.0, 0.75, 0.125, 2.0, 1.5, 0.5, 1.0],
+                        [0, 1, 2, 3, 4, 5, 6, 7, 8])  # fmt: skip
+    want = np.zeros((9, 128), np.float32)
     CpuOps().apply_experts(batch, x, want, I8)
     ops = device.make(vram_bytes=budget, host_experts=host_experts)
     for _ in range(2):
-        got = np.zeros((6, 128), np.float32)
+        got = np.zeros((9, 128), np.float32)
         ops.apply_experts(batch, x, got, I8)
         np.testing.assert_array_equal(got, want)
     stats = ops.tier.stats
@@ -230,6 +234,17 @@ def test_i8_experts_give_the_cpu_bits_wherever_they_are_computed(
     np.testing.assert_array_equal(
         one, CpuOps().expert_swiglu(experts[0].gate, experts[0].up, experts[0].down, x, I8)
     )
+
+
+def test_affine_rows_past_the_webgpu_group_limit_are_computed_on_the_host(device) -> None:  # noqa: ANN001
+    """mm_i8_rows holds a row's Q2/Q3 integer sums in GMAX workgroup slots, two runs of
+    them (the dots and the activation sums), so webgpu computes rows of more than GMAX / 2
+    groups on the CPU; cuda has no such limit. Either way: the CPU kernels' bits."""
+    w = _any_weight("q2", 4, 64 * (webgpu.GMAX // 2 + 1), seed=11)
+    assert not webgpu.exact_on_device(w) and cuda.exact_on_device(w)
+    assert webgpu.exact_on_device(_any_weight("q3", 4, 64 * (webgpu.GMAX // 2), seed=12))
+    x = np.random.default_rng(3).standard_normal((2, w.shape[1]), dtype=np.float32)
+    np.testing.assert_array_equal(device.make().matmul(w, x, I8), CpuOps().matmul(w, x, I8))
 
 
 def test_the_host_or_the_bus_is_decided_by_timing_both(device, caplog) -> None:  # noqa: ANN001
@@ -289,6 +304,27 @@ def test_i8_model_on_the_device_gives_the_cpu_logits_streamed_or_resident(
     assert stats[False].passed > 0 and stats[True].passed == 0
 
 
+def _low_bit_experts(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """Routed experts in a mix of precisions by expert (as a plan by heat makes): Q2, Q3
+    and int4-g64 side by side, so one layer's experts differ in byte size."""
+    expert = int(name.split(".experts.")[1].split(".")[0])
+    fmt = (WeightFormat.Q2, WeightFormat.Q3, WeightFormat.Q4)[expert % 3]
+    return container_tensors(name, quantize(w, fmt, 64))
+
+
+def test_i8_model_with_low_bit_experts_gives_the_cpu_logits(oracle_checkpoint, device) -> None:  # noqa: ANN001
+    """I8 with Q2/Q3/int4 experts side by side, streamed one a layer through a small
+    device tier (passed-through experts on the host or copied): the resident CPU
+    backend's logits, bit for bit."""
+    ref = oracle_checkpoint("glm4_moe", expert_container=_low_bit_experts)
+    want = _i8_logits(ref, CpuOps(), StoreOptions(mode="resident"))
+    streamed = StoreOptions(mode="tiered", cache=1, pin="off")
+    for host_experts in (True, False):
+        ops = device.make(vram_bytes=200_000, host_experts=host_experts)
+        np.testing.assert_array_equal(_i8_logits(ref, ops, streamed), want)
+        assert ops.tier.stats.expert_weights > 0  # experts computed on the device
+
+
 def test_a_profile_promotes_its_hottest_experts_onto_the_device(oracle_checkpoint, device) -> None:  # noqa: ANN001
     """Engine.apply_profile: the profile's hottest experts are copied to the device before
     the first token, as many as the tier's budget holds, and the logits do not move."""
@@ -328,7 +364,7 @@ def test_a_weight_larger_than_a_binding_is_split_and_computes_the_same() -> None
     except BackendError as exc:
         pytest.skip(str(exc))
     x = np.random.default_rng(3).standard_normal((3, 1024), dtype=np.float32)
-    for fmt in ("int8", "int4-g64", "fp4"):
+    for fmt in ("int8", "int4-g64", "fp4", "q2", "q3"):
         w = _any_weight(fmt, 100, 1024, seed=4)
         for family in (F32, I8):
             np.testing.assert_array_equal(split.matmul(w, x, family), whole.matmul(w, x, family))

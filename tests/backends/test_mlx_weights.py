@@ -1,6 +1,7 @@
 """colibri weights on the MLX side: int4-g64 and int8 map onto MLX's affine quantisation
-without repacking (the codes are the same bytes), and MLX's quantised matmul then equals
-numpy's dequantise-and-multiply to float tolerance."""
+without repacking (the codes are the same bytes), Q2/Q3 onto it at 2 and 3 bits with their
+codes repacked, and MLX's quantised matmul then equals numpy's dequantise-and-multiply to
+float tolerance."""
 
 from __future__ import annotations
 
@@ -95,3 +96,30 @@ def test_fp4_is_mlx_mxfp4_as_stored() -> None:
     np.testing.assert_allclose(
         np.array(half.matmul(mx.array(x))), want[:, 8:24], rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("fmt,bits", [(WeightFormat.Q2, 2), (WeightFormat.Q3, 3)])
+def test_low_bit_affine_is_mlx_affine_at_its_bits(fmt: WeightFormat, bits: int) -> None:
+    """Q2/Q3 are MLX's affine quantisation at 2 and 3 bits (s * q + m, MLX's bias being the
+    minimum): the codes repacked into MLX's bit stream dequantise to exactly the reference,
+    the matmul equals dequantise-and-multiply to float tolerance, and a slice of rows keeps
+    the packing."""
+    w = quantize(_w(40, 320, seed=bits), fmt)
+    m = convert(w)
+    assert m.packed is not None and m.dense is None and m.bits == bits and m.group_size == 64
+    unpacked = mx.dequantize(m.packed, m.scales, m.biases, group_size=64, bits=bits)
+    np.testing.assert_array_equal(np.array(unpacked), dequantize(w))
+    x = np.random.default_rng(bits).standard_normal((5, 320), dtype=np.float32)
+    want = (x.astype(np.float64) @ dequantize(w).astype(np.float64).T).astype(np.float32)
+    np.testing.assert_allclose(np.array(m.matmul(mx.array(x))), want, rtol=1e-5, atol=1e-5)
+    part = m.rows(8, 24)
+    np.testing.assert_allclose(
+        np.array(part.matmul(mx.array(x))), want[:, 8:24], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_low_bit_affine_rows_of_a_partial_group_are_dequantised_once() -> None:
+    w = quantize(_w(8, 100), WeightFormat.Q3)
+    m = convert(w)
+    assert m.packed is None and m.dense is not None
+    np.testing.assert_array_equal(np.array(m.dense), dequantize(w))

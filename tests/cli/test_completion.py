@@ -109,3 +109,20 @@ def test_interactive_shells_complete(shell: str, tmp_path: Path) -> None:
         tmux.wait(lambda s: "--max-tokens" in s)
     finally:
         tmux.run("kill-server")
+
+
+def test_help_shows_the_install_instructions_whole() -> None:
+    """The README sends users to `colibri completion --help` for how to install each script;
+    its epilog used to stop before the install lines. Every shell's line shows, verbatim."""
+    done = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "completion", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    for shell in completion.SHELLS:
+        target = completion.file_name(shell, "colibri")
+        (line,) = [ln for ln in done.stdout.splitlines() if ln.lstrip().startswith(f"{shell}:")]
+        assert f"colibri completion {shell} > " in line and f"/{target}" in line, line
+    assert "--for colibrid" in done.stdout

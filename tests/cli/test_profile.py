@@ -104,6 +104,7 @@ def test_warm_list_show_use_save(home: Home, tmp_path: Path) -> None:
     missing = home.colibri("profile", "show", "nope")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
     assert "colibri profile warm nope" in missing.stderr, "a hint, not only NOT_FOUND"
+    assert "--profile nope" in missing.stderr and "{" not in missing.stderr  # filled in
 
 
 def test_use_refuses_an_unknown_profile_and_the_choice_survives_a_restart(

@@ -79,6 +79,60 @@ def test_repl_reconnects_when_the_daemon_comes_back(home: Home, tmp_path: Path) 
         tmux.run("kill-server")
 
 
+def test_repl_asks_before_starting_a_daemon_the_user_stopped(home: Home, tmp_path: Path) -> None:
+    """A REPL left open used to start a daemon the user had just stopped (`colibrid stop`)
+    again at the next line: it asks now; "n" leaves it stopped and sends nothing, Enter
+    starts it and the message is answered."""
+    tmux = Tmux(f"colibri-test-{tmp_path.name}")
+    command = f"env COLIBRI_HOME={home.path} {sys.executable} -m colibri_cli repl --max-tokens 4"
+    tmux.run("new-session", "-d", "-s", "repl", "-x", "150", "-y", "50", command)
+    question = "the daemon was stopped; start it again? [Y/n]"
+    try:
+        tmux.wait(lambda s: ">>>" in s)
+        tmux.keys("first question", "Enter")
+        tmux.wait(lambda s: s.count(">>>") >= 2)
+        stopped = home.colibrid("stop")
+        assert stopped.returncode == 0, stopped.stderr
+        tmux.keys("second question", "Enter")
+        tmux.wait(lambda s: question in s)
+        tmux.keys("n", "Enter")
+        tmux.wait(lambda s: "(not sent" in s and s.count(">>>") >= 3)
+        assert home.colibrid("status").returncode == 3  # still stopped
+        tmux.keys("third question", "Enter")
+        tmux.wait(lambda s: s.count(question) == 2)
+        tmux.keys("Enter")  # yes
+        screen = tmux.wait(lambda s: "reconnected to the daemon" in s and s.count(">>>") >= 4)
+        assert "error" not in screen.split("third question")[1], screen
+        assert home.colibrid("status").returncode == 0
+        tmux.keys("/stats", "Enter")
+        tmux.wait(lambda s: "4 generated tokens" in s)
+    finally:
+        tmux.run("kill-server")
+
+
+def test_repl_says_when_a_message_reloads_an_unloaded_model(home: Home, tmp_path: Path) -> None:
+    """`colibri stop` unloads the model and the daemon stays: the REPL's next message
+    loads it again, and says so first instead of reloading it in silence."""
+    tmux = Tmux(f"colibri-test-{tmp_path.name}")
+    command = f"env COLIBRI_HOME={home.path} {sys.executable} -m colibri_cli repl --max-tokens 4"
+    tmux.run("new-session", "-d", "-s", "repl", "-x", "150", "-y", "50", command)
+    notice = "colibri: no model is loaded (`colibri stop` or keep_alive); loading"
+    try:
+        tmux.wait(lambda s: ">>>" in s)
+        tmux.keys("first question", "Enter")
+        tmux.wait(lambda s: s.count(">>>") >= 2)
+        assert notice not in tmux.screen()  # the model was loaded: nothing to say
+        unloaded = home.colibri("stop")
+        assert unloaded.returncode == 0, unloaded.stderr
+        tmux.keys("second question", "Enter")
+        screen = tmux.wait(lambda s: s.count(">>>") >= 3)
+        after = screen.split("second question")[1]
+        assert notice in after and "error" not in after, screen
+        assert json.loads(home.colibri("ps", "--json").stdout)["model"] is not None
+    finally:
+        tmux.run("kill-server")
+
+
 def test_run_on_a_terminal_opens_the_repl_on_that_model(
     home: Home, tmp_path: Path, demo_container: Path
 ) -> None:

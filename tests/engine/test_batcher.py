@@ -94,6 +94,30 @@ def test_together_equals_alone_with_joins_and_speculation(engine) -> None:
     assert max(listener.passes) == 4, "all four shared passes"
 
 
+def test_together_equals_alone_with_penalties(engine) -> None:
+    """Each request's penalties see its own history only, so a batch changes no token;
+    and the penalties do change the tokens (else this would prove nothing)."""
+    params = [
+        SamplingParams(max_tokens=16, repeat_penalty=1.8, repeat_last_n=-1),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=5, frequency_penalty=1.5, min_p=0.1),
+        SamplingParams(max_tokens=16, presence_penalty=-2.0, repeat_penalty=1.2, repeat_last_n=4),
+    ]
+    ps = [p * 2 for p in prompts(engine, 3)]  # a repeated prompt: the window has work to do
+    want = [alone(engine, p, q) for p, q in zip(ps, params, strict=True)]
+    plain = [alone(engine, p, SamplingParams(max_tokens=16)) for p in ps]
+    assert want[0] != plain[0] or want[2] != plain[2], "the penalties changed nothing"
+    batch = Batcher(engine, Listener())
+    records = [add(batch, engine, ps[0], params[0])]
+    batch.step()
+    records += [
+        add(batch, engine, ps[1], params[1], spec=SpecSettings("ngram", 4)),
+        add(batch, engine, ps[2], params[2], spec=SpecSettings("ngram", 4)),
+    ]
+    while batch.members:
+        batch.step()
+    assert [r.tokens for r in records] == want
+
+
 def test_a_long_prompt_is_taken_in_chunks_beside_decoding_requests(engine, monkeypatch) -> None:
     monkeypatch.setattr(batcher_module, "PREFILL_CHUNK", 8)
     rng = np.random.default_rng(3)

@@ -10,6 +10,7 @@ from safetensors.numpy import load_file, save_file
 
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import TokenEvent, generate
+from colibrid.engine.request_run import RequestRun
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import OFF, SpecSettings
 from colibrid.store.options import StoreOptions
@@ -122,3 +123,35 @@ def test_without_mtp_loaded_mtp_mode_drafts_by_prompt_lookup(oracle_checkpoint) 
         assert done.spec.mode == "ngram"
     finally:
         engine.close()
+
+
+def test_a_fork_drafts_over_the_shared_prompt_at_once(mirrored) -> None:
+    """What the daemon does for OpenAI's `n` (serve.host): the other choices fork the first
+    one's session once its first verify ran. The fork holds the MTP side's rows and the
+    prompt's last hidden state, so its first step drafts (a fork whose MTP side started
+    over could not draft until it had run a pass itself), and changes no token."""
+    engine = Engine.load(mirrored, store=StoreOptions(mode="resident"), mtp=True)
+    try:
+        prompt = [int(t) for t in np.random.default_rng(4).integers(1, engine.vocab_size, 20)]
+        params, spec = SamplingParams(max_tokens=12), SpecSettings("mtp", 4)
+        session = engine.new_session()
+        first = RequestRun(engine, prompt, params, session=session, speculate=spec)
+        list(first.begin())
+        list(first.take(engine.run([first.next_pass()])[0]))  # the prompt; its first token
+        engine.run([first.next_pass()])  # its first verify: the host forks after this step
+        fork = session.fork(len(prompt))
+        assert fork.mtp.hidden_start == len(prompt) - 1 and fork.mtp.covered <= len(prompt) - 1
+        other = RequestRun(engine, prompt, params, session=fork, speculate=spec)
+        begun = list(other.begin())  # answered from the remembered logits: nothing prefilled
+        assert other.reuse == len(prompt)
+        assert len(other.next_pass().tokens) > 1  # a verify: drafts at its first step
+        assert drive(engine, other, begun) == answer(engine, prompt, params, OFF)[0]
+    finally:
+        engine.close()
+
+
+def drive(engine: Engine, run: RequestRun, events: list) -> list[int]:
+    """Run `run` to its end, one pass at a time; every token it generated."""
+    while not run.finished:
+        events += run.take(engine.run([run.next_pass()])[0])
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]

@@ -132,6 +132,17 @@ def test_speculation_changes_no_token(oracle_checkpoint, monkeypatch, arch) -> N
             SamplingParams(max_tokens=40),
             SamplingParams(max_tokens=40, temperature=0.9, seed=11),
             SamplingParams(max_tokens=7),
+            # penalties see each verified row's own history (engine.penalties)
+            SamplingParams(max_tokens=40, repeat_penalty=1.5, repeat_last_n=16),
+            SamplingParams(
+                max_tokens=40,
+                temperature=0.9,
+                seed=11,
+                repeat_penalty=1.3,
+                frequency_penalty=0.8,
+                presence_penalty=0.4,
+                min_p=0.05,
+            ),
         ):
             plain_session = engine.new_session()
             plain, d0 = _run(engine, prompt, params, OFF, session=plain_session)

@@ -105,9 +105,11 @@ async def throw(tmp: Path, frames: list[bytes]) -> list[str]:
             nursery.start_soon(collect)
             for frame in frames:
                 await conn.send_all(frame)
-            await conn.send_all(b"\n" * 80 + b"PING\n")  # ends any short pending payload
-            with trio.fail_after(30):
-                while "PONG" not in seen:
+            # the newlines end any short pending payload; the frames contain PINGs of their
+            # own, so the end is a request whose answer comes after every earlier frame's
+            await conn.send_all(b"\n" * 80 + b"SUBMIT fuzz-end 1 max_tokens=1\na\n")
+            with trio.fail_after(60):
+                while not any(line.startswith("DONE fuzz-end") for line in seen):
                     await trio.sleep(0.01)
             other = await daemon.connect()
             await other.send_all(b"SUBMIT ok 1 max_tokens=2\na\n")

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from colibri_protocol.messages import Data, Submit
-from daemon_helpers import Home, free_port
+from daemon_helpers import serving_http
 
 from colibri_cli.client import Client
 
@@ -24,20 +24,13 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def home(chat_model: Path, tmp_path_factory):
-    port = free_port()
-    h = Home(
+    yield from serving_http(
         tmp_path_factory.mktemp("h"),
         chat_model,
-        http=f"127.0.0.1:{port}",
         max_queue=32,
         max_active=4,
-        shutdown_grace_s=1.0,
         profile_save_s=30.0,
     )
-    h.start()
-    h.url = f"http://127.0.0.1:{port}"
-    yield h
-    h.close()
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +140,7 @@ def test_sse_framing(home) -> None:
 @pytest.mark.parametrize(
     "method,path,body,status,code",
     [
-        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HI, "n": 2}, 400, None),
+        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": HI, "n": 9}, 400, None),
         (
             "POST",
             "/v1/chat/completions",

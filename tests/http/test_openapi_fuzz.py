@@ -8,25 +8,19 @@ from pathlib import Path
 import httpx
 import pytest
 import schemathesis
-from daemon_helpers import Home, free_port
+from daemon_helpers import serving_http
 from hypothesis import HealthCheck, given, settings
 
 
 @pytest.fixture(scope="module")
 def home(chat_model: Path, tmp_path_factory):
-    port = free_port()
-    h = Home(
+    yield from serving_http(
         tmp_path_factory.mktemp("f"),
         chat_model,
-        http=f"127.0.0.1:{port}",
         max_queue=32,
         max_active=4,
         http_max_body_bytes=65536,
     )
-    h.start()
-    h.url = f"http://127.0.0.1:{port}"
-    yield h
-    h.close()
 
 
 def test_no_500_no_hang(home) -> None:
@@ -34,7 +28,8 @@ def test_no_500_no_hang(home) -> None:
     hypothesis; its pytest plugin does not load on this pytest)."""
     schema = schemathesis.openapi.from_url(home.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert len(operations) == 7
+    spec = httpx.get(home.url + "/openapi.json").json()
+    assert len(operations) == sum(len(methods) for methods in spec["paths"].values()) >= 8
 
     for operation in operations:
 

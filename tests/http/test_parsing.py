@@ -187,7 +187,7 @@ def test_chat_plan_messages_tools_and_errors() -> None:
     assert msgs[3]["tool_call_id"] == "c1" and plan.request.tools == tuple(tools)
     assert plan.request.params.stop == ("x",) and plan.request.params.max_tokens == 9
     for bad, param in (
-        ({"n": 3}, "n"),
+        ({"n": 9}, "n"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"temperature": 3}, "temperature"),
         ({"stop": 5}, "stop"),
@@ -195,8 +195,16 @@ def test_chat_plan_messages_tools_and_errors() -> None:
         with pytest.raises(ApiError) as err:
             openai.chat_plan({**body, **bad}, features=BOTH, **COMMON)
         assert err.value.status == 400 and err.value.param == param
-    with pytest.raises(ApiError, match="does not support tools"):
-        openai.chat_plan(body, features=Features(), **COMMON)
+    # a template that cannot show tools: described in a system note, the earlier call as
+    # call text, the result a user turn, and the answer held to text-or-a-call (http.tools)
+    plain = openai.chat_plan(body, features=Features(), **COMMON)
+    msgs = plain.request.messages
+    assert plain.request.tools is None and plain.request.grammar is not None
+    assert "get_weather" in msgs[0]["content"] and msgs[0]["content"].startswith("be brief")
+    assert (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}' in msgs[2]["content"]
+    )
+    assert msgs[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
 
 
 def accepts(grammar, text: str) -> bool:  # noqa: ANN001

@@ -58,5 +58,21 @@ def test_each_curl_example_answers(address: str) -> None:
         assert status == "200", body
         if not any('"stream": true' in t for t in argv):
             assert json.loads(body)["model"] == "demo"
+            check_structured_answer(argv, json.loads(body))
         else:
             assert "event:" in body or "data:" in body
+
+
+def check_structured_answer(argv: list[str], answer: dict) -> None:
+    """An example that asks for JSON by schema gets what the README promises: JSON that
+    validates, complete (`finish_reason` stop). The printed schema once let the demo add
+    keys until `max_tokens` cut it: `finish_reason: length` and no JSON at all."""
+    import jsonschema
+
+    request = json.loads(argv[argv.index("-d") + 1])
+    fmt = request.get("response_format", {})
+    if fmt.get("type") != "json_schema":
+        return
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), fmt["json_schema"]["schema"])

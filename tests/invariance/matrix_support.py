@@ -147,6 +147,9 @@ def streamed_model(oracle_checkpoint, tmp_path_factory):
     cache: dict[str, Model] = {}
 
     def get(arch: str) -> Model:
+        if arch == MIXED_KIND and arch not in cache:
+            src = oracle_checkpoint(MIXED_FROM).out_dir
+            cache[arch] = mixed_model(get(MIXED_FROM), src, tmp_path_factory.mktemp("mixed"))
         if arch not in cache:
             if arch == FP4_KIND:  # gpt-oss as OpenAI ships it: the converter keeps MXFP4
                 src = tiny_models.write_mxfp4_source(
@@ -171,6 +174,42 @@ def streamed_model(oracle_checkpoint, tmp_path_factory):
 
 
 FP4_KIND = "gpt_oss_fp4"
+# tiny GLM-5 requantised by heat (colibri requant): hot experts int8, the middle int4-g64,
+# cold ones int3-affine-g64 — a container with three expert formats (issue 41)
+MIXED_KIND = "glm_moe_dsa_mixed"
+MIXED_FROM = "glm_moe_dsa"
+
+
+def synthetic_profile(model: Path, path: Path) -> Path:
+    """A fixed, skewed `.coli_usage` for ``model`` (counts fall with the expert index,
+    rotated per layer so every layer ranks its experts differently)."""
+    from colibrid.store.usage import usage_text
+
+    config = json.loads((model / "config.json").read_text())
+    layers, experts = int(config["num_hidden_layers"]), int(config["n_routed_experts"])
+    counts = np.zeros((layers, experts), dtype=np.int64)
+    for layer in range(layers):
+        for e in range(experts):
+            counts[layer, (e + layer) % experts] = 10 * (experts - e)
+    path.write_bytes(usage_text(counts, str(config["model_type"])))
+    return path
+
+
+def mixed_model(int4: Model, source: Path, folder: Path) -> Model:
+    """``int4`` requantised by a synthetic profile into three expert formats."""
+    dst = folder / f"tiny-{MIXED_KIND}"
+    profile = synthetic_profile(int4.path, folder / "mixed.coli_usage")
+    r = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "requant", str(int4.path), "--by-heat", str(profile)]
+        + ["--hot-share", "0.25", "--hot-bits", "8", "--cold-share", "0.5", "--cold-bits", "3"]
+        + ["--source", str(source), "-o", str(dst), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    install_chat_tokenizer(dst)
+    return Model(MIXED_KIND, dst)
 
 
 def matrix_model(request: pytest.FixtureRequest, kind: str) -> Model:

@@ -59,6 +59,7 @@ from pathlib import Path
 import pytest
 from daemon_helpers import Home, free_port
 from matrix_support import (
+    BATCH_ROUNDS,
     QUERIES,
     SETTINGS,
     Reference,
@@ -123,6 +124,20 @@ def pins_within_capacity(when: str, st: dict) -> list[str]:
     return []
 
 
+def concurrent_rounds(
+    home: Home, port: int, name: str, ref: Reference, profile: str
+) -> tuple[list[str], int]:
+    """Rounds of every query through SERVE and HTTP at once, each held to the reference,
+    until two asks shared a pass (on a loaded machine a round of fast asks can each finish
+    before the next arrives): (problems, rounds asked)."""
+    problems = compare(f"start, {profile} profile", ref, ask_all(home, port, name))
+    rounds = 1
+    while rounds < BATCH_ROUNDS and not status(home)["shared_passes"]:
+        rounds += 1
+        problems += compare(f"start, round {rounds}", ref, ask_all(home, port, name))
+    return problems, rounds
+
+
 def run_cell(request: pytest.FixtureRequest, reference, tmp_path: Path, cell: Cell) -> None:
     model = matrix_model(request, cell.kind)
     ref = reference(model)
@@ -150,8 +165,9 @@ def run_cell(request: pytest.FixtureRequest, reference, tmp_path: Path, cell: Ce
         if cell.profile == "warmed" and room and not st["pinned"]:
             problems.append(f"[start] a warmed profile pinned nothing: {st['tiers']}")
         problems += pins_within_capacity("start", st)
-        problems += compare(f"start, {cell.profile} profile", ref, ask_all(home, port, model.name))
-        asked += 2 * len(QUERIES)
+        found, rounds = concurrent_rounds(home, port, model.name, ref, cell.profile)
+        problems += found
+        asked += rounds * 2 * len(QUERIES)
         batched = status(home)
         if not batched["shared_passes"] or batched["speculate"] != "auto":
             problems.append(f"[start] not batched or not speculating: {batched}")

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from colibrid.backends.base import KernelFamily
+from colibrid.formats.affine import AFFINE_GROUP, affine_groups, pack_affine, unpack_affine
 from colibrid.formats.quant import FP4_VALUES, fp4_scales
-from colibrid.formats.weights import QuantWeight, WeightFormat
+from colibrid.formats.weights import AFFINE_FORMATS, QuantWeight, WeightFormat
 
 native = pytest.importorskip("colibrid.backends.native")
 
@@ -25,6 +26,15 @@ def make_weight(fmt: WeightFormat, o: int, i: int, gs: int = 0, seed: int = 0) -
     if fmt == WeightFormat.BF16:
         f = rng.standard_normal((o, i), dtype=np.float32)
         return QuantWeight(fmt, (o, i), (f.view(np.uint32) >> 16).astype(np.uint16))
+    if fmt in AFFINE_FORMATS:  # random codes, scales and (mostly negative) minimums
+        groups = affine_groups(i)
+        qmax = 3 if fmt == WeightFormat.Q2 else 7
+        codes = rng.integers(0, qmax + 1, (o, groups * AFFINE_GROUP), dtype=np.uint8)
+        codes[:, i:] = 0
+        sm = np.empty((o, groups, 2), dtype=np.float16)
+        sm[:, :, 0] = rng.uniform(0.001, 0.05, (o, groups))
+        sm[:, :, 1] = rng.uniform(-0.1, 0.02, (o, groups))
+        return QuantWeight(fmt, (o, i), pack_affine(codes, fmt), sm.reshape(o, -1), AFFINE_GROUP)
     if fmt == WeightFormat.Q8:
         q = rng.integers(-128, 128, (o, i), dtype=np.int8)
         s = rng.uniform(0.001, 0.02, o).astype(np.float32)
@@ -48,6 +58,8 @@ def q_values(w: QuantWeight) -> np.ndarray:
     o, i = w.shape
     if w.fmt == WeightFormat.Q8:
         return w.data.astype(np.int64)
+    if w.fmt in AFFINE_FORMATS:
+        return unpack_affine(w.data, w.fmt, i).astype(np.int64)
     d = w.data.astype(np.int64)
     q = np.empty((o, d.shape[1] * 2), dtype=np.int64)
     q[:, 0::2] = d & 15
@@ -60,6 +72,8 @@ def q_values(w: QuantWeight) -> np.ndarray:
 def group_scales(w: QuantWeight) -> tuple[np.ndarray, int]:
     """Scales as [O, G] float32 and the group length in elements."""
     o, i = w.shape
+    if w.fmt in AFFINE_FORMATS:  # the scale of each (s, m) pair
+        return w.scales.reshape(o, -1, 2)[:, :, 0].astype(np.float32), AFFINE_GROUP
     scales = fp4_scales(w.scales) if w.fmt == WeightFormat.FP4 else w.scales
     if w.fmt == WeightFormat.Q8 or w.group_size == 0 or w.group_size >= i:
         return scales.reshape(o, 1), i
@@ -74,7 +88,11 @@ def dequant64(w: QuantWeight) -> np.ndarray:
     if w.fmt == WeightFormat.BF16:
         return (w.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     s, gsz = group_scales(w)
-    return q_values(w) * np.repeat(s, gsz, axis=1)[:, :i].astype(np.float64)
+    scaled = q_values(w) * np.repeat(s, gsz, axis=1)[:, :i].astype(np.float64)
+    if w.fmt in AFFINE_FORMATS:  # plus each group's minimum
+        m = w.scales.reshape(o, -1, 2)[:, :, 1].astype(np.float64)
+        scaled += np.repeat(m, gsz, axis=1)[:, :i]
+    return scaled
 
 
 def quant_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -95,11 +113,18 @@ def i8_model(w: QuantWeight, x: np.ndarray) -> np.ndarray:
     qw = q_values(w)
     s, gsz = group_scales(w)
     acc = np.zeros((x.shape[0], o), dtype=np.float32)
+    affine = w.fmt in AFFINE_FORMATS
+    m = w.scales.reshape(o, -1, 2)[:, :, 1].astype(np.float32) if affine else None
     for g in range(s.shape[1]):
         sl = slice(g * gsz, min(i, (g + 1) * gsz))
         isum = (qx[:, sl] @ qw[:, sl].T).astype(np.float32)
         t = (s[:, g][None, :] * xs[:, None]).astype(np.float32)
-        acc = (acc + (isum * t).astype(np.float32)).astype(np.float32)
+        part = (isum * t).astype(np.float32)
+        if affine:  # acc + ((float)isum * (s * xs) + (float)xsum * (m * xs))
+            xsum = qx[:, sl].sum(axis=1).astype(np.float32)[:, None]
+            tm = (m[:, g][None, :] * xs[:, None]).astype(np.float32)
+            part = (part + (xsum * tm).astype(np.float32)).astype(np.float32)
+        acc = (acc + part).astype(np.float32)
     return acc
 
 
@@ -125,6 +150,8 @@ FORMATS = [
     (WeightFormat.Q4, 6),
     (WeightFormat.FP4, 32),
     (WeightFormat.FP4, 6),
+    (WeightFormat.Q2, 64),
+    (WeightFormat.Q3, 64),
 ]
 
 

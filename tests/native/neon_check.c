@@ -24,7 +24,8 @@ int main(void) {
     static const int shapes[][2] = {{5, 16}, {17, 40}, {33, 64}, {19, 129}, {40, 300}, {24, 1024}, {8, 2880}};
     static const int formats[][2] = {{COLIBRI_FMT_F32, 0}, {COLIBRI_FMT_BF16, 0}, {COLIBRI_FMT_Q8, 0},
                                      {COLIBRI_FMT_Q4, 0},  {COLIBRI_FMT_Q4, 32},  {COLIBRI_FMT_Q4, 64},
-                                     {COLIBRI_FMT_Q4, 6},  {COLIBRI_FMT_FP4, 32}, {COLIBRI_FMT_FP4, 6}};
+                                     {COLIBRI_FMT_Q4, 6},  {COLIBRI_FMT_FP4, 32}, {COLIBRI_FMT_FP4, 6},
+                                     {COLIBRI_FMT_Q2, 64},  {COLIBRI_FMT_Q3, 64}};
     if (!colibri_isa_available(COLIBRI_ISA_NEON)) {
         printf("neon not available\n");
         return 2;
@@ -34,9 +35,11 @@ int main(void) {
         for (size_t fi = 0; fi < sizeof formats / sizeof formats[0]; fi++) {
             const int O = shapes[si][0], I = shapes[si][1], fmt = formats[fi][0], gs = formats[fi][1];
             const int nib = fmt == COLIBRI_FMT_Q4 || fmt == COLIBRI_FMT_FP4;
-            const int G = nib ? (gs == 0 || gs >= I ? 1 : (I + gs - 1) / gs) : 1;
+            const int affine = fmt == COLIBRI_FMT_Q2 || fmt == COLIBRI_FMT_Q3; /* 64-input blocks */
+            const int G = nib ? (gs == 0 || gs >= I ? 1 : (I + gs - 1) / gs) : affine ? (I + 63) / 64 : 1;
             const size_t row = fmt == COLIBRI_FMT_F32 ? 4 * (size_t)I : fmt == COLIBRI_FMT_BF16 ? 2 * (size_t)I
-                             : fmt == COLIBRI_FMT_Q8 ? (size_t)I : (size_t)(I + 1) / 2;
+                             : fmt == COLIBRI_FMT_Q8 ? (size_t)I
+                             : affine ? (size_t)G * (fmt == COLIBRI_FMT_Q3 ? 24 : 16) : (size_t)(I + 1) / 2;
             uint8_t *data = malloc((size_t)O * row);
             for (size_t k = 0; k < (size_t)O * row; k++) data[k] = (uint8_t)next();
             if (fmt == COLIBRI_FMT_F32)
@@ -54,14 +57,21 @@ int main(void) {
                     *last = (uint8_t)((*last & 15) | ((fmt == COLIBRI_FMT_Q4 ? 8 : 0) << 4));
                 }
             void *scales = NULL;
-            if (fmt == COLIBRI_FMT_FP4) {
+            if (affine) { /* float16 (s, m) pairs: s in [2^-10, 2^-3), m of either sign */
+                scales = malloc((size_t)O * G * 4);
+                for (size_t k = 0; k < (size_t)O * G; k++) {
+                    uint16_t *p = (uint16_t *)scales + 2 * k;
+                    p[0] = (uint16_t)(((5 + next() % 7) << 10) | (next() & 0x3ff));
+                    p[1] = (uint16_t)((next() & 0x8000) | ((5 + next() % 7) << 10) | (next() & 0x3ff));
+                }
+            } else if (fmt == COLIBRI_FMT_FP4) {
                 scales = malloc((size_t)O * G);
                 for (size_t k = 0; k < (size_t)O * G; k++) ((uint8_t *)scales)[k] = (uint8_t)(115 + next() % 10);
             } else if (fmt != COLIBRI_FMT_F32 && fmt != COLIBRI_FMT_BF16) {
                 scales = malloc((size_t)O * G * sizeof(float));
                 for (size_t k = 0; k < (size_t)O * G; k++) ((float *)scales)[k] = uniform(0.001f, 0.05f);
             }
-            colibri_weight w = {fmt, O, I, nib ? gs : 0, data, scales};
+            colibri_weight w = {fmt, O, I, nib || affine ? gs : 0, data, scales};
             for (int S = 1; S <= 3; S += 2) {
                 float *x = malloc((size_t)S * I * sizeof(float));
                 for (size_t k = 0; k < (size_t)S * I; k++) x[k] = uniform(-1, 1);

@@ -17,6 +17,8 @@ INTEGER = [
     (WeightFormat.Q4, 96),
     (WeightFormat.Q4, 256),
     (WeightFormat.Q4, 10),
+    (WeightFormat.Q2, 64),
+    (WeightFormat.Q3, 64),
 ]
 SHAPES = [
     (1, 1),

@@ -250,3 +250,17 @@ def test_the_pool_counts_its_jobs_and_the_callers_wait():
     assert 0.0 <= stats.wait_s <= stats.seconds and 0.0 <= stats.wait_share < 1.0
     native.matmul(w, x, KernelFamily.F32)
     assert native.pool_stats().jobs == 1
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.Q2, WeightFormat.Q3])
+@pytest.mark.parametrize("o,i", [(19, 320), (33, 2048)])
+def test_affine_f32_batch_rows_equal_rows_alone(kit, isa, fmt, o, i):
+    """The Q2/Q3 F32 kernels pass over a weight row once for up to four activation rows;
+    each row must still get exactly the bits it gets alone (batched == alone)."""
+    kit.isa_or_skip(isa)
+    w = kit.make_weight(fmt, o, i, 64, seed=o + i)
+    x = _x(9, i, seed=5)
+    kit.native.set_isa(isa)
+    batch = kit.native.matmul(w, x, kit.F32)
+    alone = np.stack([kit.native.matmul(w, x[k : k + 1], kit.F32)[0] for k in range(9)])
+    assert np.array_equal(batch.view(np.uint32), alone.view(np.uint32))

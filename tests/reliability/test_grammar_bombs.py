@@ -24,7 +24,7 @@ import httpx
 import pytest
 import trio
 from colibri_protocol.messages import Submit
-from daemon_helpers import Home, alive, free_port
+from daemon_helpers import Home, alive, serving_http
 
 from colibri_cli.client import Client, ClientError
 from colibrid.engine.grammar import Grammar
@@ -64,18 +64,11 @@ def rss_mb(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def home(demo_container: Path, tmp_path_factory):
-    port = free_port()
-    h = Home(
+    yield from serving_http(
         tmp_path_factory.mktemp("grammar-bombs"),
         demo_container,
-        http=f"127.0.0.1:{port}",
         grammar_timeout_s=TIMEOUT_S,
-        shutdown_grace_s=1.0,
     )
-    h.start()
-    h.url = f"http://127.0.0.1:{port}"
-    yield h
-    h.close()
 
 
 def chat(home: Home, **extra) -> httpx.Response:  # noqa: ANN003

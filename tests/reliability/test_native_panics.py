@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from colibri_protocol.messages import Submit
-from daemon_helpers import Home, alive, free_port
+from daemon_helpers import Home, alive, serving_http
 
 from colibri_cli.client import Client, ClientError
 from colibrid.errors import NativePanic, contain_panics, is_native_panic
@@ -45,12 +45,7 @@ def panicky_model(demo_container: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def home(panicky_model: Path, tmp_path_factory):
-    port = free_port()
-    h = Home(tmp_path_factory.mktemp("panics"), panicky_model, http=f"127.0.0.1:{port}")
-    h.start()
-    h.url = f"http://127.0.0.1:{port}"
-    yield h
-    h.close()
+    yield from serving_http(tmp_path_factory.mktemp("panics"), panicky_model)
 
 
 def chat(home: Home, content: str) -> httpx.Response:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
 from colibrid.serve.state import DaemonState
 from colibrid.store.pins import PinBudget, PinController
+from colibrid.store.precision_plan import PrecisionPlan
 from colibrid.store.recorder import UsageRecorder
 from colibrid.store.telemetry import Counters, StoreStats, snapshot
 
@@ -99,6 +100,12 @@ class Info:
     model_type: str = "fake"
     n_layers: int = N_LAYERS
     load_s: float = 0.0
+    # every fake expert "stored" alike: a uniform plan, as a real container has by default
+    plan: PrecisionPlan = field(
+        default_factory=lambda: PrecisionPlan.of(
+            {(layer, e): "int4-g64" for layer in range(N_LAYERS) for e in range(4)}
+        )
+    )
 
 
 def next_token(last: int) -> int:

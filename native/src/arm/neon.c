@@ -77,6 +77,10 @@ static float i8_one(const mm_job *j, const uint8_t *row, int o, int s) {
 
 static void i8_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
+    if (colibri_is_affine(w->fmt)) {
+        colibri_affine_i8_rows_neon(j, o0, o1);
+        return;
+    }
     const int q4 = colibri_is_nibble(w->fmt);
     if (!(w->fmt == COLIBRI_FMT_Q8 || (q4 && (j->G == 1 || j->gsz % 32 == 0)))) {
         colibri_ref_i8_rows(j, o0, o1);
@@ -159,6 +163,10 @@ static float nibble_f32_one(const mm_job *j, const uint8_t *row, int o, const fl
 
 static void f32_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
+    if (colibri_is_affine(w->fmt)) {
+        colibri_affine_f32_rows_neon(j, o0, o1);
+        return;
+    }
     if (colibri_is_nibble(w->fmt)) {
         if (j->gsz % 32 != 0) {
             colibri_ref_f32_rows(j, o0, o1);

@@ -5,6 +5,9 @@
  *     isum = exact int32 dot(q_w, q_x) over the group
  *     acc  = acc + (float)isum * (wscale[o, g] * xs)
  * starting from acc = 0.0f, with no contraction (-ffp-contract=off).
+ * Q2/Q3 (unsigned codes with a minimum) add the minimum's share per group:
+ *     acc  = acc + ((float)isum * (s * xs) + (float)xsum * (m * xs))
+ * with xsum the exact int32 sum of q_x over the group (colibri_affine_step).
  * The F32 family only has to be accurate (and batch independent), not bit-exact.
  */
 #include "internal.h"
@@ -83,6 +86,17 @@ float colibri_ref_f32_one(const mm_job *j, int o, int s) {
         for (int i = 0; i < I; i++) acc[i & 7] += ((float)r[i] * sc) * x[i];
         break;
     }
+    case COLIBRI_FMT_Q2:
+    case COLIBRI_FMT_Q3: { /* the dequantised weight q * s + m, as formats/affine.py */
+        for (int g = 0; g < j->G; g++) {
+            const int i0 = g * j->gsz;
+            const int i1 = i0 + j->gsz < I ? i0 + j->gsz : I;
+            float sc, mn;
+            colibri_affine_sm(w, (size_t)o, j->G, g, &sc, &mn);
+            for (int i = i0; i < i1; i++) acc[i & 7] += ((float)colibri_affine_at(w->fmt, row, i) * sc + mn) * x[i];
+        }
+        break;
+    }
     default: { /* Q4 and FP4: the code's integer times the group's scale */
         for (int g = 0; g < j->G; g++) {
             const int i0 = g * j->gsz;
@@ -105,6 +119,18 @@ float colibri_ref_i8_one(const mm_job *j, int o, int s) {
     const uint8_t *row = (const uint8_t *)w->data + (size_t)o * j->wrow;
     const float xs = j->xs[s];
     float acc = 0.0f;
+    if (colibri_is_affine(w->fmt)) { /* the defining arithmetic of Q2/Q3's I8 family */
+        for (int g = 0; g < j->G; g++) {
+            const int i0 = g * j->gsz;
+            const int i1 = i0 + j->gsz < I ? i0 + j->gsz : I;
+            int32_t isum = 0;
+            for (int i = i0; i < i1; i++) isum += colibri_affine_at(w->fmt, row, i) * q[i];
+            float sc, mn;
+            colibri_affine_sm(w, (size_t)o, j->G, g, &sc, &mn);
+            acc = colibri_affine_step(acc, isum, j->gsum[(size_t)s * j->G + g], sc, mn, xs);
+        }
+        return acc;
+    }
     for (int g = 0; g < j->G; g++) {
         const int i0 = g * j->gsz;
         const int i1 = i0 + j->gsz < I ? i0 + j->gsz : I;

@@ -30,6 +30,7 @@
 /* Q4 I8 layout: per 64 elements, the 32 even then the 32 odd ones (n is a multiple
  * of 64).  Each 128-bit lane gathers its even then odd bytes; qwords are then sorted. */
 static int prep_i8(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *out) {
+    if (colibri_is_affine(w->fmt)) return colibri_affine_prep_i8_avx2(w, qx, n, out); /* its pair layout */
     if (!colibri_is_nibble(w->fmt)) return 0;
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -290,6 +291,10 @@ static void fp4_scales(const uint8_t *e, int G, float *out) {
 
 static void i8_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
+    if (colibri_is_affine(w->fmt)) {
+        colibri_affine_i8_rows_avx2(j, o0, o1);
+        return;
+    }
     const int q4 = w->fmt == COLIBRI_FMT_Q4, fp4 = w->fmt == COLIBRI_FMT_FP4;
     if (fp4 && !(j->G > 1 && j->gsz == 32 && j->G <= MAX_GROUPS)) {
         colibri_ref_i8_rows(j, o0, o1);
@@ -386,6 +391,7 @@ static const int8_t q4_top_byte[4][32] = {
  * 2^-24), i.e. an 8x8 transpose of each block (whole blocks in registers, the last
  * partial one scalar). */
 static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, float *out) {
+    if (w->fmt == COLIBRI_FMT_Q3) return colibri_affine_prep_f32_avx2(w, x, I, n, out); /* its dword-byte order */
     memset(out + I, 0, (n - (size_t)I) * sizeof(float));
     if (!colibri_is_nibble(w->fmt)) {
         memcpy(out, x, (size_t)I * sizeof(float));
@@ -576,6 +582,10 @@ ALWAYS_INLINE float plain_row(int fmt, const uint8_t *row, int I, const float *x
 
 static void f32_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
+    if (colibri_is_affine(w->fmt)) {
+        colibri_affine_f32_rows_avx2(j, o0, o1);
+        return;
+    }
     const int fp4 = w->fmt == COLIBRI_FMT_FP4, q4 = w->fmt == COLIBRI_FMT_Q4 || fp4;
     const int whole = j->G == 1 || j->gsz % 64 == 0;
     const size_t nblk = (j->wrow + 31) / 32; /* Q4 blocks per row */

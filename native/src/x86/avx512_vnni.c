@@ -30,8 +30,10 @@
 /* ------------------------------------------------------------------ prep ---- */
 
 /* Q4 (FP4) I8 layout: per 128-element block, the 64 even elements then the 64 odd ones,
- * so low nibbles of a 64-byte weight block meet bytes 0..63 and high nibbles 64..127. */
+ * so low nibbles of a 64-byte weight block meet bytes 0..63 and high nibbles 64..127.
+ * Q2/Q3 get the quad layout of affine_avx512.c. */
 static int prep_i8(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *out) {
+    if (colibri_is_affine(w->fmt)) return colibri_affine_prep_i8_avx512(w, qx, n, out);
     if (!colibri_is_nibble(w->fmt)) return 0;
     for (size_t b = 0; b < n; b += 128)
         for (int k = 0; k < 64; k++) {
@@ -44,6 +46,7 @@ static int prep_i8(const colibri_weight *w, const int8_t *qx, size_t n, int8_t *
 /* F32 layout: Q4 gets, per 32 elements, the 16 even then the 16 odd ones (matching a
  * 16-byte weight chunk widened to 16 lanes); other formats a zero-padded copy. */
 static int prep_f32(const colibri_weight *w, const float *x, int I, size_t n, float *out) {
+    if (w->fmt == COLIBRI_FMT_Q3) return colibri_affine_prep_f32_avx512(w, x, I, n, out); /* its dword-byte order */
     memset(out + I, 0, (n - (size_t)I) * sizeof(float));
     if (!colibri_is_nibble(w->fmt)) {
         memcpy(out, x, (size_t)I * sizeof(float));
@@ -278,6 +281,10 @@ static __m512 row_tile16(const mm_job *j, const uint8_t *const rows[16], const i
  * the reference. Lanes past the tile's last row repeat its first: computed, not stored. */
 static void i8_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
+    if (colibri_is_affine(w->fmt)) {
+        colibri_affine_i8_rows_avx512(j, o0, o1);
+        return;
+    }
     const int q4 = w->fmt == COLIBRI_FMT_Q4, fp4 = w->fmt == COLIBRI_FMT_FP4;
     const int grouped = j->G > 1 && j->gsz % 32 == 0 && j->G <= MAX_GROUPS;
     if (!(w->fmt == COLIBRI_FMT_Q8 || (q4 && (j->G == 1 || grouped)) || (fp4 && grouped))) {
@@ -573,6 +580,10 @@ static void f32_tile16(const mm_job *j, int o, int s0, int s1) {
 
 static void f32_rows(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
+    if (colibri_is_affine(w->fmt)) {
+        colibri_affine_f32_rows_avx512(j, o0, o1);
+        return;
+    }
     if (j->xp == NULL || (colibri_is_nibble(w->fmt) && j->G > 1 && j->gsz % 32 != 0) ||
         (w->fmt == COLIBRI_FMT_FP4 && j->G > MAX_GROUPS)) {
         colibri_ref_f32_rows(j, o0, o1);
