@@ -32,10 +32,11 @@ class TokenLogprobs:
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float64 log-probabilities of a row of logits (-inf stays -inf)."""
+    """float64 log-probabilities of each row of logits (-inf stays -inf); `colibri eval`
+    scores whole sequences with it too."""
     x = np.asarray(logits, dtype=np.float64)
-    shifted = x - x.max()
-    return shifted - np.log(np.exp(shifted).sum())
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprobs:

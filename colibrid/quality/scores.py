@@ -13,12 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-probabilities in float64."""
-    z = np.asarray(logits, dtype=np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+from colibrid.engine.logprobs import log_softmax
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_helpers import Home, free_port
+from daemon_helpers import serving_http
 
 MODEL = "model"  # the chat_model fixture's directory name
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api-fields.md"
@@ -75,17 +75,8 @@ def test_the_doc_covers_each_dialect() -> None:
 
 @pytest.fixture(scope="module")
 def url(chat_model: Path, tmp_path_factory):
-    port = free_port()
-    home = Home(
-        tmp_path_factory.mktemp("fields"),
-        chat_model,
-        http=f"127.0.0.1:{port}",
-        max_queue=32,
-        shutdown_grace_s=1.0,
-    )
-    home.start()
-    yield f"http://127.0.0.1:{port}"
-    home.close()
+    for home in serving_http(tmp_path_factory.mktemp("fields"), chat_model, max_queue=32):
+        yield home.url
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from colibri_protocol.codec import encode_line
-from daemon_helpers import Home, free_port
+from daemon_helpers import Home, free_port, serving_http
 
 from colibri_cli.client import Client
 
@@ -38,17 +38,7 @@ STEADY = (
 
 @pytest.fixture(scope="module")
 def home(chat_model: Path, tmp_path_factory):
-    port = free_port()
-    h = Home(
-        tmp_path_factory.mktemp("page"),
-        chat_model,
-        http=f"127.0.0.1:{port}",
-        shutdown_grace_s=1.0,
-    )
-    h.start()
-    h.url = f"http://127.0.0.1:{port}"
-    yield h
-    h.close()
+    yield from serving_http(tmp_path_factory.mktemp("page"), chat_model)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_helpers import Home, free_port
+from daemon_helpers import Home, serving_http
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
 from selenium.webdriver.chrome.options import Options  # noqa: E402
@@ -46,21 +46,14 @@ FLAGS = (
 
 @pytest.fixture(scope="module")
 def home(demo_container: Path, tmp_path_factory) -> Iterator[Home]:
-    port = free_port()
-    h = Home(
+    yield from serving_http(
         tmp_path_factory.mktemp("page-browser"),
         demo_container,
-        http=f"127.0.0.1:{port}",
-        shutdown_grace_s=1.0,
         # the tiered store (4 experts per layer cached, the rest read from disk) pinning
         # every expert the active profile used: a profile switch moves real pins
         cache=4,
         pin="all",
     )
-    h.start()
-    h.url = f"http://127.0.0.1:{port}"
-    yield h
-    h.close()
 
 
 @pytest.fixture(scope="module")

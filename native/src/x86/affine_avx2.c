@@ -25,6 +25,7 @@
 #pragma GCC target("avx2,fma,f16c")
 
 #include "internal.h"
+#include "avx2_lanes.h"
 
 #include <immintrin.h>
 #include <string.h>
@@ -109,23 +110,6 @@ ALWAYS_INLINE void pair_sums8(const __m256i v[8], __m256i *A, __m256i *B) {
     *B = _mm256_permute2x128_si256(q0, q1, 0x31);
 }
 
-/* In-register 8x8 transpose: out[k] lane r = in[r] lane k. */
-ALWAYS_INLINE void transpose8(const __m256 in[8], __m256 out[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(in[2 * i], in[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int h = 0; h < 2; h++) {
-            u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
-            u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-    for (int k = 0; k < 4; k++) {
-        out[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
-        out[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
-    }
-}
 
 /* The tile's (s, m) as f32, lane = row: smT[2g] = s, smT[2g + 1] = m (8 floats each).
  * Each row's float16 pairs are converted four groups (8 halves) at a time and the 8
@@ -191,9 +175,6 @@ ALWAYS_INLINE __m256 tile8(const mm_job *j, const uint8_t *const rows[IT], int s
     return acc;
 }
 
-static inline __m256i lanes_below(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 
 void colibri_affine_i8_rows_avx2(const mm_job *j, int o0, int o1) {
     const colibri_weight *w = j->w;
@@ -288,12 +269,6 @@ ALWAYS_INLINE void f32_acc(const mm_job *j, const uint8_t *row, const float *smf
     }
 }
 
-static inline float hsum_ps(__m256 v) {
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r);
-}
 
 /* Row o's (s, m) pairs as floats (G pairs, interleaved). */
 static void row_scales(const uint16_t *sm, int G, float *out) {

@@ -22,6 +22,7 @@
 #pragma GCC target("avx2,fma,bmi,bmi2")
 
 #include "internal.h"
+#include "avx2_lanes.h"
 
 #include <immintrin.h>
 #include <limits.h>
@@ -228,27 +229,7 @@ static int32_t q8_row_sum(const mm_job *j, const uint8_t *row, const uint8_t *la
     return hsum8_epi32(_mm256_add_epi32(a0, a1));
 }
 
-/* In-register 8x8 transpose: out[k] lane r = in[r] lane k. */
-static inline void transpose8(const __m256 in[8], __m256 out[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_ps(in[2 * i], in[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_ps(in[2 * i], in[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; i++)
-        for (int h = 0; h < 2; h++) {
-            u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
-            u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        }
-    for (int k = 0; k < 4; k++) {
-        out[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
-        out[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
-    }
-}
 
-static inline __m256i lanes_below(int n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 
 /* The reference float step for a tile of IT rows, lane = row:
  *     acc = acc + (float)(isum[r][g] - k * gsum[g]) * (sc[r][g] * xs)   for g = 0, 1, ...
@@ -364,12 +345,6 @@ static void i8_rows(const mm_job *j, int o0, int o1) {
 
 /* ------------------------------------------------------------ F32 family ---- */
 
-static inline float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* Q4.  A 32-byte block holds 64 weights; dword lane j of the block holds bytes
  * 4j..4j+3.  With v = block ^ 0x88 each nibble n becomes n ^ 8, whose 4-bit two's
