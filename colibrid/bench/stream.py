@@ -15,9 +15,12 @@ Works on any model directory.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernel family (i8: int8 activations, lossy, opt-in; on a few cores it computes "
         "a token's dense and expert matrices faster, which matters once reads overlap)",
     )
+    p.add_argument(
+        "--against",
+        type=Path,
+        metavar="DIR",
+        help="a second container (e.g. the uniform one a precision plan was made from): "
+        "both decode the same prompt at the same budget, alternated --rounds times, and a "
+        "table compares tok/s, bytes read a token and the strict roofline of each run",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="with --against: runs of each container, alternated (default 2)",
+    )
     add_store_flags(p)
     return p
 
@@ -92,22 +109,98 @@ def token_picker(temperature: float, seed: int) -> Callable[[np.ndarray], int]:
     return sample
 
 
+@dataclass(frozen=True)
+class StreamRun:
+    """One run's figures, each beside the limit measured in the same run."""
+
+    model: Path
+    tok_s: float
+    gb_read: float  # expert GB read a token
+    gb_needed: float  # GB of the chosen experts that were not resident, a token
+    probe_gbs: float
+    hit: float
+
+    @property
+    def strict_roofline(self) -> float:
+        return self.probe_gbs / self.gb_needed if self.gb_needed > 0 else float("inf")
+
+
 def main(argv: list[str]) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     args.parser = p
     if args.ram_gb is None and args.cache is None:
         p.error("give --ram-gb N (or --cache N)")
+    if args.against is None:
+        return 0 if measure(args.model, args) is not None else 1
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    store_options(args)  # a bad placement flag is this parser's error, before any run
+    runs: list[StreamRun] = []
+    for r in range(args.rounds):
+        for model in (args.against, args.model):
+            print(f"\n== round {r + 1}/{args.rounds}: {model}", flush=True)
+            run = measure_apart(model, args)
+            if run is None:
+                return 1
+            runs.append(run)
+    print()
+    print(comparison(runs, args.model, args.against))
+    return 0
+
+
+def comparison(runs: list[StreamRun], model: Path, against: Path) -> str:
+    """The runs in order, then each of MODEL's runs over the AGAINST run just before it
+    (same minutes of a shared machine: the ratios are what holds)."""
+    lines = [
+        "| run | container | tok/s | hit | GB read a token | needed GB a token | "
+        "probe GB/s | strict roofline tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(runs, 1):
+        lines.append(
+            f"| {i} | {r.model.name} | {r.tok_s:.3f} | {100 * r.hit:.1f}% | {r.gb_read:.4g} | "
+            f"{r.gb_needed:.4g} | {r.probe_gbs:.2f} | {r.strict_roofline:.4g} |"
+        )
+    pairs = [(a, b) for a, b in zip(runs[::2], runs[1::2], strict=True)]
+    for name, ratio in (
+        ("tok/s", lambda a, b: b.tok_s / a.tok_s),
+        ("bytes read a token", lambda a, b: b.gb_read / a.gb_read if a.gb_read else 0.0),
+        ("needed bytes a token", lambda a, b: b.gb_needed / a.gb_needed if a.gb_needed else 0.0),
+        ("strict roofline", lambda a, b: b.strict_roofline / a.strict_roofline),
+    ):
+        each = [ratio(a, b) for a, b in pairs]
+        lines.append(
+            f"{model.name} / {against.name}, {name}: "
+            + ", ".join(f"{x:.3f}" for x in each)
+            + f" (median {float(np.median(each)):.3f})"
+        )
+    return "\n".join(lines)
+
+
+def measure_apart(model: Path, args: argparse.Namespace) -> StreamRun | None:
+    """:func:`measure` in a fresh process: each run starts from the memory a lone `bench
+    stream` would (an engine closed in this process leaves pages mapped and allocator
+    arenas behind, which the next run's memory watch would count against its budget)."""
+    child = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "parser"})
+    sys.stdout.flush()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure, model, child).result()
+
+
+def measure(model: Path, args: argparse.Namespace) -> StreamRun | None:
+    """Load ``model`` at the budget, probe the drive, decode, print the figures."""
     from colibrid.engine.engine import Engine
 
     family = KernelFamily(args.family)
     engine = Engine.load(
-        args.model, family=family, ops=engine_ops(args, family), store=store_options(args)
+        model, family=family, ops=engine_ops(args, family), store=store_options(args)
     )
     store = engine.experts
     if not store.reads_experts():
         print("bench stream: experts are resident for this model; nothing streams")
-        return 1
+        engine.close()
+        return None
     threads = store.pool.threads or 1
     gbs, nbytes = probe(store, args.probe_reads, threads)
     print(
@@ -190,7 +283,15 @@ def main(argv: list[str]) -> int:
     if tier is not None and tier_base is not None:
         print(tier_line(tier, tier_base, args.tokens))
     engine.close()
-    return 0
+    sys.stdout.flush()
+    return StreamRun(
+        model=model,
+        tok_s=tok_s,
+        gb_read=gb_tok,
+        gb_needed=st.needed_bytes / 1e9 / args.tokens,
+        probe_gbs=gbs,
+        hit=st.hit_rate,
+    )
 
 
 if __name__ == "__main__":

@@ -318,11 +318,14 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
-def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
+def invent(group: Group, seed: int, heat_skew: float = 0.0) -> Iterator[tuple[str, np.ndarray]]:
     """The bytes of one group in file order: data of each item, then their scales."""
     scales: list[tuple[str, np.ndarray]] = []
     for item in group.items:
         rng = _rng(seed, item.name)
+        if heat_skew and item.name.endswith(ROUTER_BIAS):
+            yield item.name, _skewed_bias(item.shape, heat_skew, rng)
+            continue
         bits = item.fmt.bits
         if item.fmt.fp4:  # uniform e2m1 codes (zero-mean), e8m0 scales near the target std
             out_f, in_f = item.shape
@@ -354,6 +357,22 @@ def invent(group: Group, seed: int) -> Iterator[tuple[str, np.ndarray]]:
         jitter = rng.uniform(0.8, 1.2, size=entry.shape).astype(np.float32)
         scales.append((entry.name, (jitter * base).astype(np.float32)))
     yield from scales
+
+
+ROUTER_BIAS = "e_score_correction_bias"
+
+
+def _skewed_bias(shape: tuple[int, ...], heat_skew: float, rng: np.random.Generator) -> np.ndarray:
+    """A router's selection bias drawn at standard deviation ``heat_skew``.
+
+    Random router weights spread a layer's selections almost evenly over its experts; a
+    trained router on one domain's text does not (reports range from no exploitable skew to a
+    tenth of the experts taking most hits, docs/performance.md). The correction bias is added
+    to the scores only to choose the top-k (the mixing weights stay the sigmoid scores), so a
+    spread of biases makes some experts hot and others cold without changing what a chosen
+    expert computes: a benchmark's heat can be set, and the figure says at which skew.
+    """
+    return (rng.standard_normal(shape, dtype=np.float32) * np.float32(heat_skew)).astype(np.float32)
 
 
 def _zero_mean_codes(raw: bytes, bits: int) -> np.ndarray:
@@ -403,13 +422,22 @@ def synth(
     params: ConvertParams | None = None,
     quiet: bool = True,
     mtp: bool = False,
+    heat_skew: float = 0.0,
 ) -> Path:
     params = params or ConvertParams()
     params.check()
     cfg = synth_config(shape, layers, experts, mtp)
     groups = synth_groups(shape, cfg, params)
     shards = pack_shards(groups, params)
-    identity = [["synth", shape, layers, experts, seed] + (["mtp"] if mtp else [])]
+    if heat_skew < 0:
+        raise ConvertError(f"--heat-skew {heat_skew}: a standard deviation, 0 or more")
+    if heat_skew and not any(i.name.endswith(ROUTER_BIAS) for g in groups for i in g.items):
+        raise ConvertError(f"--heat-skew: the {shape} shape's routers have no selection bias")
+    identity = [
+        ["synth", shape, layers, experts, seed]
+        + (["mtp"] if mtp else [])
+        + ([f"heat-skew={heat_skew}"] if heat_skew else [])
+    ]
     dst = Path(dst)
     state = prepare_dst(dst, params, identity)
     if state.get("complete"):
@@ -417,7 +445,7 @@ def synth(
 
     def chunks_of(shard: Shard) -> Iterator[tuple[str, np.ndarray]]:
         for g in shard.groups:
-            yield from invent(g, seed)
+            yield from invent(g, seed, heat_skew)
 
     run_shards(dst, shards, state, chunks_of, quiet=quiet)
     write_atomic(dst / "config.json", (json.dumps(cfg, indent=2) + "\n").encode())
@@ -444,6 +472,7 @@ def synth(
                 "experts": experts,
                 "seed": seed,
                 "mtp": mtp,
+                "heat_skew": heat_skew,
             }
         },
     )
@@ -470,6 +499,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="add a (random) MTP layer after the last one, as GLM-5 checkpoints carry: "
         "speculative drafting runs on it (its guesses are random, so almost never kept)",
     )
+    p.add_argument(
+        "--heat-skew",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="spread the routers' selection biases at standard deviation S (0: random "
+        "routers, almost even heat), so some experts run hot and others cold, as a trained "
+        "router on one domain's text does; shapes whose router has no selection bias refuse it",
+    )
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -490,6 +528,7 @@ def main(argv: Sequence[str]) -> int:
             params=params,
             quiet=a.quiet,
             mtp=a.mtp,
+            heat_skew=a.heat_skew,
         )
     except ColibriError as exc:
         print(f"colibri synth: error: {exc}", file=sys.stderr)

@@ -15,7 +15,10 @@ beside the disk and memory probes (after a load and when idle, serve.roofline):
 * the work: the bytes of every matrix a token multiplies, by layout, from the matrices
   the model loaded (``Checkpoint.matrix_kinds``: attention, dense MLPs, shared experts,
   the head; the untied embedding table is a row lookup, and an idle MTP layer does not
-  run) plus top-k routed experts in every MoE layer, each priced at its own layout.
+  run) plus top-k routed experts in every MoE layer, each priced at its own layout. With
+  a precision plan (``colibri requant --by-heat``) a layer's experts differ: a routed pick
+  is priced at the mean over the main model's experts of each stored format, as if every
+  expert were equally likely (the ceiling knows no workload's heat).
 
 Only matrix products count (norms, attention over the cache and routing are left out),
 as in the bench's floor. The kernels timed are the CPU backend's: on another backend the
@@ -24,10 +27,12 @@ ceiling is not measured (None).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from colibrid.backends.kernel_speed import Layout, layout_seconds_per_byte
 from colibrid.store.experts import PROJECTIONS, expert_tensor_names
+from colibrid.store.precision_plan import expert_formats
 
 if TYPE_CHECKING:
     from colibrid.engine.engine import Engine
@@ -48,11 +53,19 @@ def token_bytes(engine: Engine) -> dict[Layout, float]:
         if name.endswith("embed_tokens.weight") and not engine.args.trunk.tie_word_embeddings:
             continue  # a row lookup, not a product
         out[layout] = out.get(layout, 0.0) + nbytes
-    layers = store.profiled_layers
-    per_token = engine.args.moe.num_experts_per_tok * len(layers)
-    for proj in PROJECTIONS if layers else ():  # the first MoE layer's first expert, as stored
-        w = checkpoint.weight(store.tensor_name(layers[0], 0, proj), store.shape(proj))
-        out[w.layout] = out.get(w.layout, 0.0) + per_token * w.nbytes
+    formats = expert_formats(checkpoint, store)  # header facts only
+    if not formats:
+        return out
+    picks = engine.args.moe.num_experts_per_tok * len(store.profiled_layers)
+    counts = Counter(formats.values())
+    first = {}
+    for key, label in formats.items():
+        first.setdefault(label, key)
+    for label, (layer, expert) in first.items():  # one expert of each stored format
+        share = picks * counts[label] / len(formats)
+        for proj in PROJECTIONS:
+            w = checkpoint.weight(store.tensor_name(layer, expert, proj), store.shape(proj))
+            out[w.layout] = out.get(w.layout, 0.0) + share * w.nbytes
     return out
 
 

@@ -50,7 +50,7 @@ class PinMoves:
             pl.pin_on_land.add(key)  # reserves the pin place: rebalance faults a slot in
             pl.rebalance()
             try:
-                slot = pl.take()
+                slot = pl.take(key)
                 pl.fill(slot, key, DEMAND)
                 self.reader.read(slot, key, background=False)
                 self.completions.wait_slot(slot)

@@ -46,7 +46,7 @@ class Prefetcher:
 
     def start(self, key: Key) -> int:
         """A background read of ``key`` into a free slot (PILOT's guess or a REPIN)."""
-        slot = self.placement.take()
+        slot = self.placement.take(key)
         self.placement.fill(slot, key, PREFETCH)
         self.reader.read(slot, key, background=True)
         self.inflight[key] = slot

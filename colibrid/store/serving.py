@@ -104,8 +104,8 @@ class LayerServer:
     def _dispatch(self, layer: int, pending: list[int], waiting: dict[int, int]) -> None:
         pl = self.placement
         while pending and pl.free:
-            slot = pl.take()
             expert = pending.pop()
+            slot = pl.take((layer, expert))
             pl.fill(slot, (layer, expert), DEMAND)
             self.reader.read(slot, (layer, expert), background=False)
             waiting[slot] = expert

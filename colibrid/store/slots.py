@@ -20,6 +20,15 @@ tier keeps only that expert's bytes, so a layer's cache is bounded in bytes
 :meth:`Placement.rebalance` keeps the memory faulted in, counted in those bytes, within
 what the uniform plan of the same budget would fault. With one size every count is the
 plain slot count.
+
+Pages changing hands: the counts above are a bound, charged as if a free slot were whole
+again. Physically a trimmed slot stays trimmed until a larger read touches its tail, and a
+fault of a slot's pages is CPU time (the kernel zeroes them) taken from the cores that
+compute. So with mixed sizes a read takes the free slot whose backed pages fit it best (an
+int2 expert a slot that held one, an int4 expert a whole one), parking gives back the
+least-backed free slot first, and a slot unparked for the plan is left for its next read to
+fault in (in the I/O thread, beside the compute) instead of being faulted on the spot: in
+steady state no slot's pages change hands.
 """
 
 from __future__ import annotations
@@ -106,6 +115,7 @@ class Placement:
         n = max(1, plan.total)
         unit = self.sizes.unit
         self.kept = [unit] * n  # bytes each slot may hold faulted (less once trimmed)
+        self.backed = [unit] * n  # bytes it has faulted in now, as far as the core knows
         self.faulted = n * unit  # those bytes summed over the slots not parked
         self.state = [FREE] * n
         self.slot_key: list[Key | None] = [None] * n
@@ -124,10 +134,36 @@ class Placement:
         return len(self.state)
 
     # ---- slots ----------------------------------------------------------------------
-    def take(self) -> int:
+    def take(self, key: Key | None = None) -> int:
+        """A free slot for a read of ``key``: with mixed sizes, the one whose backed pages
+        fit its bytes best (the fewest pages to fault in or left idle); else the last
+        freed."""
         if not self.free:
             raise StoreError(f"no free slot ({self.plan.describe()}): a sizing bug")
-        return self.free.pop()
+        if key is None or not self.sizes.mixed:
+            slot = self.free.pop()
+        else:
+            slot = self.free.pop(self._best_fit(self.sizes.of(key)))
+        if key is not None:
+            self.backed[slot] = max(self.backed[slot], self.sizes.of(key))
+        else:
+            self.backed[slot] = self.sizes.unit
+        return slot
+
+    def _best_fit(self, need: int) -> int:
+        """Index in ``free`` of the smallest backed slot that holds ``need`` bytes, else
+        of the most backed one; the most recently freed among equals."""
+        best, best_backed = -1, -1
+        for i in range(len(self.free) - 1, -1, -1):
+            backed = self.backed[self.free[i]]
+            if backed == need:
+                return i
+            fits, best_fits = backed >= need, best_backed >= need
+            if best < 0 or (fits and (not best_fits or backed < best_backed)):
+                best, best_backed = i, backed
+            elif not fits and not best_fits and backed > best_backed:
+                best, best_backed = i, backed
+        return best
 
     def release(self, slot: int) -> None:
         self.state[slot] = FREE
@@ -141,7 +177,9 @@ class Placement:
         """A slot entering a tier with ``key`` gives back the pages past its bytes."""
         keep = self.sizes.of(key)
         if keep < self.kept[slot]:
-            self._trim(slot, keep)
+            if self.backed[slot] > keep:
+                self._trim(slot, keep)
+                self.backed[slot] = keep
             self.faulted -= self.kept[slot] - keep
             self.kept[slot] = keep
 
@@ -192,14 +230,20 @@ class Placement:
         Counted in kept bytes: a tier's trimmed slots leave room for more free ones."""
         unit = self.sizes.unit
         want = min(self.n_slots, self.wanted_faulted()) * unit
+        mixed = self.sizes.mixed
         while self.faulted > want and self.free:
-            slot = self.free.pop(0)
-            self._park(slot)
+            i = min(range(len(self.free)), key=lambda j: self.backed[self.free[j]]) if mixed else 0
+            slot = self.free.pop(i)
+            if self.backed[slot]:
+                self._park(slot)
+                self.backed[slot] = 0
             self.parked.append(slot)
             self.faulted -= self.kept[slot]
         while self.faulted + unit <= want and self.parked:
             slot = self.parked.pop()
-            self._fault_in(slot)
+            if not mixed:  # mixed: its next read faults it in, beside the compute
+                self._fault_in(slot)
+                self.backed[slot] = unit
             self.free.append(slot)
             self.faulted += self.kept[slot]
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from colibri_cli.main import main
@@ -178,3 +179,41 @@ def test_bad_shape_is_one_line(tmp_path: Path, capsys) -> None:
         main(["synth", "--shape", "nope", str(tmp_path / "x")])
     assert main(["synth", "--shape", "tiny", "--layers", "0", str(tmp_path / "y")]) == 1
     assert "--layers" in capsys.readouterr().err
+
+
+def hottest_quarter_share(model: Path, tmp: Path) -> float:
+    """The share of a profile's selections the hottest quarter of each layer's experts
+    carried, over a sampled run (`colibrid generate --profile`)."""
+    from colibrid.store.usage import parse_counts
+
+    profile = tmp / f"{model.name}.coli_usage"
+    proc = subprocess.run(
+        [sys.executable, "-m", "colibrid", "generate", "--model", str(model)]
+        + ["--ids", "5,9,13,17", "--ids-out", "--max-tokens", "48", "--temperature", "1"]
+        + ["--seed", "3", "--speculate", "off", "--profile", str(profile)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = inspect(model)
+    shape = (report.n_layers, report.n_experts)
+    counts = parse_counts(profile.read_text(), profile, shape)[-report.moe_layers :]
+    ranked = -np.sort(-counts, axis=1)
+    quarter = report.n_experts // 4
+    return float(ranked[:, :quarter].sum() / ranked.sum())
+
+
+def test_heat_skew_makes_some_experts_hot_and_others_cold(tmp_path: Path, capsys) -> None:
+    """--heat-skew spreads the routers' selection biases: the same container otherwise, a
+    run's selections pile onto fewer experts; the flat container's bias stays zero."""
+    flat, skewed = tmp_path / "flat", tmp_path / "skewed"
+    args = ["synth", "--shape", "tiny", "--layers", "2", "--experts", "16", "--quiet"]
+    assert main([*args, str(flat)]) == 0
+    assert main([*args, "--heat-skew", "2", str(skewed)]) == 0
+    assert hottest_quarter_share(skewed, tmp_path) > hottest_quarter_share(flat, tmp_path) + 0.15
+    assert main([*args, "--heat-skew", "-1", str(tmp_path / "bad")]) == 1
+    assert "--heat-skew" in capsys.readouterr().err
+    no_bias = ["synth", "--shape", "gpt-oss-120b", "--heat-skew", "1", str(tmp_path / "g")]
+    assert main(no_bias) == 1
+    assert "no selection bias" in capsys.readouterr().err

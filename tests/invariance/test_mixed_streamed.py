@@ -18,11 +18,13 @@ import sys
 
 import numpy as np
 import pytest
-from matrix_support import MIXED_KIND
+from matrix_support import MIXED_FROM, MIXED_KIND
 
 from colibrid.engine.engine import Engine
 from colibrid.engine.generate import TokenEvent, generate
 from colibrid.engine.sampling import SamplingParams
+from colibrid.serve.kernel_ceiling import token_bytes
+from colibrid.store.experts import PROJECTIONS
 from colibrid.store.options import StoreOptions
 from colibrid.store.tiered import TieredStore
 
@@ -88,3 +90,69 @@ def test_bench_stream_strict_roofline_counts_the_missed_experts_bytes(mixed) -> 
     needed = re.search(r"needed experts only\): [0-9.]+ tok/s \(([0-9.e+-]+) GB", out.stdout)
     assert read and needed, out.stdout
     assert float(needed.group(1)) == float(read.group(1)) > 0, out.stdout
+
+
+def test_bench_stream_against_the_uniform_container_pairs_the_runs(mixed, streamed_model) -> None:
+    """`bench stream --against`: the uniform container and the plan alternate at the same
+    budget, and each ratio line is the plan's figure over the uniform run just before it
+    (read back from the table the same output prints)."""
+    path, _ = mixed
+    uniform = streamed_model(MIXED_FROM).path
+    out = subprocess.run(
+        [sys.executable, "-m", "colibri_cli", "bench", "stream", "--model", str(path)]
+        + ["--against", str(uniform), "--rounds", "2", "--cache", "1", "--pilot", "off"]
+        + ["--tokens", "4", "--warmup", "1", "--probe-reads", "8", "--temperature", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = re.findall(
+        r"^\| (\d) \| (\S+) \| ([0-9.]+) \| [0-9.]+% \| ([0-9.e+-]+) \|", out.stdout, re.M
+    )
+    assert [(n, name) for n, name, *_ in rows] == [
+        ("1", uniform.name),
+        ("2", path.name),
+        ("3", uniform.name),
+        ("4", path.name),
+    ], out.stdout
+    ratios = re.search(r"bytes read a token: ([0-9.]+), ([0-9.]+) \(median", out.stdout)
+    assert ratios, out.stdout
+    read = [float(r[3]) for r in rows]
+    for got, (a, b) in zip(ratios.groups(), ((0, 1), (2, 3)), strict=True):
+        assert read[a] > 0 and float(got) == pytest.approx(read[b] / read[a], rel=2e-3)
+
+
+def expert_bytes(engine: Engine) -> list[int]:
+    """Every routed expert's stored bytes (three matrices), layer by layer."""
+    store, ckpt = engine.experts.layout, engine.checkpoint
+    return [
+        sum(ckpt.weight(store.tensor_name(la, e, p), store.shape(p)).nbytes for p in PROJECTIONS)
+        for la in store.profiled_layers
+        for e in range(store.n_experts)
+    ]
+
+
+def test_the_kernel_ceiling_prices_a_routed_pick_at_the_plans_mean_expert(
+    mixed, streamed_model
+) -> None:
+    """The live roofline's kernel ceiling on a mixed container: the same model's uniform
+    container differs from it only in routed experts, so the priced bytes differ by the
+    top-k picks times (the plan's mean expert - the uniform expert), not by the first
+    expert's format."""
+    engines = [
+        Engine.load(path, store=StoreOptions(mode="resident"))
+        for path in (mixed[0], streamed_model(MIXED_FROM).path)
+    ]
+    try:
+        plan, uniform = (expert_bytes(e) for e in engines)
+        assert len(set(plan)) > 1 and len(set(uniform)) == 1  # the formats really differ
+        picks = engines[0].args.moe.num_experts_per_tok * len(
+            engines[0].experts.layout.profiled_layers
+        )
+        priced = [sum(token_bytes(e).values()) for e in engines]
+        want = picks * (sum(plan) / len(plan) - uniform[0])
+        assert priced[0] - priced[1] == pytest.approx(want, rel=1e-9)
+    finally:
+        for e in engines:
+            e.close()

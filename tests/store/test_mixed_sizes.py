@@ -141,3 +141,52 @@ def test_a_uniform_plan_counts_slots_as_before() -> None:
         pl.admit(LAYER, e, slot, protected=())
     assert set(pl.cache[LAYER]) == {3, 4} and plan.total == 4
     pl.check(idle=True)
+
+
+def test_a_read_takes_the_free_slot_whose_pages_fit_it() -> None:
+    """A small expert goes to a slot already trimmed to its size, a large one to a whole
+    slot: neither faults a trimmed tail back in nor leaves a whole slot's pages idle."""
+    pl, _ = placement(cache=2, work=2)
+    for e in (4, 5):  # two half-size experts cached: their slots are trimmed to 2 bytes
+        assert demand_read(pl, e)
+    pl.evict(LAYER, 4)  # its slot is free again, still backed by 2 bytes
+    trimmed_slot = pl.free[-1]
+    assert pl.backed[trimmed_slot] == 2
+    whole = [s for s in pl.free if pl.backed[s] == UNIT]
+    assert whole
+    large = pl.take((LAYER, 0))
+    assert pl.backed[large] == UNIT and large != trimmed_slot
+    pl.release(large)
+    small = pl.take((LAYER, 6))
+    assert small == trimmed_slot and pl.backed[small] == 2
+    pl.release(small)
+    pl.check(idle=True)
+
+
+def test_steady_mixed_traffic_moves_no_pages_it_can_avoid() -> None:
+    """Seeded traffic of large, half and quarter experts: no read grows a slot's pages
+    while a free slot already backed for it exists, and unparking never faults a slot in
+    on the spot (its next read does, in the I/O thread)."""
+    faults: list[int] = []
+    plan = SlotPlan(
+        pins=0, cache_per_layer=3, n_layers=1, work=2, pilot=0,
+        cache_slots=SIZES.most_per_layer(3, len(KEPT)),
+    )  # fmt: skip
+    pl = Placement(plan, (LAYER,), "gated-lfru", fault_in=faults.append, sizes=SIZES)
+    rng = random.Random(11)
+    avoidable = 0
+    for _ in range(3000):
+        expert = rng.choice(range(len(KEPT)))
+        if expert in pl.cache[LAYER]:
+            continue
+        need = KEPT[expert]
+        before = {s: pl.backed[s] for s in pl.free}
+        slot = pl.take((LAYER, expert))
+        # its pages grew although a free slot already had enough
+        avoidable += before[slot] < need and max(before.values()) >= need
+        pl.fill(slot, (LAYER, expert), DEMAND)
+        pl.admit(LAYER, expert, slot, protected=(), gate=False)
+        pl.check(idle=True)
+        assert pl.faulted <= budget_bytes(pl)
+    assert avoidable == 0
+    assert faults == []
