@@ -227,12 +227,19 @@ def ensure_demo(model: str | None, stderr: TextIO) -> None:
         )
 
 
+def is_remote(model: str | None) -> bool:
+    """Whether `model` names a remote model (`colibri pull URL`: models/NAME/remote.json):
+    the daemon answers it from its endpoint beside its own local model."""
+    return bool(model) and (home.colibri_home() / "models" / str(model) / "remote.json").is_file()
+
+
 def ensure_daemon(model: str | None = None, *, stderr: TextIO = sys.stderr) -> Client:
     try:
         return Client.connect()
     except NotRunning:
-        ensure_demo(model, stderr)
-        start_daemon(model, stderr)
+        local = None if is_remote(model) else model  # a remote model loads nothing here
+        ensure_demo(local, stderr)
+        start_daemon(local, stderr)
     return Client.connect()
 
 

@@ -70,6 +70,10 @@ BENCH_SUITES: dict[str, Command] = {
         "colibrid.bench.peer",
         "colibri and llama.cpp decoding the same model in the same run (optional extra)",
     ),
+    "gguf": Command(
+        "colibrid.bench.gguf_agree",
+        "greedy tokens of a `colibri export` GGUF in llama.cpp vs colibri (optional extra)",
+    ),
     "routing": Command(
         "colibrid.bench.routing",
         "per-layer expert skew and code-vs-prose difference on the built-in profiles",
@@ -129,6 +133,10 @@ COMMANDS: dict[str, Command] = {
         "colibrid.convert.inspect",
         "describe a container: architecture, formats, expert size (--verify: check its bytes)",
     ),
+    "export": Command(
+        "colibrid.convert.gguf_export",
+        "write a model as GGUF for llama.cpp (--gguf OUT; shards with --split-max-size)",
+    ),
     "config": Command(
         "colibrid.config_reference",
         "every config.toml key: type, default, meaning (--toml: an example file)",
@@ -136,6 +144,14 @@ COMMANDS: dict[str, Command] = {
     "synth": Command(
         "colibrid.convert.synth",
         "write a synthetic container with real per-layer shapes for benchmarks",
+    ),
+    "plan": Command(
+        "colibrid.cluster.plan",
+        "when one machine is not enough: measured ceilings and the cluster's commands",
+    ),
+    "llama-build": Command(
+        "colibrid.cluster.llama_build",
+        "build llama.cpp's RPC programs (rpc-server, llama-server) from the pinned sources",
     ),
 }
 

@@ -213,6 +213,14 @@ class Settings:
         "$COLIBRI_HOME); refused if group or others can read it (chmod 600); "
         "$COLIBRI_HTTP_API_KEY overrides both",
     )
+    remote: dict[str, Any] | None = setting(
+        None,
+        "API keys of remote models (`colibri pull URL --name NAME`), one table each: "
+        "[remote.NAME] holding api_key_file, a file whose first line is the key (relative: to "
+        "$COLIBRI_HOME; refused if others can read it), or api_key, the key itself (unset: the "
+        "file keys/NAME under $COLIBRI_HOME, which `colibri pull URL --api-key-env VAR` "
+        "writes; none: no key is sent)",
+    )
     http_cors: str | None = setting(
         None, 'comma-separated origins allowed by CORS, "*" for any (unset: off)'
     )
@@ -270,6 +278,7 @@ def load_settings(paths: Paths, **overrides: Any) -> Settings:
         raise ConfigError(
             f"{paths.config}: chat_repeat_penalty must be > 0 and chat_repeat_last_n >= -1"
         )
+    check_remote_tables(settings.remote, paths)
     settings = with_api_key(settings, paths)
     if settings.vram_gb is not None and not settings.vram_gb > 0:
         raise ConfigError(
@@ -305,27 +314,45 @@ def with_api_key(settings: Settings, paths: Paths) -> Settings:
     return dataclasses.replace(settings, http_api_key=key) if key else settings
 
 
-def read_key_file(path: Path) -> str:
+def read_key_file(path: Path, what: str = "http_api_key_file") -> str:
     """The key in `path` (its first line), refusing a file others can read: a key that
-    any local user can copy guards nothing."""
+    any local user can copy guards nothing. `what` names the file in errors."""
     try:  # non-blocking: a FIFO in its place must not hang the start
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as handle:
             st = os.fstat(handle.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"http_api_key_file {path} is not a regular file")
+                raise ConfigError(f"{what} {path} is not a regular file")
             if st.st_mode & 0o077:
                 raise ConfigError(
-                    f"http_api_key_file {path} is open to other users (mode "
+                    f"{what} {path} is open to other users (mode "
                     f"{stat.S_IMODE(st.st_mode):o}): `chmod 600 {path}`, then start again"
                 )
             data = handle.read(MAX_KEY_FILE_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"http_api_key_file {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     lines = data[:MAX_KEY_FILE_BYTES].decode("utf-8", errors="replace").splitlines()
     key = lines[0].strip() if lines else ""
     if len(data) > MAX_KEY_FILE_BYTES or not key:
-        raise ConfigError(f"http_api_key_file {path} must hold the key on its first line")
+        raise ConfigError(f"{what} {path} must hold the key on its first line")
     return key
+
+
+REMOTE_KEYS = ("api_key", "api_key_file")
+
+
+def check_remote_tables(tables: dict[str, Any] | None, paths: Paths) -> None:
+    """Each [remote.NAME] table holds one of `REMOTE_KEYS`, a string (the key itself is
+    read when a request needs it: colibrid.remote.keys)."""
+    for name, table in (tables or {}).items():
+        where = f"{paths.config}: [remote.{name}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where} must be a table (api_key_file = PATH)")
+        unknown = sorted(set(table) - set(REMOTE_KEYS))
+        if unknown:
+            known = ", ".join(REMOTE_KEYS)
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {known})")
+        if len(table) != 1 or not all(isinstance(v, str) and v for v in table.values()):
+            raise ConfigError(f"{where} must hold one of api_key_file or api_key, a string")
 
 
 def api_key_warning(paths: Paths) -> str | None:
@@ -339,10 +366,18 @@ def api_key_warning(paths: Paths) -> str | None:
         values = tomllib.loads(paths.config.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not values.get("http_api_key"):
+    remote = values.get("remote")
+    in_file = [
+        f"remote.{name}.api_key"
+        for name, table in (remote.items() if isinstance(remote, dict) else ())
+        if isinstance(table, dict) and table.get("api_key")
+    ]
+    if values.get("http_api_key"):
+        in_file.insert(0, "http_api_key")
+    if not in_file:
         return None
     return (
-        f"{paths.config} holds http_api_key and other users can read it (mode {mode:o}): "
+        f"{paths.config} holds {', '.join(in_file)} and other users can read it (mode {mode:o}): "
         f"`chmod 600 {paths.config}`, or keep the key in http_api_key_file or ${API_KEY_ENV}"
     )
 
@@ -386,6 +421,8 @@ def store_options(settings: Settings, profiles: Path | None = None):  # -> Store
 
 
 def _type_ok(value: Any, annotation: str) -> bool:
+    if "dict" in annotation:
+        return isinstance(value, dict)
     if "bool" in annotation:
         return isinstance(value, bool)
     if "float" in annotation:

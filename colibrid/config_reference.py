@@ -15,6 +15,8 @@ from colibrid.paths import Paths
 
 def _type(annotation: str) -> str:
     kind = annotation.replace(" | None", "")
+    if kind.startswith("dict"):
+        return "table"
     return {"str": "string", "int": "integer", "float": "number", "bool": "true/false"}.get(
         kind, kind
     )
@@ -68,6 +70,21 @@ NOTES = [
     "`LoadCredential=`). Giving both `http_api_key` and `http_api_key_file` is an error.",
     "When config.toml holds `http_api_key` and others can read it, `colibrid start` prints",
     "a warning and the daemon logs it.",
+    "",
+    "## Remote models' keys",
+    "",
+    "A remote model (`colibri pull http://host:port --name NAME`, docs/remote-models.md)",
+    "sends the key of its endpoint, read per request from `[remote.NAME]`:",
+    "",
+    "```toml",
+    "[remote.team]",
+    'api_key_file = "keys/team"   # first line; chmod 600; relative: to $COLIBRI_HOME',
+    "```",
+    "",
+    '(or `api_key = "..."`, which the start-up warning names when others can read this',
+    "file). Without a table, `$COLIBRI_HOME/keys/NAME` is read when it exists: that is where",
+    "`colibri pull URL --name NAME --api-key-env VAR` stores the key it reads from `$VAR`.",
+    "A key is never a command-line argument, and never written to models/NAME or the log.",
     "",
     "## What the daemon checks and bounds",
     "",
@@ -123,7 +140,7 @@ def table(current: dict[str, object] | None = None) -> str:
     for key, kind, default, meaning in rows():
         now = ""
         if current is not None and key in current:
-            shown = "(hidden)" if key == "http_api_key" else _toml(current[key])
+            shown = "(hidden)" if key in ("http_api_key", "remote") else _toml(current[key])
             now = f"  [set: {shown}]"
         lines.append(f"{key:<{width}}  {kind:<10} {default:<12} {meaning}{now}")
     return "\n".join(lines)

@@ -7,6 +7,7 @@
         ├── signal watcher (SIGTERM/SIGINT -> stopping)
         ├── engine host (owns the one engine thread)
         ├── scheduler (admission, fairness)
+        ├── remote runner (a task per request to a remote model: serve/remote_runs.py)
         ├── the model slot: load the default model (on the engine thread), then
         │   ├── keep_alive watcher (unloads a model idle for its keep_alive)
         │   └── profile saver (periodic atomic writes of the loaded model's profiles)
@@ -43,15 +44,17 @@ if sys.version_info < (3, 11):  # trio brings the backport there
     from exceptiongroup import BaseExceptionGroup
 
 from colibrid.config import Settings, speculation
-from colibrid.errors import ColibriError
+from colibrid.errors import ColibriError, ConfigError
 from colibrid.http.app import serve_http
 from colibrid.http.listen import bind_http, fd_binds
 from colibrid.paths import Paths, make_state_private, remove_orphan_temps
+from colibrid.remote.spec import read_spec
 from colibrid.serve.accept import install_accept_filter, raise_fd_limit
 from colibrid.serve.faults import FaultPlan
 from colibrid.serve.grammars import GrammarLimits, GrammarService
 from colibrid.serve.host import EngineHost
 from colibrid.serve.models import ModelSlot
+from colibrid.serve.remote_runs import RemoteRunner
 from colibrid.serve.roofline import refresh_when_idle
 from colibrid.serve.scheduler import Scheduler
 from colibrid.serve.session import serve_connection
@@ -109,14 +112,25 @@ async def save_profiles(models: ModelSlot, every_s: float) -> None:
             failing = None
 
 
-async def drain(scheduler: Scheduler, grace_s: float) -> None:
-    """In-flight requests end (within the grace) or are cancelled; queued ones fail."""
+async def drain(scheduler: Scheduler, grace_s: float, remotes: RemoteRunner | None = None) -> None:
+    """In-flight requests end (within the grace) or are cancelled; queued ones fail.
+    Requests to remote models are drained alongside."""
     scheduler.close_nowait()
+    if remotes is not None:
+        remotes.close_nowait()
+
+    async def idle() -> None:
+        await scheduler.wait_idle()
+        if remotes is not None:
+            await remotes.wait_idle()
+
     with trio.move_on_after(grace_s):
-        await scheduler.wait_idle()
+        await idle()
     scheduler.cancel_running()
+    if remotes is not None:
+        remotes.cancel_running()
     with trio.move_on_after(5.0):  # a client that stopped reading must not hold us
-        await scheduler.wait_idle()
+        await idle()
 
 
 def raise_limits() -> None:
@@ -133,6 +147,12 @@ def raise_limits() -> None:
 async def serve(
     settings: Settings, paths: Paths, model_dir: Path, ready: Callable[[str], None]
 ) -> None:
+    if read_spec(model_dir) is not None:
+        raise ConfigError(
+            f"{model_dir.name} is a remote model: the daemon serves it beside a local one, "
+            "so default_model (or --model) must name a local model; ask for "
+            f"{model_dir.name} with `--model {model_dir.name}`"
+        )
     # a refused or taken address is one line, before the model loads
     http_sockets = bind_http(settings) if settings.http else []
     raise_limits()
@@ -158,11 +178,13 @@ async def serve(
                 host, max_queue=settings.max_queue, max_active=settings.max_active
             )
             await daemon.start(scheduler.serve)
+            remotes = RemoteRunner(paths, max_running=settings.max_queue + settings.max_active)
+            await daemon.start(remotes.serve)
             models = ModelSlot(settings, paths, host, scheduler)
             try:  # a load or a front that fails must still end the engine thread
                 log.info("loading %s", model_dir)
                 await models.switch(model_dir)
-                state = DaemonState(host, scheduler, models, grammars=grammars)
+                state = DaemonState(host, scheduler, models, grammars=grammars, remotes=remotes)
                 daemon.start_soon(save_profiles, models, settings.profile_save_s)
                 daemon.start_soon(models.watch)
                 daemon.start_soon(refresh_when_idle, host, settings.roofline_refresh_s)
@@ -179,7 +201,7 @@ async def serve(
                     ready(f"{where} model={models.name}")
                     log.info("listening on %s", where)
                     await stopping.wait()
-                    await drain(scheduler, settings.shutdown_grace_s)
+                    await drain(scheduler, settings.shutdown_grace_s, remotes)
                     front.cancel_scope.cancel()
             finally:
                 host.close()

@@ -80,6 +80,13 @@ class ConvertError(ColibriError):
     code = "CONVERT"
 
 
+class ClusterError(ColibriError):
+    """The hand-off beyond one machine cannot go on: llama.cpp's RPC binaries cannot be
+    built (no compiler, no cmake, no sdist), or a cluster plan lacks what it needs."""
+
+    code = "CLUSTER"
+
+
 class TemplateError(RequestError):
     """A model's chat template failed on a request or went over a limit (output size,
     render time, a huge repeat or range). It costs that request only; a template that

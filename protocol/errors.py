@@ -33,6 +33,8 @@ CODES: dict[str, str] = {
     "one run (or another is loading); it is loaded when the daemon is idle",
     "NO_MODEL": "no model is loaded (after `UNLOAD` or keep_alive), for a request that needs "
     "one and does not load one (MODEL, PROFILE, UNLOAD)",
+    "REMOTE": "a remote model's endpoint failed (unreachable, an error status, a timeout, a "
+    "broken stream); the message names the endpoint and what it said",
     "INTERNAL": "an unexpected failure inside the daemon; the request is lost, the daemon lives",
 }
 

@@ -191,7 +191,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "colibri_protocol": frozenset(),  # the wire format, shared by daemon and client
     "colibrid": frozenset(),
     "colibrid.paths": frozenset({"colibrid.errors", "colibri_protocol"}),
-    "colibrid.installed": frozenset({"colibrid.paths"}),
+    "colibrid.installed": frozenset(
+        {"colibrid.errors", "colibrid.paths", "colibrid.remote.spec", "colibrid.remote.keyfile"}
+    ),
+    # remote models: their file under models/, their keys, their endpoint's wire format
+    "colibrid.remote": frozenset({"colibrid.errors", "colibrid.paths", "colibrid.config"}),
     # the arithmetic; it implements models.base.Ops without importing it
     "colibrid.backends": frozenset({"colibrid.errors", "colibrid.formats", "colibrid.policy"}),
     "colibrid.models": frozenset({"colibrid.errors", "colibrid.formats", *SHARED_BACKEND_MODULES}),
@@ -230,6 +234,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "colibrid.store",
             # `requant --max-kl` scores its candidates with `colibri eval`
             "colibrid.quality",
+            "colibrid.remote",  # `colibri pull URL` registers a remote model
         }
     ),
     # quality measured: `colibri eval` runs two models teacher-forced (engine), reads expert
@@ -254,6 +259,8 @@ ALLOWED: dict[str, frozenset[str]] = {
             "colibrid.engine",
             "colibrid.store",
             "colibri_protocol",
+            "colibrid.installed",  # which names are remote models
+            "colibrid.remote",  # their requests stream from their endpoint
         }
     ),
     "colibrid.http": frozenset(
@@ -266,7 +273,14 @@ ALLOWED: dict[str, frozenset[str]] = {
         }
     ),
     "colibrid.daemon": frozenset(
-        {"colibrid.errors", "colibrid.paths", "colibrid.config", "colibrid.serve", "colibrid.http"}
+        {
+            "colibrid.errors",
+            "colibrid.paths",
+            "colibrid.config",
+            "colibrid.serve",
+            "colibrid.http",
+            "colibrid.remote",  # a remote model cannot be the default
+        }
     ),
     "colibrid.control": frozenset(
         {
@@ -311,6 +325,22 @@ ALLOWED: dict[str, frozenset[str]] = {
             "colibrid.cli",
             # the prompt files `colibri profile` reads; bench replays the same ones
             "colibri_cli.commands.profile",
+        }
+    ),
+    # beyond one machine: llama.cpp's RPC build (pinned as bench peer's), and `colibri
+    # plan`, which measures as the daemon does (inspect's sizes, the store's disk probe,
+    # the native memory probe) and prints other engines' command lines
+    "colibrid.cluster": frozenset(
+        {
+            "colibrid.errors",
+            "colibrid.paths",
+            "colibrid.config",
+            "colibrid.backends",
+            "colibrid.store",
+            "colibrid.engine",
+            "colibrid.convert",
+            "colibrid.bench",
+            "colibrid.remote",  # a remote model is refused by name (its remote.json)
         }
     ),
     # the light client: the protocol, and the daemon side only lazily, for the commands

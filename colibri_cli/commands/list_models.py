@@ -1,5 +1,6 @@
 """`colibri list`: the installed models, their size and number formats, and which one the
-daemon has loaded (asked of a running daemon; none is started for it)."""
+daemon has loaded (asked of a running daemon; none is started for it). A remote model
+(`colibri pull URL`) shows as `remote`, with its endpoint's URL (never its key)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def loaded_note(name: str, status: dict[str, Any] | None) -> str:
     return "loaded" if unload_in is None else f"loaded (unloads in {duration(unload_in)})"
 
 
+def remote_note(name: str, status: dict[str, Any] | None) -> str:
+    """What the daemon does with the remote model `name`: its requests running now."""
+    used = ((status or {}).get("remote") or {}).get(name)
+    return f"{used['running']} running" if used and used.get("running") else ""
+
+
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     from colibrid.installed import installed
@@ -53,6 +60,9 @@ def main(argv: Sequence[str]) -> int:
                 "path": str(m.path),
                 "linked": m.linked,
                 "loaded": loaded_note(m.name, status),
+                "remote": None
+                if m.remote is None
+                else {"url": m.remote.url, "model": m.remote.model},
             }
             print(json.dumps(row))
         return 0
@@ -61,6 +71,10 @@ def main(argv: Sequence[str]) -> int:
         return 0
     rows: list[list[object]] = [["NAME", "ARCH", "SIZE", "QUANTISATION", "LOADED"]]
     for m in models:
+        if m.remote is not None:  # computed elsewhere: nothing here to size or load
+            where = f"{m.remote.model} at {m.remote.url}"
+            rows.append([m.name, "remote", "-", where, remote_note(m.name, status)])
+            continue
         size = (
             f"{m.size_bytes / 1e9:.2f} GB"
             if m.size_bytes >= 1e9

@@ -31,6 +31,7 @@ from colibri_cli.client import (
     ConnectionLost,
     NotRunning,
     ensure_daemon,
+    is_remote,
     model_name,
 )
 from colibri_cli.options import add_answer_options, chat_sampling
@@ -130,8 +131,9 @@ def stream_answer(client: Client, chat: Chat, text: str) -> None:
 def say_if_unloaded(client: Client, chat: Chat) -> None:
     """Before a message: when the daemon holds no model (`colibri stop`, or keep_alive ran
     out while the REPL sat open), say that this message loads one, rather than reloading
-    it in silence. Not when the REPL itself asked to unload after each answer."""
-    if chat.options.get("keep_alive") == 0:
+    it in silence. Not when the REPL itself asked to unload after each answer, nor for a
+    remote model (`colibri pull URL`): its endpoint answers, and the daemon loads nothing."""
+    if chat.options.get("keep_alive") == 0 or is_remote(chat.model):
         return
     status = client.query("STATUS")
     if isinstance(status, dict) and status.get("model") is None and not status.get("loading"):

@@ -2,7 +2,7 @@
 unless `--force`, which unloads it first. A model installed as a link (a container folder
 pulled in place) loses only its link: the folder is the user's. The model's prompt cache
 goes with it; its usage profiles are kept (a model pulled again under the name reuses
-them)."""
+them). A remote model (`colibri pull URL`) takes the key file its pull stored with it."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def main(argv: Sequence[str]) -> int:
     for name in args.names:
         try:
             release(name, args.force)
-            print(remove(name, paths.models))
+            print(remove(name, paths))
         except (ClientError, NotInstalled, OSError) as exc:
             print(f"colibri rm: {exc}", file=sys.stderr)
             failed = 1

@@ -3,7 +3,7 @@ than the memory they may use, the same weights for both.
 
 Method (docs/performance.md, side-by-side (b)):
 1. DIR is a GLM-4.5-Air-shaped container (`colibri synth --shape glm4-air --layers N
-   --experts 128`); its GGUF twin is written next to it once (`gguf_export`: the same int4
+   --experts 128`); its GGUF twin is written next to it once (`colibri export`: the same int4
    codes as Q4_0, 4.5 bits per weight for both).
 2. A balloon (`colibrid.bench.balloon`) mlocks all but `--leave-gb` of the available
    memory for the whole run; the model must be at least 4x what is left.
@@ -135,8 +135,8 @@ def _in_child(kind: str, path: Path, prompt: list[int], tokens: int, threads: in
 
 def run(model: Path, gguf: Path | None, leave_gb: float, tokens: int, prompt_tokens: int) -> dict:
     from colibrid.backends import native
-    from colibrid.bench import gguf_export
     from colibrid.bench.decode import random_prompt
+    from colibrid.convert import gguf_export
     from colibrid.store.checkpoint import Checkpoint
 
     with Checkpoint.open(model) as ckpt:

@@ -14,6 +14,10 @@ What it can install, all on this machine except the demo's one download:
 * a dense Llama ``*.gguf`` whose tokenizer colibri rebuilds exactly (SmolLM2's family):
   re-expressed as an all-dense ``glm4_moe`` container.
 
+An ``http://`` or ``https://`` URL installs an OpenAI-compatible endpoint (llama-server,
+vLLM, SGLang, another colibrid) as a remote model the daemon forwards requests to
+(colibrid.remote.pull; docs/remote-models.md).
+
 A name it cannot fetch is refused with one line saying what it can do: colibri fetches no
 model registry over the network; a path that does not exist is "no such file or folder".
 A folder without ``tokenizer.json`` is refused before anything is converted or linked
@@ -36,6 +40,7 @@ from colibrid.convert import demo
 from colibrid.convert.convert import MANIFEST_NAME, add_quant_options, convert, params_from
 from colibrid.errors import ColibriError, ConvertError
 from colibrid.paths import Paths
+from colibrid.remote.spec import is_url, read_spec
 from colibrid.store.integrity import Digests
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -47,7 +52,8 @@ GGUF_PRE_TOKENIZERS = ("smollm", "gpt-2", "gpt2")
 OFFLINE_HELP = (
     "colibri fetches no model registry; it can pull `demo`, a Hugging Face checkpoint "
     "folder (`colibri pull ./folder --name NAME`, converted here), a colibri container "
-    "folder (linked) or a dense Llama .gguf file"
+    "folder (linked), a dense Llama .gguf file, or an OpenAI-compatible server's URL "
+    "(`colibri pull http://host:port --name NAME`, a remote model)"
 )
 
 
@@ -193,7 +199,12 @@ def convert_gguf(source: Path, dst: Path, args: argparse.Namespace) -> Path:
 
 
 def pull(target: str, args: argparse.Namespace, paths: Paths) -> Path:
-    """Install `target` (a built-in name or a path); the installed folder."""
+    """Install `target` (a built-in name, a path or an endpoint's URL); the installed
+    folder."""
+    if "://" in target:
+        return register_remote(target, args, paths)
+    if args.api_key_env or args.remote_model:
+        raise ConvertError("--api-key-env and --remote-model are for `colibri pull URL`")
     source = Path(target).expanduser()
     if args.dense and target == demo.DEMO_NAME:  # the older spelling of demo-dense
         target = demo.DENSE_NAME
@@ -230,20 +241,49 @@ def pull(target: str, args: argparse.Namespace, paths: Paths) -> Path:
     return convert_checkpoint(source, dst, args)
 
 
+def register_remote(url: str, args: argparse.Namespace, paths: Paths) -> Path:
+    """Install the endpoint at `url` as a remote model (colibrid.remote.pull)."""
+    from colibrid.remote.pull import Registration, default_name, register
+
+    if not is_url(url):
+        raise ConvertError(f"{url}: only an http:// or https:// server can be pulled")
+    for flag, given in (("--from", args.from_file), ("--dense", args.dense)):
+        if given:
+            raise ConvertError(f"{flag} is for `colibri pull demo`, not a URL")
+    name = check_name(args.name or default_name(url))
+    reg = Registration(url, name, args.api_key_env, args.remote_model, args.force)
+    return register(reg, paths, _say(args.quiet))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="colibri pull",
         description="Install a model under $COLIBRI_HOME/models/NAME: the built-in demo "
         "(fetched once), a Hugging Face checkpoint folder (converted, resumable), a colibri "
-        "container folder (linked) or a dense Llama .gguf. `colibri list` shows what is "
-        "installed.",
+        "container folder (linked), a dense Llama .gguf, or an OpenAI-compatible server "
+        "(llama-server, vLLM, SGLang, colibrid) by its URL, answered through the daemon as "
+        "a remote model. `colibri list` shows what is installed.",
     )
     p.add_argument(
         "target",
-        metavar="NAME|PATH",
-        help="`demo` (or `demo-dense`), a checkpoint or container folder, or a .gguf file",
+        metavar="NAME|PATH|URL",
+        help="`demo` (or `demo-dense`), a checkpoint or container folder, a .gguf file, or "
+        "http://host:port of an OpenAI-compatible server",
     )
-    p.add_argument("--name", help="install under this name (default: the folder or file name)")
+    p.add_argument(
+        "--name", help="install under this name (default: the folder or file name; a URL's host)"
+    )
+    p.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="URL only: read the server's API key from this environment variable once and "
+        "store it in $COLIBRI_HOME/keys/NAME (0600); a key is never a command-line argument",
+    )
+    p.add_argument(
+        "--remote-model",
+        metavar="ID",
+        help="URL only: the model to use where the server lists several (its /v1/models)",
+    )
     p.add_argument(
         "--from",
         dest="from_file",
@@ -283,6 +323,11 @@ def main(argv: Sequence[str]) -> int:
     started = time.perf_counter()
     paths = Paths.from_env(None)
     dst = pull(args.target, args, paths)
+    if is_url(args.target):
+        spec = read_spec(dst)
+        assert spec is not None
+        print(f"{dst.name}: remote model {spec.model} at {spec.url}, installed as {dst}")
+        return 0
     size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file())
     print(
         f"{dst.name}: installed at {dst} ({size / 1e6:.0f} MB, "

@@ -176,6 +176,7 @@ def messages_plan(
         tools=shown_tools,
         keep_alive=keep_alive(body),
         grammar=grammar,
+        asked=tool_plan.asked,
     )
     return Plan(
         request,

@@ -4,8 +4,9 @@ runs it with hypercorn's trio worker inside the daemon nursery.
 Every request passes `Gate` (Host / Origin) before anything else, then the route, the
 key and, for POST, `require_json`; bodies are read and decoded by `colibrid.http.body`.
 
-Every generation goes through `scheduler.submit_nowait` + `scheduler.track`, exactly like
-a SERVE session: the queue, fairness, cancellation and the engine thread are shared.
+Every generation goes through `state.submit_nowait` + `handle.track()`, exactly like a
+SERVE session: the queue, fairness, cancellation and the engine thread are shared (and a
+remote model's requests go to its endpoint the same way: serve.remote_runs).
 The response status is chosen only after the request is `Accepted` (or refused), so
 admission and context errors are real HTTP errors even for streaming requests. A task
 per request waits for ``http.disconnect`` and cancels the request's scope: leaving
@@ -36,13 +37,14 @@ from colibrid.http.gate import Gate, is_loopback_host, require_json
 from colibrid.http.metrics import CONTENT_TYPE, HttpMetrics
 from colibrid.http.ollama_api import OllamaApi
 from colibrid.http.openapi import describe
-from colibrid.http.parsing import Features
+from colibrid.http.parsing import REMOTE_FEATURES, Features
 from colibrid.http.response_events import ResponseStream
 from colibrid.http.response_store import ResponseStore
 from colibrid.http.responses import response_plan
 from colibrid.installed import names as installed_names
 from colibrid.serve.events import Accepted, Done, Failed, Progress, Token
 from colibrid.serve.prepare import GrammarRefused, tokenize
+from colibrid.serve.remote_body import OPEN_CONTEXT
 from colibrid.serve.requests import GenerateRequest
 
 log = logging.getLogger("colibrid.http")
@@ -121,6 +123,16 @@ class HttpApp:
     def max_context(self) -> int:
         engine = self.state.engine
         return int(engine.max_context) if engine is not None else 0
+
+    def context_of(self, model: str) -> int:
+        """The context a request for `model` is planned with: the loaded model's, or for
+        a remote one, none known here (serve.remote_body.OPEN_CONTEXT)."""
+        return OPEN_CONTEXT if self.state.remote(model) is not None else self.max_context
+
+    def features_of(self, model: str) -> Features:
+        """What a request for `model` may ask of its answer: the loaded model's chat
+        template's features, or for a remote one `REMOTE_FEATURES`."""
+        return REMOTE_FEATURES if self.state.remote(model) is not None else self.features
 
     @property
     def features(self) -> Features:
@@ -311,6 +323,12 @@ class HttpApp:
     async def _count(self, plan: openai.Plan) -> int:
         """The tokens of the plan's prompt, rendered and tokenised as a generation's is
         (serve.prepare.tokenize), in a worker thread; nothing is generated."""
+        if self.state.remote(plan.model) is not None:
+            raise bad_request(
+                f"{plan.model} is a remote model: its endpoint's tokenizer is not here to "
+                "count with (OpenAI's API has no count of its own)",
+                "model",
+            )
         codec = self.state.host.codec
         if codec is None:
             raise bad_request("this model has no tokenizer.json; it cannot count text")
@@ -323,7 +341,7 @@ class HttpApp:
     async def _ensure(self, model: str) -> None:
         """The model a request names is loaded (in place of another when idle)."""
         try:
-            await self.state.models.ensure(model)
+            await self.state.ready(model)  # a remote model: nothing to load
         except ColibriError as exc:
             raise errors.from_code(
                 exc.code, str(exc), retry_after_s=self.settings.http_retry_after_s
@@ -337,20 +355,21 @@ class HttpApp:
             raise bad_request(str(exc)) from None
 
     def _plan_of(self, path: str, body: Any, client: int, model: str) -> tuple[openai.Plan, Any]:
-        common = {"served": model, "client": client, "max_context": self.max_context}
+        common = {"served": model, "client": client, "max_context": self.context_of(model)}
+        features = self.features_of(model)
         if path == "/v1/chat/completions":
-            plan = openai.chat_plan(body, features=self.features, **common)
+            plan = openai.chat_plan(body, features=features, **common)
             return plan, _translator(plan, openai.ChatStream)
         if path == "/v1/completions":
             plan = openai.completion_plan(body, **common)
             return plan, _translator(plan, openai.CompletionStream)
         if path == "/v1/responses":
-            plan, spec = response_plan(body, features=self.features, store=self.responses, **common)
+            plan, spec = response_plan(body, features=features, store=self.responses, **common)
             return plan, ResponseStream(plan, spec, self.responses)
         if path == "/v1/messages/count_tokens":
-            plan = anthropic.count_plan(body, features=self.features, **common)
+            plan = anthropic.count_plan(body, features=features, **common)
             return plan, None
-        plan = anthropic.messages_plan(body, features=self.features, **common)
+        plan = anthropic.messages_plan(body, features=features, **common)
         return plan, anthropic.MessageStream(plan)
 
     async def _prepare(self, plan: openai.Plan) -> openai.Plan:
@@ -358,6 +377,11 @@ class HttpApp:
         (serve.prepare): each schema the client gave is compiled first by itself, so that
         a bad one is a 400 naming its field (one that is the whole grammar, a response
         format alone, is compiled once, as the grammar)."""
+        if self.state.remote(plan.model) is not None:  # the endpoint checks its schemas
+            try:
+                return replace(plan, request=await self.state.prepare(plan.request, plan.model))
+            except ColibriError as exc:
+                raise errors.from_code(exc.code, str(exc)) from None
         grammar = plan.request.grammar
         itself = next((c for c in plan.checks if grammar and c.grammar.key == grammar.key), None)
         for check in plan.checks:
@@ -388,9 +412,8 @@ class HttpApp:
     ) -> None:
         """Submit and track one request; `pump` frames its events (default: SSE)."""
         pump = pump or self._pump
-        scheduler = self.state.scheduler
         try:
-            handle = scheduler.submit_nowait(plan.request)
+            handle = self.state.submit_nowait(plan.request)
         except ColibriError as exc:
             raise errors.from_code(
                 exc.code, str(exc), retry_after_s=self.settings.http_retry_after_s
@@ -399,7 +422,7 @@ class HttpApp:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
             try:
-                async with scheduler.track(handle):
+                async with handle.track():
                     await pump(plan, translator, handle.events, responder)
             except ApiError as exc:
                 failure.append(exc)
@@ -476,7 +499,9 @@ class HttpApp:
         if i == 0 or request.constraint is None:
             return request
         try:
-            return await self.state.prepare(replace(request, prompt_ids=None, constraint=None))
+            return await self.state.prepare(
+                replace(request, prompt_ids=None, constraint=None), plan.model
+            )
         except ColibriError as exc:
             raise errors.from_code(exc.code, str(exc), max_context=self.max_context) from None
 
@@ -487,7 +512,6 @@ class HttpApp:
         The first computes the prompt; the others start from a copy of its KV
         (`same_prompt_as`: the prompt is prefilled once)."""
         requests = [await self._choice(plan, i) for i in range(plan.n)]
-        scheduler = self.state.scheduler
         failure: list[ApiError] = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
@@ -496,14 +520,14 @@ class HttpApp:
                     handles = []
                     for request in requests:
                         try:
-                            handle = scheduler.submit_nowait(
+                            handle = self.state.submit_nowait(
                                 request, same_prompt_as=handles[0] if handles else None
                             )
                         except ColibriError as exc:
                             raise errors.from_code(
                                 exc.code, str(exc), retry_after_s=self.settings.http_retry_after_s
                             ) from None
-                        handles.append(await stack.enter_async_context(scheduler.track(handle)))
+                        handles.append(await stack.enter_async_context(handle.track()))
                     error = await self._pump_many(plan, choices, handles, responder)
                     if error is not None:
                         raise error

@@ -17,6 +17,7 @@ _TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     500: "server_error",
+    502: "api_error",
     503: "overloaded_error",
 }
 
@@ -90,6 +91,8 @@ def from_code(
         return ApiError(400, message, code=code.lower())
     if code == "CANCELLED":
         return ApiError(503, message, code="cancelled")
+    if code == "REMOTE":  # a remote model's endpoint failed (colibrid.remote)
+        return ApiError(502, message, code="remote_error")
     if code == "IO":  # the daemon could not read or write its own files (saved KV, profiles)
         return ApiError(500, message, code="io_error")
     return ApiError(500, message, code=code.lower())

@@ -130,7 +130,7 @@ async def delete(state: Any, body: Any) -> str:
     if state.model_name == name:
         await state.models.unload("deleted over the HTTP API")
     try:
-        said = await trio.to_thread.run_sync(lambda: remove(name, paths.models))
+        said = await trio.to_thread.run_sync(lambda: remove(name, paths))
     except NotInstalled as exc:
         raise ApiError(404, str(exc), code="model_not_found", param="model") from None
     await trio.to_thread.run_sync(lambda: shutil.rmtree(paths.kv / name, ignore_errors=True))

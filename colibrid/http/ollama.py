@@ -352,6 +352,7 @@ def plan(
         tools=shaped.tools,
         keep_alive=keep_alive(body),
         grammar=shaped.grammar,
+        asked=shaped.asked,
     )
     return Exchange(
         Plan(

@@ -67,6 +67,10 @@ class AppSide(Protocol):
     @property
     def features(self) -> Features: ...
 
+    def context_of(self, model: str) -> int: ...
+
+    def features_of(self, model: str) -> Features: ...
+
     def _installed(self) -> list[str]: ...
 
     async def _ensure(self, model: str) -> None: ...
@@ -191,7 +195,8 @@ class OllamaApi:
         await app._ensure(model)
         load_ns = time.perf_counter_ns() - started
         if ollama.only_loads(path, body):
-            self.state.models.hold(ollama.keep_alive(body))
+            if self.state.remote(model) is None:  # a remote model has nothing to keep
+                self.state.models.hold(ollama.keep_alive(body))
             await responder.json(200, ollama.loaded(path, model, "load", load_ns, started))
             return
         client = next(app._clients)
@@ -219,8 +224,8 @@ class OllamaApi:
                 body,
                 served=model,
                 client=client,
-                max_context=self.app.max_context,
-                features=self.app.features,
+                max_context=self.app.context_of(model),
+                features=self.app.features_of(model),
             )
         except RequestError as exc:  # a grammar past the caps, beyond the named fields
             raise bad_request(str(exc)) from None

@@ -4,10 +4,12 @@
 
 Ollama names models ``name:tag``; colibri's names carry no tag, so they are listed as
 they are and ``:latest`` is read as the untagged name (`ollama.model_name`). A `digest`
-here is the SHA-256 of the model's config.json and manifest.json (its identity: weights
-are checked by the manifest's own per-tensor digests, `colibri inspect --verify`), not of
-an Ollama registry manifest. Figures colibri does not know are left out rather than made
-up: a parameter count (a quantised container does not record it).
+here is the SHA-256 of the files that say which model it is (`Installed.identity_files`:
+config.json and manifest.json, whose per-tensor digests check the weights, `colibri
+inspect --verify`; a remote model's remote.json), not of an Ollama registry manifest, and
+its `modified_at` the first one's mtime. Figures colibri does not know are left out
+rather than made up: a parameter count (a quantised container does not record it), a
+remote model's quantisation (the server's own).
 """
 
 from __future__ import annotations
@@ -65,25 +67,27 @@ def config_of(model: Installed) -> dict[str, Any]:
 
 
 def digest(model: Installed) -> str:
-    h = hashlib.sha256(_read(model.path / "config.json"))
-    h.update(_read(model.path / "manifest.json"))
+    h = hashlib.sha256()
+    for path in model.identity_files():
+        h.update(_read(path))
     return h.hexdigest()
 
 
 def modified_at(model: Installed) -> str:
     try:
-        return _iso((model.path / "config.json").stat().st_mtime)
+        return _iso(model.identity_files()[0].stat().st_mtime)
     except OSError:
         return _iso(0)
 
 
 def details(model: Installed) -> dict[str, Any]:
+    remote = model.remote is not None  # its weights and their format are the server's
     return {
         "parent_model": "",
-        "format": "safetensors",
+        "format": "remote" if remote else "safetensors",
         "family": model.model_type,
         "families": [model.model_type],
-        "quantization_level": model.quantisation,
+        "quantization_level": "" if remote else model.quantisation,
     }
 
 
@@ -147,7 +151,7 @@ def show(body: Any, model: Installed) -> dict[str, Any]:
     modelfile = "\n".join(
         [
             f"# {model.name}, served by colibri",
-            f"FROM {model.path}",
+            f"FROM {model.path if model.remote is None else model.remote.url}",
             f'TEMPLATE """{text}"""',
             *(f"PARAMETER {line}" for line in params.splitlines()),
         ]

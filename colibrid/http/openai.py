@@ -33,7 +33,7 @@ from colibrid.http.structured import (
 )
 from colibrid.http.tools import checked_tools, plan_tools
 from colibrid.serve.events import Done
-from colibrid.serve.requests import GenerateRequest
+from colibrid.serve.requests import Asked, GenerateRequest
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -345,27 +345,6 @@ def chat_tools(
     return tools, choice
 
 
-def shaped(
-    messages: tuple[dict[str, Any], ...],
-    tools: tuple[dict[str, Any], ...] | None,
-    choice: ToolChoice,
-    answer: dict[str, Any] | bool | None,
-    features: Features,
-    *,
-    param: str = "tools",
-) -> tuple[
-    tuple[dict[str, Any], ...],
-    tuple[dict[str, Any], ...] | None,
-    Grammar | None,
-    tuple[SchemaCheck, ...],
-]:
-    """The messages, the tools for the chat template, the grammar of a request with
-    tools and/or a JSON answer and the client's schemas in it (`tools.plan_tools`,
-    returned as a tuple)."""
-    plan = plan_tools(messages, tools, choice, features, answer=answer, param=param)
-    return plan.messages, plan.tools, plan.grammar, plan.checks
-
-
 def chat_plan(body: Any, *, served: str, client: int, max_context: int, features: Features) -> Plan:
     body = _obj(body)
     model = check_model(body, served)
@@ -374,7 +353,7 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
     messages = chat_messages(body.get("messages"))
     tools, choice = chat_tools(body, features)
     answer = response_schema(body.get("response_format"))
-    messages, template_tools, grammar, checks = shaped(messages, tools, choice, answer, features)
+    shaped = plan_tools(messages, tools, choice, features, answer=answer)
     max_tokens = _int(body, "max_completion_tokens")
     max_tokens = max_tokens if max_tokens is not None else _int(body, "max_tokens")
     params = sampling(
@@ -388,10 +367,11 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         id=new_id("chatcmpl"),
         client=client,
         params=params,
-        messages=messages,
-        tools=template_tools,
+        messages=shaped.messages,
+        tools=shaped.tools,
         keep_alive=keep_alive(body),
-        grammar=grammar,
+        grammar=shaped.grammar,
+        asked=shaped.asked,
     )
     return Plan(
         request,
@@ -400,7 +380,7 @@ def chat_plan(body: Any, *, served: str, client: int, max_context: int, features
         include_usage,
         max_tokens,
         replace(features, tools=tools is not None),
-        checks,
+        shaped.checks,
         choices(body),
         one_call=not flag(body, "parallel_tool_calls", True),
     )
@@ -439,6 +419,7 @@ def completion_plan(body: Any, *, served: str, client: int, max_context: int) ->
         prompt=prompt,
         keep_alive=keep_alive(body),
         grammar=None if answer is None else Grammar.json_schema(answer),
+        asked=None if answer is None else Asked(schema=answer),
     )
     return Plan(request, model, stream, include_usage, max_tokens, checks=checks, n=choices(body))
 
@@ -447,6 +428,13 @@ def finish_reason(done: Done, calls: list[ToolCall]) -> str:
     if calls:
         return "tool_calls"
     return "length" if done.finish == "length" else "stop"
+
+
+def ended(done: Done, calls: list[ToolCall]) -> dict[str, Any]:
+    """A last choice's ending: `finish_reason`, and vLLM's `stop_reason` (the stop string
+    that ended the answer, null when none did), which OpenAI has no field for; another
+    colibrid reads it when this one is its remote model (remote.chunks)."""
+    return {"finish_reason": finish_reason(done, calls), "stop_reason": done.stop_string}
 
 
 def whole(plan: Plan, done: Done) -> bool:
@@ -537,7 +525,9 @@ class ChatStream:
         out = self._pieces(pieces)
         for call in tool_calls_json(self.calls, stream=True):
             out += self._call_deltas(call)
-        out.append(self._chunk({}, finish_reason(done, self.calls)))
+        end = self._chunk({})
+        end["choices"][0].update(ended(done, self.calls))
+        out.append(end)
         if self.plan.include_usage:
             out.append({**self._chunk({}), "choices": [], "usage": usage(done)})
         return out
@@ -563,7 +553,7 @@ class ChatStream:
                     "index": self.index,
                     "message": message,
                     "logprobs": None if self.logprobs is None else self.logprobs.whole(),
-                    "finish_reason": finish_reason(done, self.calls),
+                    **ended(done, self.calls),
                 }
             ],
             "usage": usage(done),
@@ -606,14 +596,17 @@ class CompletionStream:
         return [self._chunk(text, lp=self.logprobs.pending())]
 
     def finish(self, done: Done) -> list[dict[str, Any]]:
-        out = [self._chunk("", finish_reason(done, []))]
+        end = self._chunk("")
+        end["choices"][0].update(ended(done, []))
+        out = [end]
         if self.plan.include_usage:
             out.append({**self._chunk(""), "choices": [], "usage": usage(done)})
         return out
 
     def response(self, done: Done) -> dict[str, Any]:
         lp = None if self.logprobs is None else self.logprobs.whole()
-        body = self._chunk("".join(self.text), finish_reason(done, []), lp)
+        body = self._chunk("".join(self.text), lp=lp)
+        body["choices"][0].update(ended(done, []))
         return {**body, "usage": usage(done)}
 
 

@@ -85,6 +85,11 @@ class Features:
         )
 
 
+# A remote model (colibrid.remote): its endpoint applies its own chat template and takes
+# tools as tools; its reasoning and calls come back in `<think>` and `<tool_call>{json}`
+# form (remote.chunks), which is what these features read.
+REMOTE_FEATURES = Features(tools=True, think=True, call_syntax="json", json_calls=True)
+
 HARMONY_CALL_TOKENS = frozenset({"<|channel|>", "<|constrain|>", "<|message|>"})
 DEEPSEEK_CALL_TOKENS = frozenset(
     {DEEPSEEK_TOOLS_OPEN, "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"}

@@ -453,6 +453,7 @@ def response_plan(
         tools=shaped.tools,
         keep_alive=keep_alive(body),
         grammar=shaped.grammar,
+        asked=shaped.asked,
     )
     plan = Plan(request, model, stream, False, max_tokens, shaped.features, checks)
     spec = ResponseSpec(

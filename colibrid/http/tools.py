@@ -62,6 +62,7 @@ from colibrid.http.structured import (
     output_grammar,
     schema_checks,
 )
+from colibrid.serve.requests import Asked
 
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 # Syntaxes `call_grammar` writes exactly as the template taught them (Features.call_syntax).
@@ -80,6 +81,8 @@ class ToolPlan:
     grammar: Grammar | None
     checks: tuple[SchemaCheck, ...]
     features: Features
+    # the same in OpenAI's terms, for a remote model (serve.requests.Asked)
+    asked: Asked = Asked()
 
 
 # ---- the shapes every dialect converts into ------------------------------------------------
@@ -254,11 +257,13 @@ def plan_tools(
         messages = readable_history(messages)
     messages = tuple(messages)
     plain = replace(features, tools=False)
+    asked = Asked(wire_choice(choice), answer)
     if not tools or choice.mode == "none":
         if choice.forced:
             raise bad_request("`tool_choice` names tools but `tools` is empty", "tool_choice")
         checks = schema_checks(answer, (), (), param)  # first: a 400 naming the field
-        return ToolPlan(messages, None, output_grammar(answer, (), choice), checks, plain)
+        grammar = output_grammar(answer, (), choice)
+        return ToolPlan(messages, None, grammar, checks, plain, asked)
     callable_ = callable_tools(tools, choice, param)
     checks = schema_checks(answer, tools, callable_, param)  # first: a 400 naming the field
     # a template that cannot show tools is taught the JSON form, whatever else it holds
@@ -269,5 +274,13 @@ def plan_tools(
         grammar = auto_grammar(callable_, syntax)
     parsed = replace(features, tools=True)
     if features.tools:
-        return ToolPlan(messages, tuple(tools), grammar, checks, parsed)
-    return ToolPlan(describe_tools(messages, callable_, choice), None, grammar, checks, parsed)
+        return ToolPlan(messages, tuple(tools), grammar, checks, parsed, asked)
+    described = describe_tools(messages, callable_, choice)
+    return ToolPlan(described, None, grammar, checks, parsed, asked)
+
+
+def wire_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    """`choice` as OpenAI's `tool_choice` (what a remote model is sent)."""
+    if choice.name is not None:
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice.mode

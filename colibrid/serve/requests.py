@@ -11,6 +11,19 @@ from colibrid.engine.constraint import Constraint
 from colibrid.engine.grammar import Grammar
 from colibrid.engine.sampling import SamplingParams
 from colibrid.engine.speculate import SpecSettings
+from colibrid.remote.spec import RemoteSpec
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What an HTTP client asked of the answer, in OpenAI's terms: `tool_choice` ("auto",
+    "none", "required", or {"type": "function", "function": {"name": ...}}) and `schema`
+    (the JSON schema of `response_format`; None: text). colibri's engine is held to the
+    `grammar` it derives from these; a remote model is sent these instead, since it
+    writes and parses its own calls (serve.remote_body)."""
+
+    tool_choice: str | dict[str, Any] = "auto"
+    schema: dict[str, Any] | bool | None = None
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,9 @@ class GenerateRequest:
     draft_max: int | None = None  # deepest draft (None: the daemon's)
     keep_alive: float | None = None  # seconds the model stays loaded once idle (None: as set)
     grammar: Grammar | None = None  # what the answer must look like (shape checked at the edge)
+    asked: Asked | None = None  # the same in OpenAI's terms, from an HTTP dialect
+    # the remote model that answers it (serve.remote_runs), set when it is prepared
+    remote: RemoteSpec | None = field(default=None, compare=False)
     # made on the trio side before the request is queued (serve.prepare), for the engine
     # `owner` (its id()): the prompt's ids and the grammar's matcher
     prompt_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -35,18 +36,33 @@ class SchedulerStatistics:
     max_active: int
 
 
+class Runs(Protocol):
+    """Who runs submitted requests: the `Scheduler` (the engine thread) or the remote
+    runner (serve.remote_runs: a trio task each, for a remote model)."""
+
+    def cancel(self, job: Job) -> None:
+        """End the job (queued: removed; running: stopped within a token)."""
+        ...
+
+    def track(self, handle: Handle) -> AbstractAsyncContextManager[Handle]:
+        """Leaving this context (normally, by error or by cancellation) ends the request."""
+        ...
+
+
 class Handle:
     """What a front end holds for one submitted request."""
 
-    def __init__(
-        self, scheduler: Scheduler, job: Job, events: trio.MemoryReceiveChannel[Event]
-    ) -> None:
-        self._scheduler = scheduler
+    def __init__(self, runs: Runs, job: Job, events: trio.MemoryReceiveChannel[Event]) -> None:
+        self.runs = runs
         self.job = job
         self.events = events
 
     def cancel(self) -> None:
-        self._scheduler._cancel(self.job)
+        self.runs.cancel(self.job)
+
+    def track(self) -> AbstractAsyncContextManager[Handle]:
+        """`track` of whoever runs it."""
+        return self.runs.track(self)
 
     def stop(self) -> None:
         """Graceful end: the answer so far is kept and DONE follows."""
@@ -131,6 +147,11 @@ class Scheduler:
         """`submit_nowait` + `track`: yields the handle whose `events` channel streams."""
         async with self.track(self.submit_nowait(request)) as handle:
             yield handle
+
+    def cancel(self, job: Job) -> None:
+        """`Runs.cancel`: a queued job is told CANCELLED and removed, a running one's
+        cancel flag is set."""
+        self._cancel(job)
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(

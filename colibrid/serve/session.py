@@ -168,8 +168,8 @@ class Connection:
             kind, body = await state.profile(request.action, request.name, request.create)
             await self.send(encode_line("OK", *body) if kind == "OK" else encode_reply(kind, body))
         elif isinstance(request, Load):
-            loaded = await state.models.ensure(request.name)
-            await self.send(encode_line("OK", "LOAD", loaded.name))
+            name = await state.ready(request.name)  # a remote model: nothing to load
+            await self.send(encode_line("OK", "LOAD", name))
         elif isinstance(request, Unload):
             name = await state.models.unload("`colibri stop` (UNLOAD)")
             await self.send(encode_line("OK", "UNLOAD", name))
@@ -187,7 +187,7 @@ class Connection:
 
     def _submit(self, generate: GenerateRequest) -> Handle:
         try:
-            return self.state.scheduler.submit_nowait(generate)
+            return self.state.submit_nowait(generate)
         except ColibriError as exc:
             raise ProtocolError(_code(exc), str(exc), generate.id) from None
 
@@ -205,14 +205,15 @@ class Connection:
         self, generate: GenerateRequest, model: str | None, turn: trio.Event, mine: trio.Event
     ) -> None:
         """Load the model the request names (or the default), tokenise its prompt and
-        compile its grammar (serve.prepare), queue it once the SUBMIT before it was
+        compile its grammar (serve.prepare; a remote model's request is only checked),
+        queue it once the SUBMIT before it was
         (`turn`; then `mine` lets the next one go), then run it; a model that cannot be
         loaded or a request that cannot be prepared ends it with the reason."""
         rid = generate.id
         try:
             with contain_panics("a native library"):
-                await self.state.models.ensure(model)
-                generate = await self.state.prepare(generate)
+                await self.state.ready(model)
+                generate = await self.state.prepare(generate, model)
             await turn.wait()
             handle = self._submit(generate)
             pending = self.loading.get(rid)
@@ -239,7 +240,7 @@ class Connection:
     async def _run(self, handle: Handle) -> None:
         rid = handle.job.request.id
         try:
-            async with self.state.scheduler.track(handle):
+            async with handle.track():
                 async for event in handle.events:
                     await self.send(_encode(rid, event, self.state))
                     if isinstance(event, events.TERMINAL):

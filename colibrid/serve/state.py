@@ -12,20 +12,24 @@ import logging
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
 
 from colibrid import __version__
 from colibrid.errors import NoModel
+from colibrid.installed import remote_spec
+from colibrid.remote.spec import RemoteSpec
 from colibrid.serve.grammars import GrammarService
 from colibrid.serve.host import EngineHost
 from colibrid.serve.models import ModelSlot
 from colibrid.serve.prepare import Preparer
 from colibrid.serve.profiles import ProfileBook, ProfileError
+from colibrid.serve.remote_body import remote_call
+from colibrid.serve.remote_runs import RemoteRunner
 from colibrid.serve.requests import GenerateRequest
-from colibrid.serve.scheduler import Scheduler
+from colibrid.serve.scheduler import Handle, Scheduler
 
 GB = 1024**3
 log = logging.getLogger("colibrid.state")
@@ -45,15 +49,48 @@ class DaemonState:
     started: float = dataclasses.field(default_factory=time.time)
     http_urls: list[str] = dataclasses.field(default_factory=list)  # where the HTTP API is
     grammars: GrammarService = dataclasses.field(default_factory=GrammarService)
+    # remote models' requests (serve.remote_runs); None: a daemon that serves none
+    remotes: RemoteRunner | None = None
     preparer: Preparer = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.preparer = Preparer(self.grammars)
 
-    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
-        """`request` tokenised and its grammar compiled for the model loaded now (on the
-        trio side: serve.prepare), ready to submit."""
+    # ---- where a request runs: the engine, or a remote model's endpoint ------------------
+    def remote(self, model: str | None) -> RemoteSpec | None:
+        """The remote model `model` names (`colibri pull URL`), or None: a local one (a
+        name that is neither is the model slot's to refuse)."""
+        if not model or self.remotes is None or model == self.models.name:
+            return None
+        return remote_spec(self.models.paths, model)
+
+    async def ready(self, model: str | None) -> str:
+        """Make `model` ready to answer (a local one loaded: ModelSlot.ensure; a remote
+        one needs nothing, and leaves the local one as it is); its name."""
+        if self.remote(model) is not None:
+            assert model is not None
+            return model
+        return (await self.models.ensure(model)).name
+
+    async def prepare(self, request: GenerateRequest, model: str | None = None) -> GenerateRequest:
+        """`request` ready to submit: for a remote model, checked that it can be sent
+        (serve.remote_body); else tokenised and its grammar compiled for the model loaded
+        now (on the trio side: serve.prepare)."""
+        spec = self.remote(model)
+        if spec is not None:
+            remote_call(request, spec)  # what cannot be forwarded is refused now, by name
+            return replace(request, remote=spec)
         return await self.preparer.prepare(request, self.models.current)
+
+    def submit_nowait(
+        self, request: GenerateRequest, *, same_prompt_as: Handle | None = None
+    ) -> Handle:
+        """Queue `request` where it runs (ServeError: BUSY, SHUTTING_DOWN); the caller
+        then enters `handle.track()`. A remote model's choices are separate requests."""
+        if request.remote is not None:
+            assert self.remotes is not None
+            return self.remotes.submit_nowait(request)
+        return self.scheduler.submit_nowait(request, same_prompt_as=same_prompt_as)
 
     # ---- the loaded model (None while none is) ------------------------------------------
     @property
@@ -160,6 +197,8 @@ class DaemonState:
             "hit_rate": tiers.get("hit_rate"),
             "pinned": sorted(self.pinned()),
             "stopping": self.scheduler.closing,
+            # remote models used since the start: their URL (never a key) and requests
+            "remote": {} if self.remotes is None else self.remotes.statistics(),
         }
 
     def roofline(self, last: dict[str, float | str] | None) -> dict[str, Any]:

@@ -50,8 +50,8 @@ function _shtab_colibri_using
   test "$_shtab_colibri_cmdpath" = "$argv"
 end
 
-set -g _shtab_colibri_commands ask repl run list pull stop rm ps logs profile 'profile list' 'profile show' 'profile use' 'profile save' 'profile warm' service 'service install' 'service uninstall' 'service status' completion convert requant eval inspect config synth bench 'bench kernels' 'bench decode' 'bench stream' 'bench batch' 'bench spec' 'bench replay' 'bench policy' 'bench peer' 'bench routing'
-set -g _shtab_colibri_opts_with_value --against --attn-bits --backend --bits --by-heat --cache --cold-bits --cold-share --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --frequency-penalty --from --gguf --grammar --group-size --hot-bits --hot-share --ids --io-bits --io-threads --isa --json-schema --keep-alive --layers --leave-gb --limit --lines --max-kl --max-tokens --min-p --model --mtp-bits --mxfp4 --name --order --output --pairs --pilot --pin --png --presence-penalty --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --repeat-last-n --repeat-penalty --replay --seconds --seed --shape --shard-gb --shared-bits --source --speculate --stop --stream-ram-gb --system --temperature --threads --tokens --top-k --top-p --trace --verify-weights --vram-gb --warmup --working-set -n -o
+set -g _shtab_colibri_commands ask repl run list pull stop rm ps logs profile 'profile list' 'profile show' 'profile use' 'profile save' 'profile warm' service 'service install' 'service uninstall' 'service status' completion convert requant eval inspect export config synth plan llama-build bench 'bench kernels' 'bench decode' 'bench stream' 'bench batch' 'bench spec' 'bench replay' 'bench policy' 'bench peer' 'bench gguf' 'bench routing'
+set -g _shtab_colibri_opts_with_value --addresses --against --api-key-env --attn-bits --backend --bits --by-heat --cache --checkpoint --cold-bits --cold-share --concurrency --dense-bits --direct --draft-max --drafters --experts --family --far --for --format --frequency-penalty --from --gguf --gpus --grammar --group-size --heat-skew --hosts --hot-bits --hot-share --ids --io-bits --io-threads --isa --jobs --json-schema --keep-alive --layers --leave-gb --limit --lines --max-kl --max-tokens --min-p --model --mtp-bits --mxfp4 --name --order --output --pairs --pilot --pin --png --port --presence-penalty --probe-reads --profile --prompt --prompt-tokens --prompts --ram-gb --record --regex --remote-model --repeat-last-n --repeat-penalty --replay --rounds --sdist --seconds --seed --shape --shard-gb --shared-bits --source --speculate --split-max-size --stop --stream-ram-gb --system --target-tok-s --temperature --threads --tokenizer-pre --tokens --top-k --top-p --trace --verify-weights --vram-gb --warmup --working-set -j -n -o
 
 complete -c colibri -e
 complete -c colibri -f
@@ -113,7 +113,9 @@ complete -c colibri -n '_shtab_colibri_using list' -s h -l help -d 'show this he
 complete -c colibri -n '_shtab_colibri_using list' -l json -d 'one JSON object per model'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a pull -d 'install a model: demo, a checkpoint folder (converted), a container, a .gguf'
 complete -c colibri -n '_shtab_colibri_using pull' -s h -l help -d 'show this help message and exit'
-complete -c colibri -n '_shtab_colibri_using pull' -l name -x -d 'install under this name (default: the folder or file name)'
+complete -c colibri -n '_shtab_colibri_using pull' -l name -x -d 'install under this name (default: the folder or file name; a URL'"'"'s host)'
+complete -c colibri -n '_shtab_colibri_using pull' -l api-key-env -x -d 'URL only: read the server'"'"'s API key from this environment variable once and store it in $COLIBRI_HOME/keys/NAME (0600); a key is never a command-line argument'
+complete -c colibri -n '_shtab_colibri_using pull' -l remote-model -x -d 'URL only: the model to use where the server lists several (its /v1/models)'
 complete -c colibri -n '_shtab_colibri_using pull' -l from -x -d 'demo only: build from this GGUF instead of downloading (works offline)'
 complete -c colibri -n '_shtab_colibri_using pull' -l dense -d 'with demo: build '"'"'demo-dense'"'"' instead (the GGUF'"'"'s dense model, what `colibri bench peer` runs beside llama.cpp)'
 complete -c colibri -n '_shtab_colibri_using pull' -l force -d 'rebuild the demo, or replace a model already installed under the name'
@@ -211,6 +213,13 @@ complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 
 complete -c colibri -n '_shtab_colibri_using inspect' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using inspect' -l verify -d 'also read every byte and check it against the digests in manifest.json: one line per tensor that differs, naming its shard; exit 1 if any does'
 complete -c colibri -n '_shtab_colibri_using inspect' -l strict -d 'with --verify: a container without digests fails too (exit 1)'
+complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a export -d 'write a model as GGUF for llama.cpp (--gguf OUT; shards with --split-max-size)'
+complete -c colibri -n '_shtab_colibri_using export' -s h -l help -d 'show this help message and exit'
+complete -c colibri -n '_shtab_colibri_using export' -l gguf -x -d 'the GGUF file to write'
+complete -c colibri -n '_shtab_colibri_using export' -l split-max-size -x -d 'cut into shards of at most SIZE of tensor data (e.g. 2G), named OUT-00001-of-0000N.gguf; llama.cpp loads them from the first (default: one file)'
+complete -c colibri -n '_shtab_colibri_using export' -l tokenizer-pre -x -d 'llama.cpp'"'"'s name of the pre-tokenizer when colibri cannot tell it from tokenizer.json (known: deepseek-v3, gpt-2, gpt-4o, llama-bpe, qwen2, smollm)'
+complete -c colibri -n '_shtab_colibri_using export' -l no-tokenizer -d 'leave the tokenizer out: the GGUF then takes token ids only'
+complete -c colibri -n '_shtab_colibri_using export' -l quiet -d 'no progress bar'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a config -d 'every config.toml key: type, default, meaning (--toml: an example file)'
 complete -c colibri -n '_shtab_colibri_using config' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using config' -l toml -d 'a commented example config.toml'
@@ -225,7 +234,24 @@ complete -c colibri -n '_shtab_colibri_using synth' -l bits -xka "4 8" -d 'route
 complete -c colibri -n '_shtab_colibri_using synth' -l group-size -x -d group_size
 complete -c colibri -n '_shtab_colibri_using synth' -l shard-gb -x -d shard_gb
 complete -c colibri -n '_shtab_colibri_using synth' -l mtp -d 'add a (random) MTP layer after the last one, as GLM-5 checkpoints carry: speculative drafting runs on it (its guesses are random, so almost never kept)'
+complete -c colibri -n '_shtab_colibri_using synth' -l heat-skew -x -d 'spread the routers'"'"' selection biases at standard deviation S (0: random routers, almost even heat), so some experts run hot and others cold, as a trained router on one domain'"'"'s text does; shapes whose router has no selection bias refuse it'
 complete -c colibri -n '_shtab_colibri_using synth' -l quiet -d quiet
+complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a plan -d 'when one machine is not enough: measured ceilings and the cluster'"'"'s commands'
+complete -c colibri -n '_shtab_colibri_using plan' -s h -l help -d 'show this help message and exit'
+complete -c colibri -n '_shtab_colibri_using plan' -l hosts -x -d 'machines to plan for'
+complete -c colibri -n '_shtab_colibri_using plan' -l gpus -x -d 'GPUs per host: plan vLLM and SGLang expert parallelism instead of llama.cpp RPC'
+complete -c colibri -n '_shtab_colibri_using plan' -l target-tok-s -x -d 'decode tokens a second one request needs: the plan says which setup reaches it'
+complete -c colibri -n '_shtab_colibri_using plan' -l addresses -x -d 'each host'"'"'s address as the others reach it, HOST or HOST:PORT (the rpc-server port, default 50052); default HOST1, HOST2, ... to replace'
+complete -c colibri -n '_shtab_colibri_using plan' -l ram-gb -x -d 'RAM budget of each host (default: this machine'"'"'s, as the daemon computes it)'
+complete -c colibri -n '_shtab_colibri_using plan' -l gguf -x -d 'where `colibri export` writes the GGUF on host 1 (default MODEL.gguf)'
+complete -c colibri -n '_shtab_colibri_using plan' -l checkpoint -x -d 'with --gpus: the original Hugging Face checkpoint vLLM and SGLang load (default MODEL, when MODEL is not a colibri container)'
+complete -c colibri -n '_shtab_colibri_using plan' -l port -x -d 'the engine'"'"'s HTTP port on host 1'"'"'s loopback (default: llama-server 8081, vLLM 8000, SGLang 30000)'
+complete -c colibri -n '_shtab_colibri_using plan' -l name -x -d 'the name colibri gives the cluster'"'"'s model (`colibri pull ... --name`)'
+complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a llama-build -d 'build llama.cpp'"'"'s RPC programs (rpc-server, llama-server) from the pinned sources'
+complete -c colibri -n '_shtab_colibri_using llama-build' -s h -l help -d 'show this help message and exit'
+complete -c colibri -n '_shtab_colibri_using llama-build' -l jobs -s j -x -d 'compile jobs (default: cores)'
+complete -c colibri -n '_shtab_colibri_using llama-build' -l sdist -x -d 'an already downloaded llama_cpp_python-0.3.36.tar.gz (offline; its sha256 is checked)'
+complete -c colibri -n '_shtab_colibri_using llama-build' -l force -d 'rebuild even when a build is cached'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a bench -d 'measure kernels, decode, streaming, batching, speculation, policies and peers'
 complete -c colibri -n '_shtab_colibri_using bench' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a kernels -d 'effective weight GB/s of each kernel path next to measured memory bandwidth'
@@ -257,6 +283,8 @@ complete -c colibri -n '_shtab_colibri_using bench stream' -l ids -x -d 'prompt 
 complete -c colibri -n '_shtab_colibri_using bench stream' -l temperature -x -d 'sample the decoded tokens at this temperature (seeded) instead of greedy: a random-weight synthetic model decoded greedily soon repeats one token, so its routing stops moving and every expert hits; sampling keeps it moving as real text does (default 0: greedy)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l seed -x -d 'sampling seed (with --temperature)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l family -xka "f32 i8" -d 'kernel family (i8: int8 activations, lossy, opt-in; on a few cores it computes a token'"'"'s dense and expert matrices faster, which matters once reads overlap)'
+complete -c colibri -n '_shtab_colibri_using bench stream' -l against -x -d 'a second container (e.g. the uniform one a precision plan was made from): both decode the same prompt at the same budget, alternated --rounds times, and a table compares tok/s, bytes read a token and the strict roofline of each run'
+complete -c colibri -n '_shtab_colibri_using bench stream' -l rounds -x -d 'with --against: runs of each container, alternated (default 2)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l ram-gb -x -d 'RAM budget (default: 88% of available memory)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l cache -x -d 'experts per layer in the RAM cache (overrides the budget)'
 complete -c colibri -n '_shtab_colibri_using bench stream' -l pin -xka "off auto all" -d 'pinned hot store'
@@ -336,6 +364,14 @@ complete -c colibri -n '_shtab_colibri_using bench peer' -l far -x -d 'side-by-s
 complete -c colibri -n '_shtab_colibri_using bench peer' -l leave-gb -x -d '--far: GB of memory left to the runtimes'
 complete -c colibri -n '_shtab_colibri_using bench peer' -l pairs -x -d 'runs of both runtimes, colibri first in every other one (default 1; the figures quoted in docs/performance.md use 8)'
 complete -c colibri -n '_shtab_colibri_using bench peer' -l json -d 'print one JSON object'
+complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a gguf -d 'greedy tokens of a `colibri export` GGUF in llama.cpp vs colibri (optional extra)'
+complete -c colibri -n '_shtab_colibri_using bench gguf' -s h -l help -d 'show this help message and exit'
+complete -c colibri -n '_shtab_colibri_using bench gguf' -l model -x -d 'colibri model'
+complete -c colibri -n '_shtab_colibri_using bench gguf' -l gguf -x -d 'its `colibri export` GGUF'
+complete -c colibri -n '_shtab_colibri_using bench gguf' -l prompts -x -d 'how many prompts (max 8)'
+complete -c colibri -n '_shtab_colibri_using bench gguf' -l tokens -x -d 'greedy tokens per prompt'
+complete -c colibri -n '_shtab_colibri_using bench gguf' -l family -xka "f32 i8" -d 'colibri'"'"'s kernel family: i8 turns activations into int8 as llama.cpp'"'"'s Q4_0/Q8_0 products do (each in its own blocks), f32 keeps them float (default)'
+complete -c colibri -n '_shtab_colibri_using bench gguf' -l json -d 'print one JSON object'
 complete -c colibri -n '_shtab_colibri_using bench; and test $_shtab_colibri_npos -eq 0' -a routing -d 'per-layer expert skew and code-vs-prose difference on the built-in profiles'
 complete -c colibri -n '_shtab_colibri_using bench routing' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using bench routing' -l model -x -d 'model directory (default: the demo model)'
