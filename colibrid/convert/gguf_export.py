@@ -334,8 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer-pre",
         metavar="NAME",
-        help="llama.cpp's name of the pre-tokenizer when colibri cannot tell it from "
-        f"tokenizer.json (known: {', '.join(sorted(set(PRE_TOKENIZERS.values())))})",
+        help="byte-level BPE tokenizers only: llama.cpp's name of the pre-tokenizer when "
+        "colibri cannot tell it from tokenizer.json (known: "
+        f"{', '.join(sorted(set(PRE_TOKENIZERS.values())))}); a SentencePiece-style one "
+        "needs none",
     )
     p.add_argument(
         "--no-tokenizer",

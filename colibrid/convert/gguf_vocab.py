@@ -1,5 +1,8 @@
 """The container's tokenizer and chat template as GGUF ``tokenizer.*`` keys.
 
+A SentencePiece-style tokenizer (a BPE with byte fallback: Llama's, Mixtral's) goes to
+:mod:`colibrid.convert.gguf_spm`; this module writes the byte-level BPE ones.
+
 Why these rules: llama.cpp tokenises with its own implementation of a byte-level BPE
 ("gpt2" model): the vocabulary by id, each token's type, the merges, and a named
 pre-tokeniser (the regex that cuts text before BPE) that it must know by name. The names
@@ -22,6 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from colibrid.convert.gguf_spm import add_sentencepiece, is_sentencepiece_style
 from colibrid.errors import ConvertError
 
 GPT2_REGEX = "gpt2-bytelevel"  # a ByteLevel pre-tokeniser that splits with GPT-2's regex
@@ -125,11 +129,19 @@ def add_tokenizer(w: Any, folder: Path, cfg: dict, pre: str | None) -> str:
         model = tokenizer["model"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConvertError(f"{path}: unreadable tokenizer ({exc})") from None
+    if is_sentencepiece_style(tokenizer):
+        if pre is not None:
+            raise ConvertError(
+                f"--tokenizer-pre {pre!r}: {path} is a SentencePiece-style tokenizer, which "
+                "llama.cpp cuts without a named pre-tokenizer; leave it out"
+            )
+        return add_sentencepiece(w, folder, tokenizer, n_vocab)
     decoder = (tokenizer.get("decoder") or {}).get("type")
-    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder != "ByteLevel":
+    if model.get("type") != "BPE" or decoder != "ByteLevel":
         raise ConvertError(
-            f"{path}: only byte-level BPE tokenizers are exported (this one: "
-            f"{model.get('type')}, decoder {decoder}); --no-tokenizer exports token ids only"
+            f"{path}: only byte-level BPE and SentencePiece-style (byte-fallback BPE) "
+            f"tokenizers are exported (this one: {model.get('type')}, decoder {decoder}); "
+            "--no-tokenizer exports token ids only"
         )
     name = pre or pre_tokenizer_name(tokenizer, str(cfg.get("model_type")))
     if name is None:

@@ -217,7 +217,7 @@ complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 
 complete -c colibri -n '_shtab_colibri_using export' -s h -l help -d 'show this help message and exit'
 complete -c colibri -n '_shtab_colibri_using export' -l gguf -x -d 'the GGUF file to write'
 complete -c colibri -n '_shtab_colibri_using export' -l split-max-size -x -d 'cut into shards of at most SIZE of tensor data (e.g. 2G), named OUT-00001-of-0000N.gguf; llama.cpp loads them from the first (default: one file)'
-complete -c colibri -n '_shtab_colibri_using export' -l tokenizer-pre -x -d 'llama.cpp'"'"'s name of the pre-tokenizer when colibri cannot tell it from tokenizer.json (known: deepseek-v3, gpt-2, gpt-4o, llama-bpe, qwen2, smollm)'
+complete -c colibri -n '_shtab_colibri_using export' -l tokenizer-pre -x -d 'byte-level BPE tokenizers only: llama.cpp'"'"'s name of the pre-tokenizer when colibri cannot tell it from tokenizer.json (known: deepseek-v3, gpt-2, gpt-4o, llama-bpe, qwen2, smollm); a SentencePiece-style one needs none'
 complete -c colibri -n '_shtab_colibri_using export' -l no-tokenizer -d 'leave the tokenizer out: the GGUF then takes token ids only'
 complete -c colibri -n '_shtab_colibri_using export' -l quiet -d 'no progress bar'
 complete -c colibri -n '_shtab_colibri_using; and test $_shtab_colibri_npos -eq 0' -a config -d 'every config.toml key: type, default, meaning (--toml: an example file)'
