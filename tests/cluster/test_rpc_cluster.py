@@ -23,20 +23,15 @@ from pathlib import Path
 
 import pytest
 from daemon_helpers import free_port, start_http
-from llama_cluster import ASK_SETTINGS, QUESTION, Process, chat, start, wait_healthy, wait_listening
+from helpers.llama_server import Process, llama_binaries, wait_healthy
+from llama_cluster import ASK_SETTINGS, QUESTION, chat, start, wait_listening
 
-from colibrid.cluster.llama_build import LlamaBinaries, build, cache_dir, cached, missing_tools
+from colibrid.cluster.llama_build import LlamaBinaries, cache_dir
 
 
 @pytest.fixture(scope="session")
 def llama_bins() -> LlamaBinaries:
-    found = cached()
-    if found is not None:
-        return found
-    reason = missing_tools()
-    if reason:
-        pytest.skip(f"llama.cpp's RPC binaries cannot be built here: {reason}")
-    return build(say=lambda msg: print(f"llama.cpp: {msg}", file=sys.stderr))
+    return llama_binaries()
 
 
 @pytest.fixture(scope="module")

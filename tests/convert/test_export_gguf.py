@@ -4,25 +4,34 @@
   weights: every code unchanged, only Q4_0/Q8_0's scales rounded to f16; Q2/Q3 and MXFP4
   bit for bit; shards with llama.cpp's split keys; resume after an interruption gives the
   bytes of an uninterrupted export; refusals are one line.
-* Run by llama.cpp (the optional extra colibri[peer]; skipped with the reason when it is
-  not installed): the demo's greedy continuations equal colibri's, its tokenizer gives
+* Run by llama.cpp, through each way it runs here: its Python binding (the optional extra
+  colibri[peer], what `colibri bench gguf` uses) and its own `llama-server` driven over
+  HTTP (built by `colibri llama-build`, as CI does before pytest; tests/helpers/
+  llama_server.py): the demo's greedy continuations equal colibri's, its tokenizer gives
   colibri's ids, the chat template is there, a split export loads from its first shard,
   and a tiny model of each family loads and decodes as colibri does.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pytest
+from daemon_helpers import install_chat_tokenizer
+from helpers.llama_server import LlamaServer, llama_binaries
 
 from colibri_cli.main import main
+from colibrid.bench import gguf_agree
+from colibrid.cluster.llama_build import cached, missing_tools
 from colibrid.convert import gguf_export
 from colibrid.convert.gguf_arch import family_of
 from colibrid.convert.gguf_blocks import choose, encode
@@ -34,12 +43,100 @@ from colibrid.store.checkpoint import Checkpoint
 gguf = pytest.importorskip("gguf")
 
 
-def _llama_cpp():  # noqa: ANN202
-    try:
+class LlamaPeer(Protocol):
+    """What these tests ask llama.cpp about one GGUF."""
+
+    def tokenize(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]: ...
+
+    def detokenize(self, ids: Sequence[int]) -> str: ...
+
+    def greedy(self, prompts: Sequence[list[int]], tokens: int) -> list[list[int]]: ...
+
+    def teacher_forced(
+        self, prompts: Sequence[list[int]], continuations: Sequence[list[int]]
+    ) -> list[list[int]]: ...
+
+    def close(self) -> None: ...
+
+
+class BindingPeer:
+    """llama.cpp through its Python binding: `colibri bench gguf`'s own functions, and the
+    binding's tokenizer where a check needs a BOS added or pieces back."""
+
+    def __init__(self, path: Path) -> None:
         import llama_cpp
-    except ImportError:
-        pytest.skip("llama.cpp is not installed (the optional extra colibri[peer])")
-    return llama_cpp
+
+        self.path = path
+        self.vocab = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+
+    def tokenize(self, texts: Sequence[str], add_bos: bool = False) -> list[list[int]]:
+        if not add_bos:
+            return gguf_agree.llama_tokenize(self.path, texts)
+        return [self.vocab.tokenize(t.encode(), add_bos=True, special=True) for t in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        # without a leading BOS the binding strips nothing: the pieces as llama.cpp has them
+        assert not ids or ids[0] != self.vocab.token_bos()
+        return self.vocab.detokenize(list(ids)).decode()
+
+    def greedy(self, prompts: Sequence[list[int]], tokens: int) -> list[list[int]]:
+        return gguf_agree.llama_greedy(self.path, list(prompts), tokens)
+
+    def teacher_forced(
+        self, prompts: Sequence[list[int]], continuations: Sequence[list[int]]
+    ) -> list[list[int]]:
+        return gguf_agree.llama_teacher_forced(self.path, list(prompts), list(continuations))
+
+    def close(self) -> None:
+        self.vocab.close()
+
+
+def _ways_to_run_llama_cpp() -> list[str]:
+    """Every way llama.cpp runs on this machine; CI has the server only."""
+    ways = ["binding"] if importlib.util.find_spec("llama_cpp") else []
+    if cached() is not None or missing_tools() is None:
+        ways.append("server")
+    return ways or ["none"]
+
+
+@pytest.fixture(scope="module", params=_ways_to_run_llama_cpp())
+def open_llama(request, tmp_path_factory) -> Iterator[Callable[[Path], LlamaPeer]]:
+    """Opens llama.cpp on a GGUF, the binding's or a `llama-server` of its own (one per
+    GGUF: the caller closes it)."""
+    if request.param == "none":  # the checks before llama.cpp's still run
+
+        def cannot(path: Path) -> LlamaPeer:
+            pytest.skip(
+                "llama.cpp cannot run here: its binding (the optional extra colibri[peer]) is "
+                f"not installed and its server cannot be built ({missing_tools()})"
+            )
+
+        yield cannot
+        return
+    if request.param == "binding":
+        yield BindingPeer
+        return
+    binaries = llama_binaries()
+    logs = tmp_path_factory.mktemp("llama-server")
+
+    def start(path: Path) -> LlamaPeer:
+        return LlamaServer(binaries, path, logs / f"{path.stem}-{len(list(logs.iterdir()))}.log")
+
+    yield start
+
+
+@pytest.fixture
+def llama(open_llama) -> Iterator[Callable[[Path], LlamaPeer]]:
+    """llama.cpp on a GGUF for one test, closed after it."""
+    opened: list[LlamaPeer] = []
+
+    def get(path: Path) -> LlamaPeer:
+        opened.append(open_llama(path))
+        return opened[-1]
+
+    yield get
+    for peer in opened:
+        peer.close()
 
 
 @pytest.fixture(scope="module")
@@ -254,16 +351,22 @@ def demo_export(demo_container: Path, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def demo_llama(open_llama, demo_export: Path) -> Iterator[LlamaPeer]:
+    """llama.cpp on the demo's GGUF, shared by the checks that read it."""
+    peer = open_llama(demo_export)
+    yield peer
+    peer.close()
+
+
 def test_demo_tokenizer_and_chat_template_come_along(
-    demo_container: Path, demo_export: Path
+    demo_container: Path, demo_export: Path, open_llama, request: pytest.FixtureRequest
 ) -> None:
     fields = _fields(demo_export)
     config = json.loads((demo_container / "tokenizer_config.json").read_text())
     assert fields["tokenizer.chat_template"] == config["chat_template"]
     assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "smollm"
     assert fields["tokenizer.ggml.eos_token_id"] == 2 and fields["tokenizer.ggml.bos_token_id"] == 1
-    _llama_cpp()
-    from colibrid.bench.gguf_agree import llama_tokenize
     from colibrid.engine.tokenizer import TextCodec
 
     codec = TextCodec.load(demo_container)
@@ -274,30 +377,55 @@ def test_demo_tokenizer_and_chat_template_come_along(
         "def f(x):\n    return x ** 2  # 3.14159",
     ]
     want = [codec.encode(t, add_special_tokens=False) for t in texts]
-    assert llama_tokenize(demo_export, texts) == want
+    demo_llama: LlamaPeer = request.getfixturevalue("demo_llama")
+    assert demo_llama.tokenize(texts) == want
 
 
-def test_demo_greedy_tokens_agree_with_colibri(demo_container: Path, demo_export: Path) -> None:
-    _llama_cpp()
-    from colibrid.bench.gguf_agree import report, run
+def _agreement(model: Path, gguf: Path, llama: LlamaPeer, n_prompts: int, tokens: int) -> dict:
+    """`colibri bench gguf`'s figures (gguf_agree.run's), with llama.cpp run as `llama`."""
+    from colibrid.engine.tokenizer import TextCodec
 
-    r = run(demo_container, demo_export, 8, 16)
-    print(report(r))
+    codec = TextCodec.load(model)
+    prompts = gguf_agree.PROMPTS[:n_prompts]
+    texts = [codec.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    ids = [codec.encode(t, add_special_tokens=False) for t in texts]
+    ours = gguf_agree.colibri_greedy(model, ids, tokens)
+    theirs = llama.greedy(ids, tokens)
+    agree = [gguf_agree.common_prefix(a, b) for a, b in zip(ours, theirs, strict=True)]
+    forced = llama.teacher_forced(ids, ours)
+    pairs = [(x, y) for a, b in zip(ours, forced, strict=True) for x, y in zip(a, b, strict=True)]
+    return {
+        "model": str(model),
+        "gguf": str(gguf),
+        "prompts": len(ids),
+        "tokens_per_prompt": tokens,
+        "tokenizer_equal": sum(a == b for a, b in zip(ids, llama.tokenize(texts), strict=True)),
+        "agree_prefix": agree,
+        "agree_tokens": sum(agree),
+        "decoded_tokens": tokens * len(ids),
+        "identical_prompts": sum(a == tokens for a in agree),
+        "teacher_forced_agree": sum(x == y for x, y in pairs),
+    }
+
+
+def test_demo_greedy_tokens_agree_with_colibri(
+    demo_container: Path, demo_export: Path, demo_llama: LlamaPeer
+) -> None:
+    r = _agreement(demo_container, demo_export, demo_llama, 8, 16)
+    report = gguf_agree.report(r)
+    print(report)
     assert r["tokenizer_equal"] == r["prompts"]
     # llama.cpp computes Q4_0/Q8_0 products on int8-quantised activations, colibri's
     # default kernels in f32: a near-tie may flip, so a prefix can end early (the
     # measured figures: docs/performance.md "GGUF export"); a wrong export agrees nowhere
-    assert all(n >= 1 for n in r["agree_prefix"]), report(r)
-    assert r["identical_prompts"] >= r["prompts"] // 2, report(r)
-    assert r["teacher_forced_agree"] >= 0.9 * r["decoded_tokens"], report(r)
+    assert all(n >= 1 for n in r["agree_prefix"]), report
+    assert r["identical_prompts"] >= r["prompts"] // 2, report
+    assert r["teacher_forced_agree"] >= 0.9 * r["decoded_tokens"], report
 
 
 def test_split_demo_loads_from_its_first_shard(
-    demo_container: Path, demo_export: Path, tmp_path: Path
+    demo_container: Path, demo_llama: LlamaPeer, llama, tmp_path: Path
 ) -> None:
-    _llama_cpp()
-    from colibrid.bench.gguf_agree import llama_greedy
-
     options = gguf_export.ExportOptions(split_max_bytes=150_000_000)
     files = gguf_export.run(demo_container, tmp_path / "d.gguf", options).files
     assert len(files) >= 3
@@ -306,7 +434,7 @@ def test_split_demo_loads_from_its_first_shard(
     codec = TextCodec.load(demo_container)
     text = codec.render_chat([{"role": "user", "content": "What is the capital of France?"}])
     prompt = [codec.encode(text, add_special_tokens=False)]
-    assert llama_greedy(files[0], prompt, 12) == llama_greedy(demo_export, prompt, 12)
+    assert llama(files[0]).greedy(prompt, 12) == demo_llama.greedy(prompt, 12)
 
 
 FAMILY_OVERRIDES = {
@@ -337,21 +465,21 @@ FAMILY_OVERRIDES = {
     ],
 )
 def test_each_family_loads_in_llama_cpp_and_decodes_as_colibri(
-    arch: str, oracle_checkpoint, tmp_path: Path
+    arch: str, oracle_checkpoint, llama, tmp_path: Path
 ) -> None:
-    _llama_cpp()
-    from colibrid.bench.gguf_agree import colibri_greedy, llama_teacher_forced
-
     ref = oracle_checkpoint(
         arch, "f32", with_mtp=False, config_overrides=FAMILY_OVERRIDES.get(arch)
     )
+    src = tmp_path / "hf"
+    shutil.copytree(ref.out_dir, src)
+    install_chat_tokenizer(src)  # llama-server turns each token it generates into text
     box = tmp_path / "c"
-    assert main(["convert", str(ref.out_dir), str(box), "--quiet"]) == 0
+    assert main(["convert", str(src), str(box), "--quiet"]) == 0
     out = tmp_path / f"{arch}.gguf"
     assert main(["export", str(box), "--gguf", str(out), "--quiet"]) == 0
     prompt = [list(ref.prompt_ids)]
-    ours = colibri_greedy(box, prompt, 8)
-    theirs = llama_teacher_forced(out, prompt, ours)
+    ours = gguf_agree.colibri_greedy(box, prompt, 8)
+    theirs = llama(out).teacher_forced(prompt, ours)
     # teacher-forced top-1 on colibri's continuation: llama.cpp's int8 activations move
     # logits of a random tiny model by ~0.05-0.3 (measured), which flips a near-tie now
     # and then; a wrong name, key or layout differs nearly everywhere
@@ -437,7 +565,7 @@ def mixtral_source(oracle_checkpoint) -> Path:
 
 @pytest.mark.parametrize("space", ["normalizer", "metaspace"])
 def test_sentencepiece_tokenizer_tokenises_in_llama_cpp_as_in_tokenizers(
-    space: str, mixtral_source: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+    space: str, mixtral_source: Path, llama, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     src = tmp_path / "hf"
     shutil.copytree(mixtral_source, src)
@@ -477,7 +605,6 @@ def test_sentencepiece_tokenizer_tokenises_in_llama_cpp_as_in_tokenizers(
     assert all(x == t.NORMAL for x in types[259 : tok.get_vocab_size()])
     assert all(x == t.UNUSED for x in types[tok.get_vocab_size() :])
 
-    llama_cpp = _llama_cpp()
     texts = [
         "Hello world",
         "The quick brown fox jumps over the lazy dog.",
@@ -490,22 +617,20 @@ def test_sentencepiece_tokenizer_tokenises_in_llama_cpp_as_in_tokenizers(
     ]
     if space == "normalizer":  # llama.cpp puts "▁" after a special token, as this form does
         texts.append("<s>[INST] the lazy fox [/INST] numbers</s>")
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False)
-    try:
-        for text in texts:
-            want = tok.encode(text, add_special_tokens=False).ids
-            if space == "metaspace" and text.startswith(" "):
-                want = tok.encode(" " + text, add_special_tokens=False).ids
-                assert want != tok.encode(text, add_special_tokens=False).ids
-            got = llm.tokenize(text.encode(), add_bos=False, special=True)
-            assert got == want, (text, tok.encode(text, add_special_tokens=False).tokens)
-            assert llm.tokenize(text.encode(), add_bos=True, special=True) == [1, *want]
-            if "<s>" not in text:  # llama.cpp drops the prefixed space after a bos
-                assert llm.detokenize([1, *got]).decode() == text == tok.decode(want)
-        emoji = tok.encode("🙂", add_special_tokens=False).tokens
-        assert emoji == ["▁", "<0xF0>", "<0x9F>", "<0x99>", "<0x82>"]  # byte fallback tested
-    finally:
-        llm.close()
+    peer = llama(out)
+    for text in texts:
+        want = tok.encode(text, add_special_tokens=False).ids
+        if space == "metaspace" and text.startswith(" "):
+            want = tok.encode(" " + text, add_special_tokens=False).ids
+            assert want != tok.encode(text, add_special_tokens=False).ids
+        (got,) = peer.tokenize([text])
+        assert got == want, (text, tok.encode(text, add_special_tokens=False).tokens)
+        assert peer.tokenize([text], add_bos=True) == [[1, *want]]
+        if "<s>" not in text:  # the pieces carry the space llama.cpp prefixes
+            assert peer.detokenize(got) == " " + text
+            assert tok.decode(want) == text
+    emoji = tok.encode("🙂", add_special_tokens=False).tokens
+    assert emoji == ["▁", "<0xF0>", "<0x9F>", "<0x99>", "<0x82>"]  # byte fallback tested
 
 
 def test_sentencepiece_tokenizers_llama_cpp_would_cut_differently_are_refused(
