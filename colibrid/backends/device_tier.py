@@ -127,6 +127,7 @@ class DeviceTier(Generic[T]):
             self.stats.hits += 1
             return entry[0]
         self._policy.seen(key)
+        self._watch(w)  # its heat dies with it, even if it is never copied
         if not self._make_room(w.nbytes, dense=False, key=key):
             return None
         return self._admit(w)
@@ -163,13 +164,19 @@ class DeviceTier(Generic[T]):
     def _new_copy(self, w: QuantWeight) -> tuple[T, int]:
         held = self.with_room(lambda: self._copy(w), f"a {w.nbytes / 2**20:.1f} MiB weight")
         size = self._size(held)
+        self._watch(w)
+        self.stats.copies += 1
+        self.stats.copied_bytes += size
+        return held, size
+
+    def _watch(self, w: QuantWeight) -> None:
+        """Forget ``w`` (copy and heat) when it dies: streamed experts' weights are views
+        made again at every read, and a later weight may get a dead one's id, which must
+        not inherit its heat (the tier would keep or pass it by another weight's uses)."""
         key = id(w)
         if key not in self._watched:
             self._watched.add(key)
             weakref.finalize(w, self._forget, key)
-        self.stats.copies += 1
-        self.stats.copied_bytes += size
-        return held, size
 
     def with_room(self, allocate: Callable[[], A], what: str) -> A:
         """``allocate()``; when the device is fuller than the budget assumed (another

@@ -98,6 +98,25 @@ def test_a_dead_weight_takes_its_copy_and_its_heat() -> None:
     assert policy.score(key) >> 8 == 0  # no heat: an id reused later starts cold
 
 
+def test_a_dead_weight_that_only_passed_through_takes_its_heat() -> None:
+    """A weight the tier never kept (no room: the caller computed it on the host, as an
+    I8 expert with host_experts does) still leaves heat in the policy; when it dies that
+    heat goes too, or a later weight given its id would be kept by its uses."""
+    policy = GatedLFRU()
+    held = _weight(6)
+    tier = _tier(budget=held.nbytes, policy=policy)
+    for _ in range(5):
+        assert tier.keep(held) is not None  # the budget's one weight, hot
+    w = _weight(7)
+    for _ in range(3):
+        assert tier.keep(w) is None  # colder than the held one: passed, never copied
+    key = id(w)
+    assert policy.score(key) >> 8 > 0
+    del w
+    gc.collect()
+    assert policy.score(key) >> 8 == 0
+
+
 def test_promotion_copies_the_hottest_that_fit_and_evicts_nothing() -> None:
     held = [_weight(s) for s in range(2)]
     ranked = [_weight(10 + s) for s in range(5)]  # a profile's order, hottest first
