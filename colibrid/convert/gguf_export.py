@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from colibrid.convert.convert import check_disk
+from colibrid.convert.convert import check_disk, make_progress_bar
 from colibrid.convert.gguf_arch import Family, family_of
 from colibrid.convert.gguf_tensors import Planned, Planner
 from colibrid.convert.gguf_vocab import PRE_TOKENIZERS, add_tokenizer
@@ -348,21 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _bar(quiet: bool):  # noqa: ANN202
-    if quiet or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, desc="export")
-
-
 def main(argv: Sequence[str]) -> int:
     a = build_parser().parse_args(list(argv))
     from colibrid.config import resolve_model
     from colibrid.paths import Paths
 
     options = ExportOptions(a.split_max_size, not a.no_tokenizer, a.tokenizer_pre)
-    bar = _bar(a.quiet)
+    bar = make_progress_bar(0, 0, a.quiet, desc="export")  # its total comes with the plan
 
     def progress(sent: int, total: int) -> None:
         if bar is not None:
