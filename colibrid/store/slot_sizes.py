@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -46,11 +47,11 @@ class SlotSizes:
         row = self.kept.get(key[0])
         return self.unit if row is None else row[key[1]]
 
-    @property
+    @cached_property  # asked on every slot take: computed once (the sizes never change)
     def smallest(self) -> int:
         return min((k for row in self.kept.values() for k in row), default=self.unit)
 
-    @property
+    @cached_property
     def mixed(self) -> bool:
         """Some expert keeps less than a whole slot."""
         return self.smallest < self.unit
