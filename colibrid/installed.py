@@ -84,7 +84,8 @@ def describe(name: str, entry: Path) -> Installed | None:
     except ConfigError:  # an unreadable remote.json: listed, so that it can be removed
         return Installed(name, folder, entry.is_symlink(), "remote", 0, "unreadable remote.json")
     if spec is not None:
-        return Installed(name, folder, entry.is_symlink(), "remote", 0, f"at {spec.url}", spec)
+        # the server's own weights: colibri cannot say how they are stored
+        return Installed(name, folder, entry.is_symlink(), "remote", 0, "", spec)
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):

@@ -124,6 +124,7 @@ def test_pull_installs_the_endpoint_and_list_shows_it_remote(front: Home, upstre
     rows = [json.loads(line) for line in front.colibri("list", "--json").stdout.splitlines()]
     team = next(r for r in rows if r["name"] == "team")
     assert team["arch"] == "remote"
+    assert team["quantisation"] == ""  # the server's own: unknown here, not a URL
     assert team["remote"] == {"url": upstream.url, "model": "demo"}  # type: ignore[attr-defined]
     models = [m.id for m in front_openai(front).models.list()]
     assert "team" in models and "demo" in models
