@@ -188,6 +188,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "colibrid.logfile": frozenset(),
     "colibrid.panic_report": frozenset(),
     "colibrid.pipes": frozenset(),  # how both entry points end when their reader leaves
+    "colibrid.file_hash": frozenset(),  # a file's SHA-256 (downloads, requant's inputs)
     "colibri_protocol": frozenset(),  # the wire format, shared by daemon and client
     "colibrid": frozenset(),
     "colibrid.paths": frozenset({"colibrid.errors", "colibri_protocol"}),
@@ -235,6 +236,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             # `requant --max-kl` scores its candidates with `colibri eval`
             "colibrid.quality",
             "colibrid.remote",  # `colibri pull URL` registers a remote model
+            "colibrid.file_hash",  # the demo's wheel checked, requant's inputs named
         }
     ),
     # quality measured: `colibri eval` runs two models teacher-forced (engine), reads expert
@@ -341,6 +343,7 @@ ALLOWED: dict[str, frozenset[str]] = {
             "colibrid.convert",
             "colibrid.bench",
             "colibrid.remote",  # a remote model is refused by name (its remote.json)
+            "colibrid.file_hash",  # llama.cpp's sdist checked against its pin
         }
     ),
     # the light client: the protocol, and the daemon side only lazily, for the commands
