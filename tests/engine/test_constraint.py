@@ -192,14 +192,15 @@ def test_grammar_requests_beside_free_ones_answer_as_alone(demo) -> None:
 
 
 class Replay:
-    """A drafter proposing a known answer, wrong at every third place (a prompt lookup
+    """A drafter proposing a known answer, wrong at its first place every other draft and
+    at every third place otherwise (a prompt lookup
     stand-in that drafts often: kept drafts, refused drafts, drafts the grammar refuses)."""
 
     name = "ngram"
     free = True
 
     def __init__(self, prompt_len: int, answer: list[int]) -> None:
-        self.prompt_len, self.answer, self.seen = prompt_len, answer, 0
+        self.prompt_len, self.answer, self.seen, self.calls = prompt_len, answer, 0, 0
 
     def feed(self, tokens) -> None:  # noqa: ANN001
         self.seen += len(tokens)
@@ -211,9 +212,13 @@ class Replay:
         pass
 
     def propose(self, limit: int) -> list[int]:
+        # every other draft is wrong at once and the rest at every third token, so drafts
+        # are rejected whatever depth the measured pass times choose (1 included)
         at = self.seen - self.prompt_len
         out = self.answer[at : at + limit]
-        return [t + 1 if k % 3 == 2 else t for k, t in enumerate(out)]
+        self.calls += 1
+        wrong = 0 if self.calls % 2 == 0 else 2
+        return [t + 1 if k % 3 == wrong else t for k, t in enumerate(out)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
