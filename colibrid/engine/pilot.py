@@ -17,7 +17,7 @@ from colibrid.store.protocol import ExpertStore
 # Runners-up hinted after the top-k, as a share of k (measured with `colibri bench stream`
 # on a GLM-5-shaped model: recall 74% -> 90%, 0.5 GB/token fewer demand misses; the
 # extra guesses queue behind the sure ones and are withdrawn unread when wrong). Checked
-# again with two background reads in flight (io_pool.IOPool.max_background), which read
+# again with two experts' bytes of background reads in flight (io_pool.IOPool), which read
 # more of them: on the synthetic GLM-5 at 3x the budget, five runs each in ABBA order,
 # 0.5 vs none gave 1.600 vs 1.592 tok/s for 0.989 vs 0.981 GB read a token, a tie; on the
 # demo at `--cache 2` they keep the hit rate at 88-90% instead of 75-78%.

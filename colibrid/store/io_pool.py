@@ -128,6 +128,10 @@ class ReadFiles:
         self.fds = []
 
 
+def _bytes(reads: Sequence[Read]) -> int:
+    return sum(r.length for r in reads)
+
+
 DEMAND_READ = 0  # a layer is waiting for this read
 BACKGROUND = 1  # PILOT prefetch or REPIN promotion: only when no demand read waits
 
@@ -153,6 +157,13 @@ class IOPool:
     `--cache 2` 5-17% faster. Three were slower than two on GLM-5 in both pairs tried.
     Each tag has at most one read in the pool at a time.
 
+    Given ``unit_bytes`` (the largest read: a whole expert), the limit counts bytes, not
+    reads: background reads start while those running hold less than ``max_background``
+    units, so a mixed-precision container's small cold experts keep as many bytes in
+    flight as two whole experts do (three 2-bit experts where two 4-bit ones would run),
+    and the gap each read's end leaves costs the same share of the drive's time whatever
+    the reads' sizes. A uniform container's reads are all one unit: the same two.
+
     With ``threads == 0`` the read runs inline in ``submit`` and its result is queued
     the same way, so callers have one code path and the output cannot depend on it.
 
@@ -161,11 +172,16 @@ class IOPool:
     does, and a failed check reports the read as failed: its slot is never used.
     """
 
-    def __init__(self, files: ReadFiles, threads: int, max_background: int = 2) -> None:
+    def __init__(
+        self, files: ReadFiles, threads: int, max_background: int = 2, unit_bytes: int = 0
+    ) -> None:
         self.files = files
         self.threads = max(0, int(threads))
         self.max_background = max(1, int(max_background))
+        # bytes background reads may hold in flight (0: count reads, max_background of them)
+        self.background_bytes = self.max_background * max(0, int(unit_bytes))
         self._background_running = 0
+        self._background_in_flight = 0  # their bytes
         self._running = 0  # reads a worker is doing now
         self._busy_since = 0.0
         self._busy_s = 0.0  # wall time with at least one read running
@@ -203,14 +219,16 @@ class IOPool:
                     if job is None or job[1] != seq:  # cancelled or re-queued: drop it
                         heapq.heappop(self._heap)
                         continue
+                    size = _bytes(job[2])
                     if prio == BACKGROUND and (
-                        self._background_running >= self.max_background
-                        or self._running > self._background_running
+                        self._background_full(size) or self._running > self._background_running
                     ):
                         break  # only background work left: it waits for an idle drive
                     heapq.heappop(self._heap)
                     del self._queued[tag]
-                    self._background_running += prio == BACKGROUND
+                    if prio == BACKGROUND:
+                        self._background_running += 1
+                        self._background_in_flight += size
                     if self._running == 0:
                         self._busy_since = time.perf_counter()
                     self._running += 1
@@ -218,6 +236,16 @@ class IOPool:
                 if self._closing:
                     return None
                 self._cv.wait()
+
+    def _background_full(self, size: int) -> bool:
+        """Whether a background read of ``size`` bytes must wait for one running to end
+        (one always may run: a read larger than the limit is not starved)."""
+        if not self.background_bytes:
+            return self._background_running >= self.max_background
+        return (
+            self._background_running > 0
+            and self._background_in_flight + size > self.background_bytes
+        )
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
@@ -229,6 +257,7 @@ class IOPool:
                     self._busy_s += time.perf_counter() - self._busy_since
                 if prio == BACKGROUND:
                     self._background_running -= 1
+                    self._background_in_flight -= _bytes(reads)
                 if self._running == self._background_running:
                     self._cv.notify_all()  # background work may start on an idle drive
 

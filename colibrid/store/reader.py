@@ -52,7 +52,7 @@ class ExpertReader:
             max(ALIGN, PAGE),
         )
         self.files = ReadFiles(planner.files, direct=direct)
-        self.pool = IOPool(self.files, io_threads)
+        self.pool = IOPool(self.files, io_threads, unit_bytes=self.slot_bytes)
         self.stats = stats
         # each expert's first read is checked against the manifest's digests (see there)
         self.checks = (

@@ -93,3 +93,48 @@ def test_background_waits_for_an_idle_drive(tmp_path) -> None:
         release.set()
         pool.close()
         pool.files.close()
+
+
+def _started_at_once(tmp_path, unit_bytes: int) -> int:
+    """How many of four one-ALIGN background reads run at once on four reader threads."""
+    import threading
+
+    tmp_path.mkdir()
+    path = tmp_path / "blob.bin"
+    path.write_bytes(_data().tobytes())
+    files = ReadFiles([path], direct=True)
+    arena = SlabArena(ALIGN, 8)
+    pool = IOPool(files, 4, unit_bytes=unit_bytes)
+    release = threading.Event()
+    started: list[int] = []
+    real = files.read_into
+
+    def held(batch, target):  # noqa: ANN001, ANN202
+        started.append(batch[0].offset)
+        assert release.wait(timeout=10)
+        return real(batch, target)
+
+    files.read_into = held
+    try:
+        for k in range(4):
+            read = Read(file=0, offset=k * ALIGN, length=ALIGN, slab_offset=0)
+            pool.submit(k, [read], arena.memview(k), BACKGROUND)
+        assert not release.wait(timeout=0.3)  # time for every read allowed to start
+        running = len(started)
+        release.set()
+        assert sorted(_drain(pool, 4)) == [0, 1, 2, 3]  # the held-back ones run after
+        return running
+    finally:
+        release.set()
+        pool.close()
+        files.close()
+
+
+def test_background_depth_counts_bytes_when_given_a_unit(tmp_path) -> None:
+    """Without a unit, two background reads at once whatever their size; with one (the
+    largest read), as many as fit in two units' bytes, so small cold experts keep the
+    same bytes in flight; and one always runs, even when larger than the limit."""
+    assert _started_at_once(tmp_path / "a", 0) == 2
+    assert _started_at_once(tmp_path / "b", 3 * ALIGN // 2) == 3  # 2 units = 3 reads
+    assert _started_at_once(tmp_path / "c", 4 * ALIGN) == 4  # all fit, threads bound
+    assert _started_at_once(tmp_path / "d", ALIGN // 4) == 1  # over the limit: one at a time
