@@ -169,7 +169,10 @@ class IOPool:
 
     A read may carry a ``check`` the reader thread runs on the bytes it read before it
     reports the completion, so hashing them overlaps the engine's compute like the read
-    does, and a failed check reports the read as failed: its slot is never used.
+    does, and a failed check reports the read as failed: its slot is never used. The
+    drive is free once the bytes are in: the read stops counting as running (for the
+    background rule and the busy time) before its check starts, so the next read, a
+    guess included, starts while this one is hashed.
     """
 
     def __init__(
@@ -198,17 +201,22 @@ class IOPool:
         for t in self._workers:
             t.start()
 
-    def _run(
-        self, tag: int, reads: Sequence[Read], target: memoryview, check: Check | None
-    ) -> None:
+    def _read(self, reads: Sequence[Read], target: memoryview) -> tuple[int, BaseException | None]:
         try:
-            n = self.files.read_into(reads, target)
-            if check is not None:
-                check(target)
+            return self.files.read_into(reads, target), None
         except BaseException as exc:  # reported to the waiter, never lost in a thread
-            self.done.put((tag, 0, exc))
-        else:
-            self.done.put((tag, n, None))
+            return 0, exc
+
+    def _report(
+        self, tag: int, n: int, err: BaseException | None, target: memoryview, check: Check | None
+    ) -> None:
+        """Check what was read (when it was read whole) and queue the completion."""
+        if err is None and check is not None:
+            try:
+                check(target)
+            except BaseException as exc:
+                n, err = 0, exc
+        self.done.put((tag, n, err))
 
     def _next(self) -> tuple[int, Sequence[Read], memoryview, Check | None, int] | None:
         with self._cv:
@@ -250,7 +258,7 @@ class IOPool:
     def _work(self) -> None:
         while (job := self._next()) is not None:
             tag, reads, target, check, prio = job
-            self._run(tag, reads, target, check)
+            n, err = self._read(reads, target)
             with self._cv:
                 self._running -= 1
                 if self._running == 0:
@@ -260,6 +268,7 @@ class IOPool:
                     self._background_in_flight -= _bytes(reads)
                 if self._running == self._background_running:
                     self._cv.notify_all()  # background work may start on an idle drive
+            self._report(tag, n, err, target, check)
 
     def submit(
         self,
@@ -271,8 +280,9 @@ class IOPool:
     ) -> None:
         if not self.threads:
             t0 = time.perf_counter()
-            self._run(tag, reads, target, check)
+            n, err = self._read(reads, target)
             self._busy_s += time.perf_counter() - t0
+            self._report(tag, n, err, target, check)
             return
         with self._cv:
             self._enqueue(tag, priority, reads, target, check)

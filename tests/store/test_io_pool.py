@@ -138,3 +138,32 @@ def test_background_depth_counts_bytes_when_given_a_unit(tmp_path) -> None:
     assert _started_at_once(tmp_path / "b", 3 * ALIGN // 2) == 3  # 2 units = 3 reads
     assert _started_at_once(tmp_path / "c", 4 * ALIGN) == 4  # all fit, threads bound
     assert _started_at_once(tmp_path / "d", ALIGN // 4) == 1  # over the limit: one at a time
+
+
+def test_a_read_being_checked_leaves_the_drive_to_the_next(tmp_path) -> None:
+    """Once a demand read's bytes are in, its digest check no longer holds the drive: a
+    guess queued behind it is read while the check runs, and the checked read is still
+    reported only after its check passed."""
+    import threading
+
+    pool, arena, reads = _pool(tmp_path, threads=2)
+    release = threading.Event()
+    checking = threading.Event()
+
+    def slow_check(view: memoryview) -> None:
+        checking.set()
+        assert release.wait(timeout=10)
+
+    try:
+        pool.submit(0, [reads[0]], arena.memview(0), DEMAND_READ, check=slow_check)
+        assert checking.wait(timeout=10)
+        pool.submit(1, [reads[1]], arena.memview(1), BACKGROUND)
+        tag, nbytes, err = pool.done.get(timeout=10)  # the guess, during the check
+        assert (tag, nbytes, err) == (1, ALIGN, None)
+        assert pool.done.empty()  # the checked read waits for its check
+        release.set()
+        assert _drain(pool, 1) == [0]
+    finally:
+        release.set()
+        pool.close()
+        pool.files.close()
