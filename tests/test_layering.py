@@ -188,7 +188,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "colibrid.logfile": frozenset(),
     "colibrid.panic_report": frozenset(),
     "colibrid.pipes": frozenset(),  # how both entry points end when their reader leaves
-    "colibrid.file_hash": frozenset(),  # a file's SHA-256 (downloads, requant's inputs)
+    "colibrid.file_hash": frozenset(),  # a file's SHA-256 and CRC-32 (downloads, inputs)
     "colibri_protocol": frozenset(),  # the wire format, shared by daemon and client
     "colibrid": frozenset(),
     "colibrid.paths": frozenset({"colibrid.errors", "colibri_protocol"}),

@@ -128,10 +128,6 @@ class ReadFiles:
         self.fds = []
 
 
-def _bytes(reads: Sequence[Read]) -> int:
-    return sum(r.length for r in reads)
-
-
 DEMAND_READ = 0  # a layer is waiting for this read
 BACKGROUND = 1  # PILOT prefetch or REPIN promotion: only when no demand read waits
 
@@ -181,10 +177,11 @@ class IOPool:
         self.files = files
         self.threads = max(0, int(threads))
         self.max_background = max(1, int(max_background))
-        # bytes background reads may hold in flight (0: count reads, max_background of them)
-        self.background_bytes = self.max_background * max(0, int(unit_bytes))
+        # what a read costs against the background limit: its bytes given a unit, else 1
+        self._unit_bytes = max(0, int(unit_bytes))
+        self._background_limit = self.max_background * (self._unit_bytes or 1)
         self._background_running = 0
-        self._background_in_flight = 0  # their bytes
+        self._background_in_flight = 0  # their costs
         self._running = 0  # reads a worker is doing now
         self._busy_since = 0.0
         self._busy_s = 0.0  # wall time with at least one read running
@@ -218,7 +215,9 @@ class IOPool:
                 n, err = 0, exc
         self.done.put((tag, n, err))
 
-    def _next(self) -> tuple[int, Sequence[Read], memoryview, Check | None, int] | None:
+    def _next(self) -> tuple[int, Sequence[Read], memoryview, Check | None, int | None] | None:
+        """The next read a worker may start: (tag, reads, target, check, its background
+        cost or None for a demand read); None once the pool closes."""
         with self._cv:
             while True:
                 while self._heap:
@@ -227,45 +226,46 @@ class IOPool:
                     if job is None or job[1] != seq:  # cancelled or re-queued: drop it
                         heapq.heappop(self._heap)
                         continue
-                    size = _bytes(job[2])
-                    if prio == BACKGROUND and (
-                        self._background_full(size) or self._running > self._background_running
+                    cost = self._cost(job[2]) if prio == BACKGROUND else None
+                    if cost is not None and (
+                        self._background_full(cost) or self._running > self._background_running
                     ):
                         break  # only background work left: it waits for an idle drive
                     heapq.heappop(self._heap)
                     del self._queued[tag]
-                    if prio == BACKGROUND:
+                    if cost is not None:
                         self._background_running += 1
-                        self._background_in_flight += size
+                        self._background_in_flight += cost
                     if self._running == 0:
                         self._busy_since = time.perf_counter()
                     self._running += 1
-                    return tag, job[2], job[3], job[4], prio
+                    return tag, job[2], job[3], job[4], cost
                 if self._closing:
                     return None
                 self._cv.wait()
 
-    def _background_full(self, size: int) -> bool:
-        """Whether a background read of ``size`` bytes must wait for one running to end
-        (one always may run: a read larger than the limit is not starved)."""
-        if not self.background_bytes:
-            return self._background_running >= self.max_background
+    def _cost(self, reads: Sequence[Read]) -> int:
+        return sum(r.length for r in reads) if self._unit_bytes else 1
+
+    def _background_full(self, cost: int) -> bool:
+        """Whether a background read of ``cost`` must wait for one running to end (one
+        always may run: a read larger than the limit is not starved)."""
         return (
             self._background_running > 0
-            and self._background_in_flight + size > self.background_bytes
+            and self._background_in_flight + cost > self._background_limit
         )
 
     def _work(self) -> None:
         while (job := self._next()) is not None:
-            tag, reads, target, check, prio = job
+            tag, reads, target, check, cost = job
             n, err = self._read(reads, target)
             with self._cv:
                 self._running -= 1
                 if self._running == 0:
                     self._busy_s += time.perf_counter() - self._busy_since
-                if prio == BACKGROUND:
+                if cost is not None:
                     self._background_running -= 1
-                    self._background_in_flight -= _bytes(reads)
+                    self._background_in_flight -= cost
                 if self._running == self._background_running:
                     self._cv.notify_all()  # background work may start on an idle drive
             self._report(tag, n, err, target, check)

@@ -193,8 +193,8 @@ def test_grammar_requests_beside_free_ones_answer_as_alone(demo) -> None:
 
 class Replay:
     """A drafter proposing a known answer, wrong at its first place every other draft and
-    at every third place otherwise (a prompt lookup
-    stand-in that drafts often: kept drafts, refused drafts, drafts the grammar refuses)."""
+    at every third place otherwise (a prompt lookup stand-in that drafts often: kept
+    drafts, refused drafts, drafts the grammar refuses)."""
 
     name = "ngram"
     free = True

@@ -15,13 +15,13 @@ def _data() -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, 4 * ALIGN, dtype=np.uint8)
 
 
-def _pool(tmp_path, threads: int) -> tuple[IOPool, SlabArena, list[Read]]:
+def _pool(tmp_path, threads: int, unit_bytes: int = 0) -> tuple[IOPool, SlabArena, list[Read]]:
     path = tmp_path / "blob.bin"
     path.write_bytes(_data().tobytes())
     files = ReadFiles([path], direct=True)
     arena = SlabArena(ALIGN, 8)
     reads = [Read(file=0, offset=k * ALIGN, length=ALIGN, slab_offset=0) for k in range(4)]
-    return IOPool(files, threads), arena, reads
+    return IOPool(files, threads, unit_bytes=unit_bytes), arena, reads
 
 
 def _drain(pool: IOPool, n: int) -> list[int]:
@@ -100,11 +100,8 @@ def _started_at_once(tmp_path, unit_bytes: int) -> int:
     import threading
 
     tmp_path.mkdir()
-    path = tmp_path / "blob.bin"
-    path.write_bytes(_data().tobytes())
-    files = ReadFiles([path], direct=True)
-    arena = SlabArena(ALIGN, 8)
-    pool = IOPool(files, 4, unit_bytes=unit_bytes)
+    pool, arena, reads = _pool(tmp_path, threads=4, unit_bytes=unit_bytes)
+    files = pool.files
     release = threading.Event()
     started: list[int] = []
     real = files.read_into
@@ -116,8 +113,7 @@ def _started_at_once(tmp_path, unit_bytes: int) -> int:
 
     files.read_into = held
     try:
-        for k in range(4):
-            read = Read(file=0, offset=k * ALIGN, length=ALIGN, slab_offset=0)
+        for k, read in enumerate(reads):
             pool.submit(k, [read], arena.memview(k), BACKGROUND)
         assert not release.wait(timeout=0.3)  # time for every read allowed to start
         running = len(started)
