@@ -4,6 +4,13 @@ choose, withdrawn unread when the router disagrees, and the recall score.
 Why it never blocks or evicts: a guess may only use slots beyond the work slots (the
 plan's PILOT share), and is admitted to a cache only after its layer has used it, so a
 wrong guess costs disk time at background priority and nothing else.
+
+Why a guess waits for the next lookup: layer L+1 is guessed before layer L is looked up,
+while L's own guesses still hold PILOT's slots; the ones L did not choose are withdrawn
+or placed by that lookup. Without a second try, every other layer got only the slots
+its predecessor's guesses left (and missed more often than the layers around it:
+docs/performance.md), so the experts that found no room are started once more right
+after the lookup, before the layer computes.
 """
 
 from __future__ import annotations
@@ -24,24 +31,41 @@ class Prefetcher:
         self.stats = stats
         self.inflight: dict[Key, int] = {}  # key -> slot of a background read
         self._predictions: dict[int, set[int]] = {}  # guess per layer, for recall
+        self._unstarted: tuple[int, list[int]] | None = None  # the last guess's rest
 
     def hint(self, layer: int, experts: Sequence[int], room: int) -> int:
         """Start at most ``room`` background reads of ``experts`` of ``layer`` (surest
-        first); returns the number of reads issued."""
-        pl = self.placement
+        first); returns the number of reads issued. What found no room is kept for
+        :meth:`retry` (the last guess's only)."""
         order = list(dict.fromkeys(int(e) for e in experts))
         self._predictions[layer] = set(order)
+        self.stats.pilot_predicted += len(order)
+        return self._start_guesses(layer, order, room)
+
+    def retry(self, room: int) -> int:
+        """A lookup has freed slots: start what the last guess could not, within
+        ``room``; returns the reads issued. Tried once."""
+        if self._unstarted is None:
+            return 0
+        layer, rest = self._unstarted
+        return self._start_guesses(layer, rest, room)
+
+    def _start_guesses(self, layer: int, experts: list[int], room: int) -> int:
+        pl = self.placement
+        self._unstarted = None
         issued = 0
-        for e in order:
+        for i, e in enumerate(experts):
             key = (layer, e)
             if key in pl.pinned or e in pl.cache[layer] or key in self.inflight:
                 continue
-            if issued >= room or pl.spare() <= 0 or pl.cache_per_layer == 0:
+            if pl.cache_per_layer == 0:
+                break
+            if issued >= room or pl.spare() <= 0:
+                self._unstarted = (layer, experts[i:])
                 break
             self.start(key)
             issued += 1
         self.stats.pilot_loads += issued
-        self.stats.pilot_predicted += len(order)
         return issued
 
     def start(self, key: Key) -> int:
@@ -67,6 +91,8 @@ class Prefetcher:
         keep = self.placement.pin_on_land
         for key in [k for k in self.inflight if k[0] == layer and k not in keep]:
             self.withdraw(key)
+        if self._unstarted is not None and self._unstarted[0] == layer:
+            self._unstarted = None
 
     def claim(self, key: Key) -> int | None:
         """The layer needs ``key`` and a background read of it is in flight: the layer
@@ -91,3 +117,4 @@ class Prefetcher:
 
     def end_pass(self) -> None:
         self._predictions.clear()
+        self._unstarted = None

@@ -143,11 +143,16 @@ class SlabArena:
         thread.start()
         return thread
 
+    def wait_background(self) -> None:
+        """Wait for a background fault-in to finish (callers that measure what is
+        faulted, such as MEMWATCH's tests, must not race it)."""
+        if self._prefault is not None:
+            self._prefault.join()
+
     def stop_background(self) -> None:
         """Stop a background fault-in (between two slots) and wait for it."""
         self._closing.set()
-        if self._prefault is not None:
-            self._prefault.join()
+        self.wait_background()
 
     def fault_in_many(self, slots: Sequence[int], threads: int | None = None) -> None:
         """Fault many slots in on several threads (numpy drops the GIL while it writes).

@@ -286,7 +286,9 @@ class TieredStore:
         the caller can compute something else (the shared expert) while the drive works.
         A list is valid until the consumer asks for the next one.
         """
-        return self.server.serve(layer, [int(e) for e in experts], streaming=True)
+        groups = self.server.serve(layer, [int(e) for e in experts], streaming=True)
+        self._tiers().prefetcher.retry(self._guess_room())  # the lookup freed PILOT slots
+        return groups
 
     def iter_ready(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, ExpertWeights]]:
         """`iter_groups` one pair at a time; a pair is valid until the next is asked for."""
@@ -300,12 +302,16 @@ class TieredStore:
         tiers = self.tiers
         if tiers is None or layer not in self.extents:
             return 0
-        pilot = tiers.prefetcher
-        room = 0  # off: the guess is still scored, so the recall stays measured
-        if self.pilot_on:
-            landed = len(tiers.completions.landed)
-            room = tiers.placement.pilot_room - len(pilot.inflight) - landed
-        return pilot.hint(layer, experts, room)
+        return tiers.prefetcher.hint(layer, experts, self._guess_room())
+
+    def _guess_room(self) -> int:
+        """Reads PILOT may start now: its slots less the guesses in flight or landed and
+        not placed yet; 0 when off (a guess is still scored: the recall stays measured)."""
+        tiers = self._tiers()
+        if not self.pilot_on:
+            return 0
+        landed = len(tiers.completions.landed)
+        return tiers.placement.pilot_room - len(tiers.prefetcher.inflight) - landed
 
     def set_pilot(self, on: bool) -> None:
         """PILOT on (its slots read guesses) or off (its slots lent to the caches, one

@@ -133,6 +133,7 @@ def test_a_slot_that_lost_its_pages_shrinks_the_plan_and_tokens_stay(oracle_chec
     try:
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
         store.check_consistency()
+        store.reader.arena.wait_background()  # the load pre-faults on a thread
         assert unfilled_planned_bytes(store) == 0  # every planned slot was pre-faulted
         slot_bytes = store.reader.arena.slot_bytes
         store.reader.park(store.placement.free[0])  # the pages go, the plan still has the slot

@@ -394,3 +394,39 @@ def test_a_guess_read_twice_before_its_layer_runs_is_kept_once(oracle_checkpoint
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
         engine.close()
+
+
+def test_a_guess_that_found_no_room_starts_once_the_layer_before_is_looked_up(
+    oracle_checkpoint,
+) -> None:
+    """Layer L+1 is guessed before layer L is looked up, while L's guesses hold PILOT's
+    slots; what found no room starts right after L's lookup placed L's guesses, so L+1
+    finds it read instead of missing (before, every other layer got only the slots its
+    predecessor's guesses left)."""
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=1, io_threads=2, pilot="on")
+    try:
+        store = engine.experts
+        first, second = store.layers[:2]
+        room = store.placement.pilot_room
+        n_experts = store.layout.n_experts
+        assert 2 <= room <= n_experts
+        assert store.hint(first, list(range(room))) == room  # every PILOT slot taken
+        assert store.hint(second, [0, 1]) == 0  # nothing left for the next layer
+        deadline = time.monotonic() + 10
+        while store.prefetcher.inflight and time.monotonic() < deadline:
+            store.completions.poll()
+        loads = store.stats.pilot_loads
+        assert [e for e, _ in store.iter_ready(first, [0])] == [0]  # the lookup frees them
+        assert store.stats.pilot_loads == loads + 2  # the second layer's guess started
+        deadline = time.monotonic() + 10
+        while store.prefetcher.inflight and time.monotonic() < deadline:
+            store.completions.poll()
+        before = store.stats.copy()
+        assert [e for e, _ in store.iter_ready(second, [0, 1])] == [0, 1]
+        st = store.statistics(since=before)
+        assert st.hits_prefetched == 2 and st.misses == 0 and st.bytes_read == 0
+        store.check_consistency()
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        engine.close()
