@@ -40,20 +40,25 @@ class Prefetcher:
         order = list(dict.fromkeys(int(e) for e in experts))
         self._predictions[layer] = set(order)
         self.stats.pilot_predicted += len(order)
-        return self._start_guesses(layer, order, room)
+        issued, rest = self._start_guesses(layer, order, room)
+        self._unstarted = (layer, rest) if rest else None
+        return issued
 
     def retry(self, room: int) -> int:
         """A lookup has freed slots: start what the last guess could not, within
-        ``room``; returns the reads issued. Tried once."""
+        ``room``; returns the reads issued. Tried once: what still finds no room is
+        dropped."""
         if self._unstarted is None:
             return 0
         layer, rest = self._unstarted
-        return self._start_guesses(layer, rest, room)
-
-    def _start_guesses(self, layer: int, experts: list[int], room: int) -> int:
-        pl = self.placement
         self._unstarted = None
-        issued = 0
+        return self._start_guesses(layer, rest, room)[0]
+
+    def _start_guesses(self, layer: int, experts: list[int], room: int) -> tuple[int, list[int]]:
+        """Start reads of ``experts`` not held or in flight, at most ``room``; returns
+        (reads issued, the experts left when room or free slots ran out)."""
+        pl = self.placement
+        issued, rest = 0, []
         for i, e in enumerate(experts):
             key = (layer, e)
             if key in pl.pinned or e in pl.cache[layer] or key in self.inflight:
@@ -61,12 +66,12 @@ class Prefetcher:
             if pl.cache_per_layer == 0:
                 break
             if issued >= room or pl.spare() <= 0:
-                self._unstarted = (layer, experts[i:])
+                rest = experts[i:]
                 break
             self.start(key)
             issued += 1
         self.stats.pilot_loads += issued
-        return issued
+        return issued, rest
 
     def start(self, key: Key) -> int:
         """A background read of ``key`` into a free slot (PILOT's guess or a REPIN)."""
