@@ -35,14 +35,15 @@ PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise through ctypes, which drops the GIL for the call (the mmap module's
-    own madvise holds it, so a background populate would stall the engine)."""
+def _libc_call(name: str) -> Callable[[int, int, int], int] | None:
+    """libc's ``name(void *addr, size_t len, int arg)`` (madvise, mprotect) through ctypes,
+    which drops the GIL for the call (the mmap module's own madvise holds it, so a
+    background populate would stall the engine); None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -50,7 +51,9 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
-_MADVISE = _libc_madvise()
+_MADVISE = _libc_call("madvise")
+_MPROTECT = _libc_call("mprotect")
+PROT_NONE = 0
 
 
 class SlabArena:
@@ -65,12 +68,20 @@ class SlabArena:
         self._closing = threading.Event()
         self._prefault: threading.Thread | None = None
         # Private, not the default shared mapping: MADV_DONTNEED frees private pages only.
+        # A guard page (no access) on each side keeps the slots one mapping of their own:
+        # the kernel merges adjacent anonymous mappings of equal flags (another arena,
+        # an allocator's), and MEMWATCH reads residency per mapping from smaps, so a
+        # merged neighbour's pages would count as the slots' (mapping_rss).
+        guard = PAGE if _MPROTECT is not None else 0
+        size = self.slot_bytes * n_slots + 2 * guard
         flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        self._mm = (
-            mmap.mmap(-1, self.slot_bytes * n_slots, flags=flags)
-            if flags
-            else mmap.mmap(-1, self.slot_bytes * n_slots)
-        )
+        self._mm = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
+        self._offset = guard  # slot 0's offset in the mapping
+        if guard:
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+            for at in (base, base + size - guard):
+                if _MPROTECT(at, guard, PROT_NONE) != 0:
+                    raise OSError(ctypes.get_errno(), "mprotect of the slab arena's guard")
         hugepage = getattr(mmap, "MADV_HUGEPAGE", None)
         if hugepage is not None and hasattr(self._mm, "madvise"):
             # Transparent huge pages: one 2 MiB page instead of 512 small ones per read
@@ -79,8 +90,8 @@ class SlabArena:
                 self._mm.madvise(hugepage)
             except OSError:
                 pass  # THP disabled: small pages work the same, only slower
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
-        self._mv = memoryview(self._mm)
+        self.buf = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes, offset=guard)
+        self._mv = memoryview(self._mm)[guard : guard + self.nbytes]
         self._slots = [
             self.buf[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(n_slots)
         ]
@@ -180,11 +191,11 @@ class SlabArena:
         madvise = getattr(self._mm, "madvise", None)
         dontneed = getattr(mmap, "MADV_DONTNEED", None)
         if madvise is not None and dontneed is not None:
-            madvise(dontneed, i * self.slot_bytes + keep, self.slot_bytes - keep)
+            madvise(dontneed, self._offset + i * self.slot_bytes + keep, self.slot_bytes - keep)
 
     def release(self, i: int) -> None:
         """Give slot ``i``'s pages back to the kernel (its contents become zeros)."""
         madvise = getattr(self._mm, "madvise", None)
         dontneed = getattr(mmap, "MADV_DONTNEED", None)
         if madvise is not None and dontneed is not None:
-            madvise(dontneed, i * self.slot_bytes, self.slot_bytes)
+            madvise(dontneed, self._offset + i * self.slot_bytes, self.slot_bytes)

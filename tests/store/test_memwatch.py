@@ -10,6 +10,8 @@ real daemon is tests/reliability/test_memwatch_hog.py.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from colibrid.config import Settings, store_options
@@ -109,6 +111,22 @@ def test_mapping_rss_counts_the_arena_pages_we_hold() -> None:
     assert mapping_rss(start, end) == arena.nbytes
     arena.release(3)
     assert mapping_rss(start, end) == arena.nbytes - arena.slot_bytes
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="smaps and maps are Linux's")
+def test_each_arena_is_a_mapping_of_its_own() -> None:
+    """Arenas made one after another (engines reloaded, tests) lie side by side, and the
+    kernel merges adjacent anonymous mappings of equal flags; smaps reports per mapping,
+    so a merged neighbour's pages were counted as this arena's and the unfilled plan read
+    0 (this once failed the test below when earlier tests' arenas were still mapped)."""
+    arenas = [SlabArena(100 << 10, 8, prefault=i % 2 == 0) for i in range(4)]
+    for i, arena in enumerate(arenas):
+        start, end = arena.buf.ctypes.data, arena.buf.ctypes.data + arena.nbytes
+        with open("/proc/self/maps") as fh:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in fh]
+        overlapping = [(lo, hi) for lo, hi in spans if hi > start and lo < end]
+        assert overlapping and all(start <= lo and hi <= end for lo, hi in overlapping)
+        assert mapping_rss(start, end) == (arena.nbytes if i % 2 == 0 else 0)
 
 
 def tiered(ref, **kw) -> Engine:
