@@ -59,12 +59,12 @@ class Prefetcher:
         (reads issued, the experts left when room or free slots ran out)."""
         pl = self.placement
         issued, rest = 0, []
+        if pl.cache_per_layer == 0:  # nowhere to keep a guess once its layer used it
+            return issued, rest
         for i, e in enumerate(experts):
             key = (layer, e)
             if key in pl.pinned or e in pl.cache[layer] or key in self.inflight:
                 continue
-            if pl.cache_per_layer == 0:
-                break
             if issued >= room or pl.spare() <= 0:
                 rest = experts[i:]
                 break

@@ -186,16 +186,16 @@ class SlabArena:
         expert held in a tier: :mod:`colibrid.store.slot_sizes`); a later read faults
         them in again."""
         keep = align_up(keep, PAGE)
-        if keep >= self.slot_bytes:
-            return
-        madvise = getattr(self._mm, "madvise", None)
-        dontneed = getattr(mmap, "MADV_DONTNEED", None)
-        if madvise is not None and dontneed is not None:
-            madvise(dontneed, self._offset + i * self.slot_bytes + keep, self.slot_bytes - keep)
+        if keep < self.slot_bytes:
+            self._dontneed(i * self.slot_bytes + keep, self.slot_bytes - keep)
 
     def release(self, i: int) -> None:
         """Give slot ``i``'s pages back to the kernel (its contents become zeros)."""
+        self._dontneed(i * self.slot_bytes, self.slot_bytes)
+
+    def _dontneed(self, start: int, length: int) -> None:
+        """MADV_DONTNEED on [start, start + length) of the slots (past the front guard)."""
         madvise = getattr(self._mm, "madvise", None)
         dontneed = getattr(mmap, "MADV_DONTNEED", None)
         if madvise is not None and dontneed is not None:
-            madvise(dontneed, self._offset + i * self.slot_bytes, self.slot_bytes)
+            madvise(dontneed, self._offset + start, length)

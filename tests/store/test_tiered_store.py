@@ -354,6 +354,13 @@ def test_a_dropped_delivery_lands_its_reads_and_frees_their_slots(oracle_checkpo
         engine.close()
 
 
+def land_guesses(store) -> None:
+    """Let every background read in flight land (completions taken, not yet placed)."""
+    deadline = time.monotonic() + 10
+    while store.prefetcher.inflight and time.monotonic() < deadline:
+        store.completions.poll()
+
+
 def test_landed_guesses_are_used_even_when_the_cache_is_smaller(oracle_checkpoint) -> None:
     ref = oracle_checkpoint("glm4_moe")
     engine = tiered(ref, cache=1, io_threads=2, pilot="on")
@@ -361,9 +368,7 @@ def test_landed_guesses_are_used_even_when_the_cache_is_smaller(oracle_checkpoin
         store = engine.experts
         layer = store.layers[0]
         assert store.hint(layer, [2, 0, 1]) == 3
-        deadline = time.monotonic() + 10
-        while store.prefetcher.inflight and time.monotonic() < deadline:
-            store.completions.poll()
+        land_guesses(store)
         before = store.stats.copy()
         assert [e for e, _ in store.iter_ready(layer, [0, 1, 2])] == [0, 1, 2]
         st = store.statistics(since=before)
@@ -385,9 +390,7 @@ def test_a_guess_read_twice_before_its_layer_runs_is_kept_once(oracle_checkpoint
         layer = store.layers[0]
         for _ in range(2):
             assert store.hint(layer, [3]) == 1
-            deadline = time.monotonic() + 10
-            while store.prefetcher.inflight and time.monotonic() < deadline:
-                store.completions.poll()  # lands it without placing it
+            land_guesses(store)  # lands it without placing it
         assert len(store.completions.landed) == 2
         assert [e for e, _ in store.iter_ready(layer, [3])] == [3]
         store.check_consistency()
@@ -413,15 +416,11 @@ def test_a_guess_that_found_no_room_starts_once_the_layer_before_is_looked_up(
         assert 2 <= room <= n_experts
         assert store.hint(first, list(range(room))) == room  # every PILOT slot taken
         assert store.hint(second, [0, 1]) == 0  # nothing left for the next layer
-        deadline = time.monotonic() + 10
-        while store.prefetcher.inflight and time.monotonic() < deadline:
-            store.completions.poll()
+        land_guesses(store)
         loads = store.stats.pilot_loads
         assert [e for e, _ in store.iter_ready(first, [0])] == [0]  # the lookup frees them
         assert store.stats.pilot_loads == loads + 2  # the second layer's guess started
-        deadline = time.monotonic() + 10
-        while store.prefetcher.inflight and time.monotonic() < deadline:
-            store.completions.poll()
+        land_guesses(store)
         before = store.stats.copy()
         assert [e for e, _ in store.iter_ready(second, [0, 1])] == [0, 1]
         st = store.statistics(since=before)
