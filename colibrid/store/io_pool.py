@@ -29,6 +29,21 @@ from colibrid.store.extents import ALIGN, Read
 
 log = logging.getLogger("colibri.store")
 
+STOP_CHUNK = 4 << 20
+"""A background read runs in pieces this large and looks between them whether it was
+asked to stop: small enough that a wrong guess stops within milliseconds of its layer
+choosing other experts, large enough that the pieces' own cost is lost in the drive's."""
+
+
+class ReadStopped(Exception):
+    """A background read was stopped (:meth:`IOPool.stop`): its bytes are not valid.
+    ``unread``: the bytes it was planned to read and did not."""
+
+    def __init__(self, unread: int) -> None:
+        super().__init__(f"read stopped with {unread} bytes unread")
+        self.unread = unread
+
+
 Check = Callable[[memoryview], None]
 """Run by the reader thread on the filled target before the read is reported complete;
 what it raises is the read's error (a digest check: :mod:`colibrid.store.weight_checks`)."""
@@ -98,17 +113,28 @@ class ReadFiles:
     def direct(self) -> bool:
         return self.mode in ("O_DIRECT", "F_NOCACHE")
 
-    def read_into(self, reads: Sequence[Read], target: memoryview) -> int:
+    def read_into(
+        self,
+        reads: Sequence[Read],
+        target: memoryview,
+        stop: Callable[[], bool] | None = None,
+    ) -> int:
         """Run ``reads`` into ``target``; returns bytes read. Short reads are retried;
-        the aligned tail past end-of-file is allowed to come back short."""
+        the aligned tail past end-of-file is allowed to come back short. Given ``stop``,
+        each read runs in STOP_CHUNK pieces and :class:`ReadStopped` is raised between
+        two once ``stop()`` is true."""
         total = 0
+        piece = STOP_CHUNK if stop is not None else None
         for r in reads:
             fd, size = self.fds[r.file], self.sizes[r.file]
             want = min(r.length, size - r.offset)
             done = 0
             while done < want:
+                if stop is not None and stop():
+                    raise ReadStopped(sum(x.length for x in reads) - total - done)
+                end = r.length if piece is None else min(r.length, done + piece)
                 n = os.preadv(
-                    fd, [target[r.slab_offset + done : r.slab_offset + r.length]], r.offset + done
+                    fd, [target[r.slab_offset + done : r.slab_offset + end]], r.offset + done
                 )
                 if n <= 0:
                     raise CheckpointError(
@@ -143,14 +169,18 @@ class IOPool:
     not started yet can be withdrawn (:meth:`cancel`) or promoted (:meth:`promote`) once
     the router has spoken. At most ``max_background`` background reads run at once, so the
     later, less confident guesses stay queued long enough to be withdrawn instead of
-    costing disk time. Two, not one: an expert-sized read keeps the drive's queue deep
-    while it runs, but when it ends its reader thread must get a core to start the next,
-    and during decode the kernels hold the cores. With two in flight the drive stays busy
-    through that gap: on the synthetic GLM-5 at 3x the budget (`colibri bench stream
-    --model synth-glm5-64 --ram-gb 3.5 --pilot on`) the drive read at 96-102% of the
-    O_DIRECT probe instead of 80-94%, and decode was 2-7% faster in each of three
-    interleaved pairs though 5-6% more bytes were read (more guesses); on the demo at
-    `--cache 2` 5-17% faster. Three were slower than two on GLM-5 in both pairs tried.
+    costing disk time; one already running can be stopped (:meth:`stop`): it reads in
+    pieces and gives the drive back at the next one, so a wrong guess costs the demand
+    reads of its layer a few milliseconds, not the rest of an expert.
+
+    Two, not one: an expert-sized read keeps the drive's queue deep while it runs, but when
+    it ends its reader thread must get a core to start the next, and during decode the
+    kernels hold the cores. With two in flight the drive stays busy through that gap: on the
+    synthetic GLM-5 at 3x the budget (`colibri bench stream --model synth-glm5-64 --ram-gb
+    3.5 --pilot on`) the drive read at 96-102% of the O_DIRECT probe instead of 80-94%, and
+    decode was 2-7% faster in each of three interleaved pairs though 5-6% more bytes were
+    read (more guesses); on the demo at `--cache 2` 5-17% faster. Three were slower than two
+    on GLM-5 in both pairs tried.
     Each tag has at most one read in the pool at a time.
 
     Given ``unit_bytes`` (the largest read: a whole expert), the limit counts bytes, not
@@ -181,6 +211,8 @@ class IOPool:
         self._unit_bytes = max(0, int(unit_bytes))
         self._background_limit = self.max_background * (self._unit_bytes or 1)
         self._background_running = 0
+        self._background_tags: set[int] = set()  # background reads a worker is doing now
+        self._stop_asked: set[int] = set()  # those of them asked to stop
         self._background_in_flight = 0  # their costs
         self._running = 0  # reads a worker is doing now
         self._busy_since = 0.0
@@ -198,9 +230,11 @@ class IOPool:
         for t in self._workers:
             t.start()
 
-    def _read(self, reads: Sequence[Read], target: memoryview) -> tuple[int, BaseException | None]:
+    def _read(
+        self, reads: Sequence[Read], target: memoryview, stop: Callable[[], bool] | None = None
+    ) -> tuple[int, BaseException | None]:
         try:
-            return self.files.read_into(reads, target), None
+            return self.files.read_into(reads, target, stop), None
         except BaseException as exc:  # reported to the waiter, never lost in a thread
             return 0, exc
 
@@ -236,6 +270,7 @@ class IOPool:
                     if cost is not None:
                         self._background_running += 1
                         self._background_in_flight += cost
+                        self._background_tags.add(tag)
                     if self._running == 0:
                         self._busy_since = time.perf_counter()
                     self._running += 1
@@ -258,8 +293,15 @@ class IOPool:
     def _work(self) -> None:
         while (job := self._next()) is not None:
             tag, reads, target, check, cost = job
-            n, err = self._read(reads, target)
+            stop = None if cost is None else (lambda tag=tag: tag in self._stop_asked)
+            n, err = self._read(reads, target, stop)
             with self._cv:
+                if cost is not None:
+                    self._background_tags.discard(tag)
+                    if tag in self._stop_asked:  # asked too late to save a byte: still
+                        self._stop_asked.discard(tag)  # reported stopped, as promised
+                        if err is None:
+                            n, err = 0, ReadStopped(0)
                 self._running -= 1
                 if self._running == 0:
                     self._busy_s += time.perf_counter() - self._busy_since
@@ -312,6 +354,15 @@ class IOPool:
         """Withdraw a read no worker has started; True when its completion will never come."""
         with self._cv:
             return self._queued.pop(tag, None) is not None
+
+    def stop(self, tag: int) -> bool:
+        """Ask a background read a worker is doing to stop at its next piece; True when
+        it was running: its completion then always reports :class:`ReadStopped`."""
+        with self._cv:
+            if tag not in self._background_tags:
+                return False
+            self._stop_asked.add(tag)
+            return True
 
     def promote(self, tag: int) -> None:
         """Make a queued background read a demand read (the layer now waits for it);

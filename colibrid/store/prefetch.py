@@ -1,5 +1,6 @@
 """PILOT's side of the store: background reads of the experts a layer is predicted to
-choose, withdrawn unread when the router disagrees, and the recall score.
+choose, withdrawn unread (or stopped part-way) when the router disagrees, and the recall
+score.
 
 Why it never blocks or evicts: a guess may only use slots beyond the work slots (the
 plan's PILOT share), and is admitted to a cache only after its layer has used it, so a
@@ -30,6 +31,7 @@ class Prefetcher:
         self.reader = reader
         self.stats = stats
         self.inflight: dict[Key, int] = {}  # key -> slot of a background read
+        self.stopping: dict[int, Key] = {}  # slot -> key of a wrong guess asked to stop
         self._predictions: dict[int, set[int]] = {}  # guess per layer, for recall
         self._unstarted: tuple[int, list[int]] | None = None  # the last guess's rest
 
@@ -92,12 +94,23 @@ class Prefetcher:
         return True
 
     def withdraw_layer(self, layer: int) -> None:
-        """The layer has chosen: its unstarted guesses (not REPIN's) are not worth reading."""
+        """The layer has chosen: its guesses in flight (not REPIN's) are not worth reading;
+        the unstarted are withdrawn, the running stopped (their slot is freed when the
+        stopped read reports: until then the key is no longer in flight, so the next
+        token may read it again into another slot)."""
         keep = self.placement.pin_on_land
         for key in [k for k in self.inflight if k[0] == layer and k not in keep]:
-            self.withdraw(key)
+            if not self.withdraw(key):
+                self._stop(key)
         if self._unstarted is not None and self._unstarted[0] == layer:
             self._unstarted = None
+
+    def _stop(self, key: Key) -> None:
+        """Stop a running read of ``key`` (no-op once it has finished: it lands)."""
+        slot = self.inflight[key]
+        if self.reader.stop(slot):
+            del self.inflight[key]
+            self.stopping[slot] = key
 
     def claim(self, key: Key) -> int | None:
         """The layer needs ``key`` and a background read of it is in flight: the layer
@@ -109,8 +122,9 @@ class Prefetcher:
 
     def landed(self, slot: int) -> Key | None:
         key = self.placement.slot_key[slot]
-        if key is not None:
-            self.inflight.pop(key, None)
+        self.stopping.pop(slot, None)
+        if key is not None and self.inflight.get(key) == slot:
+            del self.inflight[key]
         return key
 
     def score(self, layer: int, chosen: np.ndarray) -> None:

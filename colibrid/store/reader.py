@@ -13,7 +13,7 @@ from colibrid.store.checkpoint import Checkpoint
 from colibrid.store.experts import ExpertLayout, ExpertWeights
 from colibrid.store.extents import ALIGN, ExpertExtents, ExtentPlanner
 from colibrid.store.integrity import Digests
-from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
+from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles, ReadStopped
 from colibrid.store.slabs import PAGE, SlabArena
 from colibrid.store.slot_sizes import SlotSizes
 from colibrid.store.telemetry import Counters, now
@@ -95,6 +95,11 @@ class ExpertReader:
         self.stats.prefetch_bytes -= nbytes
         return True
 
+    def stop(self, slot: int) -> bool:
+        """Stop a background read a worker is doing (its unread bytes are not counted);
+        True when its completion will report it stopped."""
+        return self.pool.stop(slot)
+
     def promote(self, slot: int) -> None:
         self.pool.promote(slot)
 
@@ -107,6 +112,10 @@ class ExpertReader:
         t0 = now()
         tag, _n, err = self.pool.done.get()
         self.stats.io_wait_s += now() - t0
+        if isinstance(err, ReadStopped):
+            self.stats.bytes_read -= err.unread
+            self.stats.prefetch_bytes -= err.unread
+            self.stats.pilot_stopped += 1
         return tag, err
 
     def view(self, slot: int, key: Key) -> ExpertWeights:

@@ -32,6 +32,7 @@ class Counters:
     pilot_chosen: int = 0  # keys chosen in layers that had a prediction
     pilot_loads: int = 0  # prefetch reads issued
     pilot_cancelled: int = 0  # prefetch reads withdrawn before they started (wrong guesses)
+    pilot_stopped: int = 0  # prefetch reads stopped part-way (wrong guesses already running)
     checked: int = 0  # expert reads held to their digests (reader threads, under a lock)
     check_s: float = 0.0  # reader-thread time those checks took
 
@@ -82,6 +83,7 @@ class StoreStats:
     checked: int = 0  # expert reads checked against their digests
     check_s: float = 0.0
     needed_bytes: int = 0  # read bytes of the chosen experts that were not resident
+    pilot_stopped: int = 0  # prefetch reads stopped part-way (their layer chose others)
 
     @property
     def hit_rate(self) -> float:
@@ -107,7 +109,8 @@ class StoreStats:
             f"s, attention {self.attention_s:.3f} s, other (shared experts, dense MLPs, "
             f"routing) {self.other_s:.3f} s over {self.tokens} forward passes",
             f"{title}: PILOT {self.pilot_note}; recall {recall}, {self.pilot_loads} prefetch "
-            f"loads ({self.pilot_cancelled} withdrawn unread); cache "
+            f"loads ({self.pilot_cancelled} withdrawn unread, {self.pilot_stopped} stopped "
+            f"part-way); cache "
             f"{self.cache_per_layer} experts/layer ({self.cache_bytes / 2**30:.2f} GiB, "
             f"{self.policy}), {self.pinned} pinned; memwatch: {self.memwatch}",
         ]
@@ -150,6 +153,7 @@ def snapshot(
         checked=c.checked,
         check_s=c.check_s,
         needed_bytes=c.needed_bytes,
+        pilot_stopped=c.pilot_stopped,
     )
 
 

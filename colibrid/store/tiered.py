@@ -305,13 +305,15 @@ class TieredStore:
         return tiers.prefetcher.hint(layer, experts, self._guess_room())
 
     def _guess_room(self) -> int:
-        """Reads PILOT may start now: its slots less the guesses in flight or landed and
-        not placed yet; 0 when off (a guess is still scored: the recall stays measured)."""
+        """Reads PILOT may start now: its slots less the guesses in flight (stopping ones
+        too) or landed and not placed yet; 0 when off (a guess is still scored: the recall
+        stays measured)."""
         tiers = self._tiers()
         if not self.pilot_on:
             return 0
-        landed = len(tiers.completions.landed)
-        return tiers.placement.pilot_room - len(tiers.prefetcher.inflight) - landed
+        pilot = tiers.prefetcher
+        held = len(pilot.inflight) + len(pilot.stopping) + len(tiers.completions.landed)
+        return tiers.placement.pilot_room - held
 
     def set_pilot(self, on: bool) -> None:
         """PILOT on (its slots read guesses) or off (its slots lent to the caches, one
@@ -323,7 +325,7 @@ class TieredStore:
             repin = pl.pin_on_land
             for key in [k for k in pilot.inflight if k not in repin]:
                 pilot.withdraw(key)
-            while any(k not in repin for k in pilot.inflight):
+            while pilot.stopping or any(k not in repin for k in pilot.inflight):
                 completions.pump_quiet()
             completions.drain()
         lend = min(

@@ -1,13 +1,21 @@
 """The reader pool's ordering contract: demand reads overtake background reads, a
-background read nobody has started can be withdrawn or promoted, and every submitted
-read that is not withdrawn completes exactly once."""
+background read nobody has started can be withdrawn or promoted, one running can be
+stopped, and every submitted read that is not withdrawn completes exactly once."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from colibrid.store.extents import ALIGN, Read
-from colibrid.store.io_pool import BACKGROUND, DEMAND_READ, IOPool, ReadFiles
+from colibrid.store.io_pool import (
+    BACKGROUND,
+    DEMAND_READ,
+    STOP_CHUNK,
+    IOPool,
+    ReadFiles,
+    ReadStopped,
+)
 from colibrid.store.slabs import SlabArena
 
 
@@ -75,11 +83,11 @@ def test_background_waits_for_an_idle_drive(tmp_path) -> None:
     started: list[int] = []
     real = pool.files.read_into
 
-    def slow_demand(batch, target):  # noqa: ANN001, ANN202
+    def slow_demand(batch, target, stop=None):  # noqa: ANN001, ANN202
         started.append(batch[0].offset // ALIGN)
         if batch[0].offset == 0:  # the demand read: the drive stays busy until released
             assert release.wait(timeout=10)
-        return real(batch, target)
+        return real(batch, target, stop)
 
     pool.files.read_into = slow_demand
     try:
@@ -106,10 +114,10 @@ def _started_at_once(tmp_path, unit_bytes: int) -> int:
     started: list[int] = []
     real = files.read_into
 
-    def held(batch, target):  # noqa: ANN001, ANN202
+    def held(batch, target, stop=None):  # noqa: ANN001, ANN202
         started.append(batch[0].offset)
         assert release.wait(timeout=10)
-        return real(batch, target)
+        return real(batch, target, stop)
 
     files.read_into = held
     try:
@@ -159,6 +167,64 @@ def test_a_read_being_checked_leaves_the_drive_to_the_next(tmp_path) -> None:
         assert pool.done.empty()  # the checked read waits for its check
         release.set()
         assert _drain(pool, 1) == [0]
+    finally:
+        release.set()
+        pool.close()
+        pool.files.close()
+
+
+def test_a_read_asked_to_stop_stops_between_pieces(tmp_path) -> None:
+    """Given ``stop``, a read runs in STOP_CHUNK pieces and gives up at the first piece
+    boundary after ``stop()`` turns true, saying how much it left unread."""
+    size = 2 * STOP_CHUNK + ALIGN
+    data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data.tobytes())
+    files = ReadFiles([path], direct=True)
+    arena = SlabArena(size, 1)
+    asked = iter([False, True])
+    try:
+        read = Read(file=0, offset=0, length=size, slab_offset=0)
+        with pytest.raises(ReadStopped) as stopped:
+            files.read_into([read], arena.memview(0), stop=lambda: next(asked))
+        assert stopped.value.unread == size - STOP_CHUNK
+        assert np.array_equal(arena.slot(0)[:STOP_CHUNK], data[:STOP_CHUNK])
+        assert files.read_into([read], arena.memview(0), stop=lambda: False) == size
+        assert np.array_equal(arena.slot(0), data)
+    finally:
+        files.close()
+
+
+def test_a_running_background_read_asked_to_stop_reports_stopped(tmp_path) -> None:
+    """Only a background read a worker is doing can be stopped; once stopped it always
+    reports ReadStopped (never bytes the caller would trust), and the ask does not
+    outlive it: the next read with the same tag runs whole."""
+    import threading
+
+    pool, arena, reads = _pool(tmp_path, threads=1)
+    release, running = threading.Event(), threading.Event()
+    real = pool.files.read_into
+
+    def held(batch, target, stop=None):  # noqa: ANN001, ANN202
+        running.set()
+        assert release.wait(timeout=10)
+        return real(batch, target, stop)
+
+    pool.files.read_into = held
+    try:
+        assert not pool.stop(0)  # nothing with that tag
+        pool.submit(0, [reads[0]], arena.memview(0), BACKGROUND)
+        assert running.wait(timeout=10)
+        assert pool.stop(0) and not pool.cancel(0)
+        release.set()
+        tag, nbytes, err = pool.done.get(timeout=10)
+        assert tag == 0 and nbytes == 0 and isinstance(err, ReadStopped)
+        pool.submit(0, [reads[1]], arena.memview(0), BACKGROUND)
+        assert _drain(pool, 1) == [0]
+        assert np.array_equal(arena.slot(0), _data()[ALIGN : 2 * ALIGN])
+        pool.submit(1, [reads[2]], arena.memview(1), DEMAND_READ)
+        assert _drain(pool, 1) == [1]
+        assert not pool.stop(1)  # a demand read is never stopped (and this one is done)
     finally:
         release.set()
         pool.close()

@@ -357,7 +357,8 @@ def test_a_dropped_delivery_lands_its_reads_and_frees_their_slots(oracle_checkpo
 def land_guesses(store) -> None:
     """Let every background read in flight land (completions taken, not yet placed)."""
     deadline = time.monotonic() + 10
-    while store.prefetcher.inflight and time.monotonic() < deadline:
+    pilot = store.prefetcher
+    while (pilot.inflight or pilot.stopping) and time.monotonic() < deadline:
         store.completions.poll()
 
 
@@ -428,4 +429,48 @@ def test_a_guess_that_found_no_room_starts_once_the_layer_before_is_looked_up(
         store.check_consistency()
         assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
     finally:
+        engine.close()
+
+
+def test_a_wrong_guess_already_running_is_stopped_when_its_layer_chooses_others(
+    oracle_checkpoint,
+) -> None:
+    """A guess a reader thread has started cannot be withdrawn; when its layer chooses
+    other experts it is stopped instead: its slot comes back free, its unread bytes are
+    not counted, it never reaches a cache, and the tokens stay the oracle's."""
+    import threading
+
+    ref = oracle_checkpoint("glm4_moe")
+    engine = tiered(ref, cache=1, io_threads=2, pilot="on")
+    try:
+        store = engine.experts
+        layer = store.layers[0]
+        files = store.pool.files
+        real, running, release = files.read_into, threading.Event(), threading.Event()
+
+        def held(batch, target, stop=None):  # noqa: ANN001, ANN202
+            if stop is not None:  # the guess: running until the layer has chosen
+                running.set()
+                assert release.wait(timeout=10)
+            return real(batch, target, stop)
+
+        files.read_into = held
+        free0 = len(store.placement.free)
+        before = store.stats.copy()
+        assert store.hint(layer, [3]) == 1
+        assert running.wait(timeout=10)
+        assert [e for e, _ in store.iter_ready(layer, [0])] == [0]  # the layer chose 0
+        assert (layer, 3) not in store.prefetcher.inflight and store.prefetcher.stopping
+        release.set()
+        land_guesses(store)
+        st = store.statistics(since=before)
+        assert st.pilot_stopped == 1 and st.pilot_cancelled == 0
+        assert st.bytes_read == store.extents[layer][0].read_bytes  # the demand read only
+        assert 3 not in store.placement.cache[layer]
+        assert len(store.placement.free) == free0 - 1  # only expert 0, now cached
+        store.check_consistency()
+        files.read_into = real
+        assert greedy(engine, ref.prompt_ids) == ref.greedy_ids
+    finally:
+        release.set()
         engine.close()
