@@ -18,6 +18,7 @@ import numpy as np
 
 from colibrid.backends.base import KernelFamily, require_family
 from colibrid.engine import batch
+from colibrid.engine.blas_threads import BLAS
 from colibrid.engine.kv import KVCache, bytes_per_position
 from colibrid.engine.layout import expert_layout, mtp_prefix
 from colibrid.engine.mtp_draft import MTPState
@@ -190,6 +191,7 @@ class Engine:
             Segment(s.cache, Step(s.cache.length, self.family, hook, clock), rows)
             for s, rows in parts
         ]
+        BLAS.before_pass(len(tokens))  # decode: numpy's BLAS threads off the kernels' cores
         t0 = time.perf_counter()
         try:  # a failed pass leaves every length unchanged, so rows it wrote are never read
             return self.model.hidden_states(tokens, segments)
