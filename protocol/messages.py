@@ -187,6 +187,12 @@ def seconds(value: str) -> float:
     return result
 
 
+def stop_word(text: str) -> str:
+    """A stop string as one ``stop=`` word: percent-encoded UTF-8, as SUBMIT's option and
+    DONE's extra carry it (no whitespace, ``%`` as ``%25``)."""
+    return quote(text, safe="")
+
+
 def _stop_string(value: str, rid: str) -> str:
     """A `stop=` value: percent-decoded strictly (every `%` starts a `%XX` escape, the bytes
     are UTF-8) and non-empty, since an empty stop string would end every answer at once."""
@@ -351,7 +357,7 @@ def encode_submit(req: Submit) -> bytes:
         )
         if (v := getattr(req, k)) != getattr(defaults, k)
     ]
-    opts += [f"stop={quote(s, safe='')}" for s in req.stop]
+    opts += [f"stop={stop_word(s)}" for s in req.stop]
     opts += [
         f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
         for k in ("conv", "profile", "model", "speculate", "draft_max", "keep_alive")
@@ -443,6 +449,12 @@ class Done:
     @property
     def finish(self) -> str:
         return self.extras.get("finish", "length" if self.length_limited else "stop")
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the answer (the ``stop=`` extra), or None."""
+        word = self.extras.get("stop")
+        return None if word is None else unquote(word, errors="replace")
 
 
 @dataclass(frozen=True)

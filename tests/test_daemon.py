@@ -428,3 +428,25 @@ def test_concurrent_auto_starts_converge_on_one_daemon(chat_model: Path, tmp_pat
         assert starting.returncode == 0 and home.pid() not in (None, pid)
     finally:
         home.close()
+
+
+def test_done_names_the_stop_string_that_ended_the_answer(home: Home) -> None:
+    """DONE carries the stop string that matched (percent-encoded as SUBMIT's option), so
+    a SERVE client knows which of its stop strings ended the answer; none when none did."""
+    with Client.connect(home.socket, timeout_s=60) as client:
+        plain = list(client.generate(Submit("s0", prompt="Paris is", max_tokens=12, temperature=0)))
+        text = "".join(e.text for e in plain if isinstance(e, Data))
+        assert isinstance(plain[-1], Done) and plain[-1].stop_string is None
+        assert "stop" not in plain[-1].extras
+        assert len(text) >= 6
+        cut = len(text) // 3
+        stop = text[cut : cut + 3]  # text the answer will reach (it may hold a space)
+        stopped = list(
+            client.generate(
+                Submit("s1", prompt="Paris is", max_tokens=12, temperature=0, stop=("%zz 9", stop))
+            )
+        )
+    done = stopped[-1]
+    assert isinstance(done, Done) and done.finish == "stop"
+    assert done.stop_string == stop
+    assert "".join(e.text for e in stopped if isinstance(e, Data)) == text[: text.index(stop)]

@@ -45,6 +45,7 @@ from colibri_protocol.messages import (
     encode_progress,
     encode_reply,
     parse_request,
+    stop_word,
 )
 
 from colibrid.errors import ColibriError, contain_panics
@@ -311,6 +312,7 @@ def _encode(rid: str, event: events.Event, state: DaemonState) -> bytes:
             **(event.speculation or {}),
             **(event.constraint or {}),
             **({} if event.plan is None else {"plan": event.plan}),
+            **({} if event.stop_string is None else {"stop": stop_word(event.stop_string)}),
             **as_extras(event.roofline),
         },
     )
