@@ -7,8 +7,9 @@ decodes with the given budget. Printed: decode tok/s, expert GB/s achieved while
 (and its ratio to the probe), the roofline tok/s = probe GB/s / (expert GB read per
 token) and tok/s as a fraction of it, the strict roofline (only the bytes of the experts
 the router chose that were not resident: with a precision plan, mostly the small cold
-ones), and beside the bytes read the fewest any cache of the same size could have read for
-the routing of the run (Belady: the policy's limit).
+ones), beside the bytes read the fewest any cache of the same size could have read for
+the routing of the run (Belady: the policy's limit), and the demand misses a token of each
+MoE layer (one layer missing more than its neighbours is where a token waits).
 Works on any model directory.
 """
 
@@ -194,6 +195,24 @@ def measure_apart(model: Path, args: argparse.Namespace) -> StreamRun | None:
         return pool.submit(measure, model, child).result()
 
 
+def layer_misses_line(per_token: dict[int, float], listed: int = 8) -> str:
+    """Demand misses a token per MoE layer: every layer when there are few, else the
+    median, and the layers that miss most (where a token waits)."""
+    head = "stream: demand misses a token by MoE layer:"
+    if not per_token:
+        return f"{head} none served"
+    if len(per_token) <= listed:
+        return f"{head} " + ", ".join(f"{la}: {m:.2f}" for la, m in sorted(per_token.items()))
+    ranked = sorted(per_token.items(), key=lambda lm: (-lm[1], lm[0]))
+    values = sorted(per_token.values())
+    median = values[len(values) // 2]
+    most = ", ".join(f"{la}: {m:.2f}" for la, m in ranked[:3])
+    return (
+        f"{head} median {median:.2f} over {len(values)} layers (fewest {values[0]:.2f}); "
+        f"most: {most}"
+    )
+
+
 def measure(model: Path, args: argparse.Namespace) -> StreamRun | None:
     """Load ``model`` at the budget, probe the drive, decode, print the figures."""
     from colibrid.engine.engine import Engine
@@ -225,6 +244,7 @@ def measure(model: Path, args: argparse.Namespace) -> StreamRun | None:
     for _ in range(args.warmup):
         logits = session.decode(next_token(logits))
     base = store.stats.copy()
+    misses_base = dict(store.server.misses_by_layer)
     tier_base = engine.ops.device_tier()
     store.take_usage()  # starts the feed: each measured token's routing (the cache bound)
     trace: list = []
@@ -285,6 +305,9 @@ def measure(model: Path, args: argparse.Namespace) -> StreamRun | None:
     )
     for line in st.lines("stream"):
         print(line)
+    misses = store.server.misses_by_layer
+    per_token = {la: (n - misses_base.get(la, 0)) / args.tokens for la, n in misses.items()}
+    print(layer_misses_line(per_token))
     tier = engine.ops.device_tier()
     if tier is not None and tier_base is not None:
         print(tier_line(tier, tier_base, args.tokens))

@@ -37,6 +37,9 @@ class LayerServer:
         self.n_experts = n_experts
         self._delivery = None  # (generator, waiting reads, owned slots) of the layer served
         self._held: list[tuple[int, int, int]] = []  # (layer, expert, slot) of get_many
+        # demand misses per layer since the store opened (`bench stream`'s per-layer line:
+        # one layer missing more than its neighbours points at PILOT or the cache)
+        self.misses_by_layer: dict[int, int] = dict.fromkeys(extents, 0)
 
     def serve(self, layer: int, keys: list[int], streaming: bool):
         """Look the layer up and dispatch its misses now; deliver through a generator."""
@@ -84,6 +87,7 @@ class LayerServer:
                 waiting[slot] = e
             else:
                 st.misses += 1
+                self.misses_by_layer[layer] += 1
                 st.needed_bytes += row[e].read_bytes
                 policy.seen(e)
                 misses.append(e)

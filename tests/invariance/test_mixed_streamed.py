@@ -90,6 +90,14 @@ def test_bench_stream_strict_roofline_counts_the_missed_experts_bytes(mixed) -> 
     needed = re.search(r"needed experts only\): [0-9.]+ tok/s \(([0-9.e+-]+) GB", out.stdout)
     assert read and needed, out.stdout
     assert float(needed.group(1)) == float(read.group(1)) > 0, out.stdout
+    # the per-layer line adds up to the run's demand misses (6 tokens)
+    stats = re.search(r"stream: hit [0-9.]+% of (\d+) lookups .* miss ([0-9.]+)%\)", out.stdout)
+    layers = re.search(r"demand misses a token by MoE layer: (.*)", out.stdout)
+    assert stats and layers, out.stdout
+    per_layer = [float(x.split(": ")[1]) for x in layers.group(1).split(", ")]
+    lookups, miss_pct = int(stats.group(1)), float(stats.group(2))
+    misses = 6 * sum(per_layer)
+    assert misses > 0 and abs(misses - lookups * miss_pct / 100) <= 0.0005 * lookups + 0.2
 
 
 def test_bench_stream_against_the_uniform_container_pairs_the_runs(mixed, streamed_model) -> None:
