@@ -124,7 +124,6 @@ class ReadFiles:
         each read runs in STOP_CHUNK pieces and :class:`ReadStopped` is raised between
         two once ``stop()`` is true."""
         total = 0
-        piece = STOP_CHUNK if stop is not None else None
         for r in reads:
             fd, size = self.fds[r.file], self.sizes[r.file]
             want = min(r.length, size - r.offset)
@@ -132,7 +131,7 @@ class ReadFiles:
             while done < want:
                 if stop is not None and stop():
                     raise ReadStopped(sum(x.length for x in reads) - total - done)
-                end = r.length if piece is None else min(r.length, done + piece)
+                end = r.length if stop is None else min(r.length, done + STOP_CHUNK)
                 n = os.preadv(
                     fd, [target[r.slab_offset + done : r.slab_offset + end]], r.offset + done
                 )
@@ -210,7 +209,6 @@ class IOPool:
         # what a read costs against the background limit: its bytes given a unit, else 1
         self._unit_bytes = max(0, int(unit_bytes))
         self._background_limit = self.max_background * (self._unit_bytes or 1)
-        self._background_running = 0
         self._background_tags: set[int] = set()  # background reads a worker is doing now
         self._stop_asked: set[int] = set()  # those of them asked to stop
         self._background_in_flight = 0  # their costs
@@ -262,13 +260,12 @@ class IOPool:
                         continue
                     cost = self._cost(job[2]) if prio == BACKGROUND else None
                     if cost is not None and (
-                        self._background_full(cost) or self._running > self._background_running
+                        self._background_full(cost) or self._running > len(self._background_tags)
                     ):
                         break  # only background work left: it waits for an idle drive
                     heapq.heappop(self._heap)
                     del self._queued[tag]
                     if cost is not None:
-                        self._background_running += 1
                         self._background_in_flight += cost
                         self._background_tags.add(tag)
                     if self._running == 0:
@@ -286,7 +283,7 @@ class IOPool:
         """Whether a background read of ``cost`` must wait for one running to end (one
         always may run: a read larger than the limit is not starved)."""
         return (
-            self._background_running > 0
+            bool(self._background_tags)
             and self._background_in_flight + cost > self._background_limit
         )
 
@@ -298,6 +295,7 @@ class IOPool:
             with self._cv:
                 if cost is not None:
                     self._background_tags.discard(tag)
+                    self._background_in_flight -= cost
                     if tag in self._stop_asked:  # asked too late to save a byte: still
                         self._stop_asked.discard(tag)  # reported stopped, as promised
                         if err is None:
@@ -305,10 +303,7 @@ class IOPool:
                 self._running -= 1
                 if self._running == 0:
                     self._busy_s += time.perf_counter() - self._busy_since
-                if cost is not None:
-                    self._background_running -= 1
-                    self._background_in_flight -= cost
-                if self._running == self._background_running:
+                if self._running == len(self._background_tags):
                     self._cv.notify_all()  # background work may start on an idle drive
             self._report(tag, n, err, target, check)
 

@@ -31,7 +31,7 @@ class Prefetcher:
         self.reader = reader
         self.stats = stats
         self.inflight: dict[Key, int] = {}  # key -> slot of a background read
-        self.stopping: dict[int, Key] = {}  # slot -> key of a wrong guess asked to stop
+        self.stopping: set[int] = set()  # slots of wrong guesses asked to stop
         self._predictions: dict[int, set[int]] = {}  # guess per layer, for recall
         self._unstarted: tuple[int, list[int]] | None = None  # the last guess's rest
 
@@ -110,7 +110,7 @@ class Prefetcher:
         slot = self.inflight[key]
         if self.reader.stop(slot):
             del self.inflight[key]
-            self.stopping[slot] = key
+            self.stopping.add(slot)
 
     def claim(self, key: Key) -> int | None:
         """The layer needs ``key`` and a background read of it is in flight: the layer
@@ -122,7 +122,7 @@ class Prefetcher:
 
     def landed(self, slot: int) -> Key | None:
         key = self.placement.slot_key[slot]
-        self.stopping.pop(slot, None)
+        self.stopping.discard(slot)
         if key is not None and self.inflight.get(key) == slot:
             del self.inflight[key]
         return key
